@@ -1,0 +1,19 @@
+"""autopar: a compiler-style auto-parallelizer for PyTorch.
+
+Trace a single-device model into its joint forward+backward graph, choose how every tensor is
+split across a device mesh by solving an ILP over per-op costs, and run the result on
+torch.distributed.
+"""
+
+from autopar.api import parallelize
+from autopar.devices import PROFILES, DeviceProfile, get_profile
+from autopar.errors import AutoparError, CaptureError, MeshError, PlanError
+from autopar.mesh import Mesh
+from autopar.placements import Partial, R, Replicate, S, Shard
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "Mesh", "MeshError",
+    "Partial", "PlanError", "R", "Replicate", "S", "Shard", "get_profile", "parallelize",
+]

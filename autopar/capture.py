@@ -1,0 +1,258 @@
+"""Capture: the joint forward+backward ATen graph of one training step, on fake tensors.
+
+``capture(model, example_inputs)`` traces ``loss = model(*inputs); grads = autograd.grad(loss,
+params)`` with ``make_fx`` under a ``FakeTensorMode``: parameters built on the meta device (or
+real ones) become fake tensors, so a 70B model is traced without allocating its weights.
+
+Repeated blocks (the children of an ``nn.ModuleList`` that share a type) are tagged with
+their index, forward and backward alike, by module hooks that annotate the nodes being traced.
+The solver uses those tags to give every layer one shared set of variables.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten
+
+from autopar import _torch_compat as compat
+from autopar.errors import CaptureError
+from autopar.graph import NodeFacts, PlanGraph, TensorMeta
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any] = (),
+    example_kwargs: dict[str, Any] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+) -> PlanGraph:
+    """Trace one training step of ``model`` into a :class:`PlanGraph`.
+
+    The model's output must be a scalar loss, an object with a ``.loss`` field (Hugging Face
+    style) or a dict with ``"loss"``. With ``loss_fn``, the last positional input is the target:
+    the model gets the others and the loss is ``loss_fn(output, target)``.
+    """
+    example_kwargs = dict(example_kwargs or {})
+    example_inputs = tuple(example_inputs)
+    if loss_fn is not None and not example_inputs:
+        raise CaptureError(
+            "loss_fn was given but there are no example inputs: pass example_inputs=(inputs..., "
+            "target); the last one is handed to loss_fn(output, target)"
+        )
+    named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    named_buffers = list(model.named_buffers()) + frozen
+    if not named_params:
+        raise CaptureError("the model has no trainable parameters: there is nothing to plan")
+
+    fake_mode = compat.new_fake_mode()
+    t0 = time.perf_counter()
+    params = {n: _fake(p, fake_mode, requires_grad=True) for n, p in named_params}
+    buffers = {n: _fake(b, fake_mode) for n, b in named_buffers}
+    args = tuple(_fake_tree(a, fake_mode) for a in example_inputs)
+    kwargs = {k: _fake_tree(v, fake_mode) for k, v in example_kwargs.items()}
+
+    param_list = list(params.values())
+
+    def step(params_in, buffers_in, args_in, kwargs_in):
+        state = {**params_in, **buffers_in}
+        with compat.annotate({"autopar_phase": "fwd"}):
+            if loss_fn is None:
+                out = torch.func.functional_call(model, state, args_in, kwargs_in, strict=False)
+                loss = _extract_loss(out)
+            else:
+                out = torch.func.functional_call(
+                    model, state, args_in[:-1], kwargs_in, strict=False
+                )
+                loss = loss_fn(out, args_in[-1])
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise CaptureError("loss_fn must return a scalar tensor")
+        with compat.annotate({"autopar_phase": "bwd"}):
+            grads = torch.autograd.grad(loss, list(params_in.values()), allow_unused=True)
+        return loss, grads
+
+    hooks = _tag_repeated_blocks(model)
+    try:
+        with fake_mode, compat.preserve_node_meta(), warnings.catch_warnings():
+            # the layer-tagging backward hooks fire on blocks whose input needs no gradient
+            # (an MLP's first layer); torch warns about it, harmlessly
+            warnings.filterwarnings("ignore", message=".*Full backward hook.*")
+            gm = make_fx(step, tracing_mode="real")(params, buffers, args, kwargs)
+    except CaptureError:
+        raise
+    except Exception as e:  # the user's model failed under tracing: say where, keep the cause
+        raise CaptureError(
+            f"tracing the training step failed with {type(e).__name__}: {e}. autopar traces on "
+            "fake tensors: data-dependent shapes (nonzero, boolean masks) and .item() calls "
+            "cannot be traced; make the shapes static or pass them in as inputs"
+        ) from e
+    finally:
+        for h in hooks:
+            h.remove()
+    trace_s = time.perf_counter() - t0
+
+    input_names = [f"arg{i}" for i in range(len(args))] + [f"kw:{k}" for k in kwargs]
+    pg = _annotate_graph(
+        gm,
+        list(params),
+        list(buffers),
+        input_names,
+        [_tree_leaf_count(a) for a in args] + [_tree_leaf_count(v) for v in kwargs.values()],
+        param_list,
+    )
+    pg.trace_s = trace_s
+    return pg
+
+
+def _fake(t: torch.Tensor, mode, requires_grad: bool = False) -> torch.Tensor:
+    """A fake copy of ``t`` (a meta tensor becomes a fake CPU tensor: nothing is allocated)."""
+    with torch.no_grad():
+        if t.device.type == "meta":
+            with mode:
+                out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        else:
+            out = mode.from_tensor(t.detach())
+    return out.requires_grad_(requires_grad) if requires_grad or out.requires_grad else out
+
+
+def _fake_tree(x: Any, mode) -> Any:
+    if isinstance(x, torch.Tensor):
+        return _fake(x, mode)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_fake_tree(v, mode) for v in x)
+    if isinstance(x, dict):
+        return {k: _fake_tree(v, mode) for k, v in x.items()}
+    return x
+
+
+def _tree_leaf_count(x: Any) -> int:
+    return sum(isinstance(v, torch.Tensor) for v in tree_flatten(x)[0])
+
+
+def _extract_loss(out: Any) -> torch.Tensor:
+    loss = out
+    if not isinstance(out, torch.Tensor):
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise CaptureError(
+            "the model must return a scalar loss (or an output with a .loss field); it returned "
+            f"{type(out).__name__}{_shape_of(out)}. Pass the targets so it computes the loss, "
+            "or give loss_fn=(output, target) -> loss"
+        )
+    return loss
+
+
+def _shape_of(x: Any) -> str:
+    return f" of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else ""
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of ``nn.ModuleList``s whose members share one type (the model's layers)."""
+    blocks: list[nn.Module] = []
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
+            kinds = {type(c) for c in mod}
+            if len(kinds) == 1 and any(True for _ in next(iter(mod)).parameters()):
+                blocks.extend(mod)
+    return blocks
+
+
+def _tag_repeated_blocks(model: nn.Module) -> list[Any]:
+    handles, stack = [], []
+
+    def enter(i: int) -> None:
+        cm = compat.annotate({"autopar_layer": i})
+        cm.__enter__()
+        stack.append(cm)
+
+    def leave() -> None:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    for i, block in enumerate(repeated_blocks(model)):
+        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
+        handles.append(block.register_forward_hook(lambda m, a, o: leave()))
+        handles.append(block.register_full_backward_pre_hook(lambda m, g, i=i: enter(i)))
+        handles.append(block.register_full_backward_hook(lambda m, gi, go: leave()))
+    return handles
+
+
+def _metas(val: Any) -> tuple[TensorMeta | None, ...]:
+    if isinstance(val, torch.Tensor):
+        return (TensorMeta(tuple(int(s) for s in val.shape), val.dtype),)
+    if isinstance(val, (list, tuple)):
+        return tuple(
+            TensorMeta(tuple(int(s) for s in v.shape), v.dtype) if isinstance(v, torch.Tensor)
+            else None
+            for v in val
+        )
+    return (None,)
+
+
+def _annotate_graph(
+    gm: fx.GraphModule,
+    param_names: list[str],
+    buffer_names: list[str],
+    input_names: list[str],
+    input_leaves: list[int],
+    param_list: list[torch.Tensor],
+) -> PlanGraph:
+    from autopar.flops import node_flops
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    owners: list[tuple[str, str | None, int | None]] = []
+    owners += [("param", p, None) for p in param_names]
+    owners += [("buffer", None, None) for _ in buffer_names]
+    for idx, count in enumerate(input_leaves):
+        owners += [("input", None, idx)] * count
+    if len(owners) != len(placeholders):
+        raise CaptureError(
+            f"internal: {len(placeholders)} graph inputs for {len(owners)} tensors; "
+            "non-tensor inputs inside containers are not supported yet"
+        )
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat_out = tree_flatten(out_node.args[0])[0]  # (loss, *grads); None where a grad is unused
+    loss_arg, grad_args = flat_out[0], flat_out[1:]
+    grad_of: dict[str, str] = {}
+    for pname, g in zip(param_names, grad_args):
+        if isinstance(g, fx.Node):
+            grad_of[g.name] = pname
+
+    layers: set[int] = set()
+    for n in gm.graph.nodes:
+        custom = n.meta.get("custom") or {}
+        layer = custom.get("autopar_layer")
+        if layer is not None:
+            layers.add(layer)
+        if n.op == "placeholder":
+            role, pname, idx = owners[placeholders.index(n)]
+            facts = NodeFacts(n.name, "placeholder", _metas(n.meta.get("val")), role,
+                              param_name=pname, input_index=idx)
+        elif n.op == "output":
+            facts = NodeFacts(n.name, "output", (), "output")
+        else:
+            phase = custom.get("autopar_phase", "bwd")
+            role = "activation"
+            if n is loss_arg:
+                role = "loss"
+            elif n.name in grad_of:
+                role = "grad"
+            facts = NodeFacts(n.name, _op_name(n.target), _metas(n.meta.get("val")), role,
+                              phase=phase, layer=layer, param_name=grad_of.get(n.name))
+            facts.flops = node_flops(n)
+        n.meta["autopar"] = facts
+    return PlanGraph(gm, param_names, buffer_names, input_names, grad_of, loss_arg.name,
+                     num_layers=len(layers))
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))

@@ -1,0 +1,159 @@
+"""The ``autopar`` command line: ``plan``, ``solve`` and ``train``.
+
+Every error a user can cause ends with one line on stderr naming the cause, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.mesh import Mesh
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
+          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
+          "tib": 2**40}
+
+DATA_PARALLEL_AXES = ("dp", "data", "fsdp", "ddp", "batch")
+
+
+class UsageError(AutoparError):
+    pass
+
+
+def parse_bytes(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise UsageError(f"cannot read memory size {text!r}: write e.g. 80GiB, 40GB or 1.5e10")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def load_model(spec: str, batch: int, seq: int) -> tuple[nn.Module, tuple, str, str]:
+    """(model on meta, example inputs, display name, family) from a preset or module:factory."""
+    from autopar.models import PRESETS, get_preset
+
+    if ":" not in spec:
+        preset = get_preset(spec)
+        cfg = preset.config
+        for fld in ("n_positions", "max_seq_len"):
+            if hasattr(cfg, fld) and seq > getattr(cfg, fld):
+                preset = preset.replace(**{fld: seq})
+        return preset.build("meta"), preset.example_inputs(batch, seq, "meta"), spec, preset.family
+    mod_name, _, fn_name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(
+            f"cannot load model factory {spec!r} ({e}); give a preset ({', '.join(PRESETS)}) "
+            "or package.module:function"
+        ) from e
+    params = inspect.signature(factory).parameters
+    kwargs = {k: v for k, v in (("batch", batch), ("seq", seq)) if k in params}
+    with torch.device("meta"):
+        made = factory(**kwargs)
+    model, inputs = made if isinstance(made, tuple) else (made, None)
+    if inputs is None:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is None:
+            raise UsageError(
+                f"{spec} returned a model without example inputs: return (model, example_inputs)"
+            )
+        tok = torch.randint(0, vocab, (batch, seq), device="meta")
+        inputs = (tok, tok)
+    return model, tuple(inputs), spec, "custom"
+
+
+def check_batch(mesh: Mesh, batch: int) -> None:
+    dp = 1
+    names = []
+    for a, n in zip(mesh.axes, mesh.shape):
+        if a.lower() in DATA_PARALLEL_AXES:
+            dp *= n
+            names.append(f"{a}={n}")
+    if dp > 1 and batch % dp:
+        raise UsageError(
+            f"batch {batch} cannot be split over the data-parallel axes {'x'.join(names)} "
+            f"({dp} ways): use a batch that is a multiple of {dp}, or a smaller dp axis"
+        )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autopar.models.reference_plans import REFERENCE_PLANS
+    from autopar.planner import make_plan
+
+    mesh = Mesh.parse(args.mesh, args.device)
+    check_batch(mesh, args.batch)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    model, inputs, name, family = load_model(args.model, args.batch, args.seq)
+    refs = {}
+    if args.compare:
+        for rname, fn in REFERENCE_PLANS.items():
+            try:
+                ref = fn(model, mesh.shape, mesh.axes, family, batch_size=args.batch)
+            except (ValueError, TypeError):
+                ref = None
+            if ref is not None:
+                refs[rname] = ref
+    planned = make_plan(model, mesh, inputs, memory_budget=budget, time_limit_s=args.time_limit,
+                        references=refs, model_name=name)
+    print(planned.plan.table())
+    for node in args.explain or []:
+        print()
+        print(planned.explain(node))
+    if args.json:
+        planned.plan.save(args.json)
+        print(f"\nplan written to {args.json}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    pl = sub.add_parser("plan", help="print the sharding plan autopar picks for a model and mesh")
+    pl.add_argument("model", help="a preset (e.g. llama3-8b, gpt2-small) or package.module:factory")
+    pl.add_argument("--mesh", default="dp=8", help="axis=size pairs, e.g. dp=8,tp=8 (default dp=8)")
+    pl.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    pl.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
+    pl.add_argument("--device", default="h100", help="device profile: h100, h200, a100, cpu")
+    pl.add_argument("--memory-budget", help="per-device memory limit, e.g. 80GiB")
+    pl.add_argument("--compare", action="store_true", help="score the reference plans beside it")
+    pl.add_argument("--json", help="also write the plan as JSON to this path")
+    pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit, seconds")
+    pl.add_argument("--explain", action="append", metavar="NODE",
+                    help="explain the choice for a graph node or parameter name (repeatable)")
+    pl.set_defaults(func=cmd_plan)
+    from autopar.solver import command as solve_command
+
+    solve_command.register(sub)
+    try:
+        from autopar.runtime import train_command
+    except ImportError:  # the runtime is optional for planning-only installs
+        train_command = None
+    if train_command is not None:
+        train_command.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (AutoparError, FileNotFoundError) as e:
+        if os.environ.get("AUTOPAR_DEBUG"):
+            raise
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Device profiles: what the cost model needs to know about one accelerator.
+
+Figures are the vendors' dense (no sparsity) peaks; the roofline uses them scaled by an
+achievable fraction, because no real kernel reaches the datasheet number and the fraction
+differs between matmuls and memory-bound ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.errors import MeshError
+
+GiB = 1024**3
+TFLOPS = 1e12
+GBps = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceProfile:
+    name: str
+    peak_flops: dict[str, float]  # per dtype name ("float32", "bfloat16", ...), FLOP/s
+    mem_bandwidth: float  # bytes/s of device memory
+    mem_capacity: float  # bytes
+    intra_node_bandwidth: float  # bytes/s per device across the node's fabric (NVLink)
+    inter_node_bandwidth: float  # bytes/s per device across nodes (InfiniBand / Ethernet)
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 10e-6
+    devices_per_node: int = 8
+    matmul_efficiency: float = 0.7
+    memory_efficiency: float = 0.8
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Achievable FLOP/s for ``dtype`` (falls back to float32's peak for unknown dtypes)."""
+        peak = self.peak_flops.get(dtype) or self.peak_flops["float32"]
+        return peak * self.matmul_efficiency
+
+    def bytes_per_s(self) -> float:
+        return self.mem_bandwidth * self.memory_efficiency
+
+
+def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib) -> DeviceProfile:
+    flops = {"float32": tf32, "float32_strict": fp32, "bfloat16": bf16, "float16": bf16}
+    if fp8:
+        flops["float8_e4m3fn"] = fp8
+        flops["float8_e5m2"] = fp8
+    return DeviceProfile(name, flops, bw, cap, nvlink, ib)
+
+
+# float32 matmuls are planned at TF32 rate, which is what torch uses with
+# ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``.
+PROFILES: dict[str, DeviceProfile] = {
+    "h100": _gpu("h100", 67 * TFLOPS, 495 * TFLOPS, 989 * TFLOPS, 1979 * TFLOPS,
+                 3350 * GBps, 80 * GiB, 450 * GBps, 50 * GBps),
+    "h200": _gpu("h200", 67 * TFLOPS, 495 * TFLOPS, 989 * TFLOPS, 1979 * TFLOPS,
+                 4800 * GBps, 141 * GiB, 450 * GBps, 50 * GBps),
+    "a100": _gpu("a100", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,
+                 2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps),
+    # A CPU process talking gloo over loopback: what `autopar train` runs on.
+    "cpu": DeviceProfile(
+        "cpu",
+        {"float32": 100e9, "bfloat16": 50e9, "float16": 25e9},
+        mem_bandwidth=20 * GBps,
+        mem_capacity=16 * GiB,
+        intra_node_bandwidth=2 * GBps,
+        inter_node_bandwidth=1 * GBps,
+        intra_node_latency=50e-6,
+        inter_node_latency=100e-6,
+        devices_per_node=64,
+        matmul_efficiency=0.5,
+        memory_efficiency=0.5,
+    ),
+}
+
+
+def get_profile(name: str | DeviceProfile) -> DeviceProfile:
+    if isinstance(name, DeviceProfile):
+        return name
+    key = name.lower().replace("-", "").replace("_", "")
+    for alias, real in (("h100sxm", "h100"), ("a10080gb", "a100"), ("h200sxm", "h200")):
+        if key == alias:
+            key = real
+    if key not in PROFILES:
+        raise MeshError(
+            f"unknown device {name!r}: use one of {', '.join(sorted(PROFILES))}, "
+            "or pass an autopar.DeviceProfile"
+        )
+    return PROFILES[key]

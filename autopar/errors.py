@@ -1,0 +1,19 @@
+"""Errors a user can cause. Each message names the cause and the fix."""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base of every error autopar raises on purpose."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be traced into a joint graph."""
+
+
+class PlanError(AutoparError, ValueError):
+    """No plan can be made or loaded as asked (infeasible budget, mismatched plan...)."""
+
+
+class MeshError(AutoparError, ValueError):
+    """The mesh does not fit the model, the inputs or the process group."""

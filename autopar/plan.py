@@ -1,0 +1,170 @@
+"""The Plan: frozen, versioned, JSON round-trip, readable as a table.
+
+A plan says how every parameter, input and traced node is placed on the mesh, which collectives
+that implies, what the cost model predicts for it, and how the solver got there. The runtime
+executes ``nodes`` as given; ``params`` and ``inputs`` are the user-facing summary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PlanError
+from autopar.placements import Spec, format_spec, parse_spec
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PlanCost:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    mem_bytes: float  # peak bytes per device
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> PlanCost:
+        return cls(float(d["step_s"]), float(d["compute_s"]), float(d["comm_s"]),
+                   float(d["mem_bytes"]))
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveUse:
+    """One kind of collective on one axis, summed over the step."""
+
+    kind: str
+    axis: str
+    count: int
+    bytes: float  # total over the step, per device
+    time_s: float
+    reason: str  # "resharding", "gradient sync", "parameter gather", "loss"
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlacement:
+    ins: tuple[Spec, ...]
+    outs: tuple[Spec, ...]
+    impls: tuple[str | None, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    status: str
+    time_s: float
+    method: str = ""
+    variables: int = 0
+    nodes: int = 0
+    shared_layers: int = 0
+    objective: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    device: str
+    params: dict[str, Spec]
+    inputs: dict[str, Spec]
+    nodes: dict[str, NodePlacement]
+    collectives: tuple[CollectiveUse, ...]
+    cost: PlanCost
+    solver: SolverInfo
+    timings: dict[str, float] = field(default_factory=dict)
+    missing_rules: dict[str, int] = field(default_factory=dict)
+    references: dict[str, PlanCost] = field(default_factory=dict)
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    memory_budget: float | None = None
+    version: int = PLAN_VERSION
+
+    # --- JSON ---------------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "model": self.model,
+            "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes),
+                     "device": self.device},
+            "params": {k: format_spec(v) for k, v in self.params.items()},
+            "inputs": {k: format_spec(v) for k, v in self.inputs.items()},
+            "input_shapes": self.input_shapes,
+            "cost": self.cost.to_json(),
+            "memory_budget": self.memory_budget,
+            "solver": asdict(self.solver),
+            "timings": self.timings,
+            "collectives": [asdict(c) for c in self.collectives],
+            "missing_rules": self.missing_rules,
+            "references": {k: v.to_json() for k, v in self.references.items()},
+            "nodes": {
+                k: {"in": [format_spec(s) for s in v.ins], "out": [format_spec(s) for s in v.outs],
+                    **({"impl": list(v.impls)} if v.impls else {})}
+                for k, v in self.nodes.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Plan:
+        try:
+            version = int(d["version"])
+            if version != PLAN_VERSION:
+                raise PlanError(
+                    f"plan version {version} is not supported (this autopar reads version "
+                    f"{PLAN_VERSION}): make the plan again with `autopar plan ... --json`"
+                )
+            return cls(
+                model=d.get("model", ""),
+                mesh_shape=tuple(d["mesh"]["shape"]),
+                mesh_axes=tuple(d["mesh"]["axes"]),
+                device=d["mesh"].get("device", ""),
+                params={k: parse_spec(v) for k, v in d["params"].items()},
+                inputs={k: parse_spec(v) for k, v in d.get("inputs", {}).items()},
+                nodes={
+                    k: NodePlacement(tuple(parse_spec(s) for s in v["in"]),
+                                     tuple(parse_spec(s) for s in v["out"]),
+                                     tuple(v.get("impl", ())))
+                    for k, v in d.get("nodes", {}).items()
+                },
+                collectives=tuple(CollectiveUse(**c) for c in d.get("collectives", [])),
+                cost=PlanCost.from_json(d["cost"]),
+                solver=SolverInfo(**d["solver"]),
+                timings=dict(d.get("timings", {})),
+                missing_rules=dict(d.get("missing_rules", {})),
+                references={k: PlanCost.from_json(v) for k, v in d.get("references", {}).items()},
+                input_shapes=dict(d.get("input_shapes", {})),
+                memory_budget=d.get("memory_budget"),
+                version=version,
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"not a valid autopar plan ({type(e).__name__}: {e}); "
+                            "make one with `autopar plan MODEL --json PLAN.json`") from e
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.exists():
+            raise PlanError(f"plan file {p} does not exist")
+        try:
+            return cls.from_json(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file {p} is not JSON ({e})") from e
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def table(self, max_params: int = 40) -> str:
+        from autopar.plan_table import render
+
+        return render(self, max_params)
+
+    def __str__(self) -> str:
+        return self.table()

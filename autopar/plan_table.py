@@ -1,0 +1,99 @@
+"""A plan as a readable table: placements, collectives, predicted cost, solver, references."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from autopar.placements import spec_str
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _grouped_params(plan: Plan) -> list[tuple[str, str, int]]:
+    """Parameters whose names differ only by a layer index and share a layout, folded."""
+    groups: dict[tuple[str, str], int] = {}
+    for name, spec in plan.params.items():
+        key = (_LAYER_INDEX.sub(".*.", name), spec_str(spec))
+        groups[key] = groups.get(key, 0) + 1
+    return [(name, spec, n) for (name, spec), n in groups.items()]
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = ["  " + line, "  " + "-" * len(line)]
+    out += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def render(plan: Plan, max_params: int = 40) -> str:
+    mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes.items())
+    c = plan.cost
+    budget = f" (budget {fmt_bytes(plan.memory_budget)})" if plan.memory_budget else ""
+    s = plan.solver
+    lines = [
+        f"autopar plan: {plan.model or 'model'} on {mesh} ({plan.device}); inputs {shapes}",
+        f"predicted step {fmt_time(c.step_s)} = compute {fmt_time(c.compute_s)} + "
+        f"communication {fmt_time(c.comm_s)}; memory {fmt_bytes(c.mem_bytes)} per device{budget}",
+        f"solver: {s.status} ({s.method}) in {s.time_s:.2f} s; {s.variables} variables for "
+        f"{s.nodes} graph nodes, {s.shared_layers} layers sharing variables",
+    ]
+    if plan.timings:
+        t = plan.timings
+        lines.append(
+            "planning time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in t.items())
+        )
+    lines += ["", "inputs:"]
+    lines += _table(["input", "shape", "placement"],
+                    [[k, str(plan.input_shapes.get(k, "")), spec_str(v)]
+                     for k, v in plan.inputs.items()])
+    grouped = _grouped_params(plan)
+    lines += ["", f"parameters ({len(plan.params)}; layers folded as *):"]
+    rows = [[name + (f"  (x{n})" if n > 1 else ""), spec] for name, spec, n in grouped[:max_params]]
+    lines += _table(["parameter", "placement per mesh axis"], rows)
+    if len(grouped) > max_params:
+        lines.append(f"  ... {len(grouped) - max_params} more")
+    lines += ["", "collectives per step:"]
+    if plan.collectives:
+        lines += _table(
+            ["collective", "axis", "count", "bytes/device", "time", "why"],
+            [[x.kind, x.axis, str(x.count), fmt_bytes(x.bytes), fmt_time(x.time_s), x.reason]
+             for x in plan.collectives],
+        )
+    else:
+        lines.append("  none")
+    if plan.missing_rules:
+        ops = ", ".join(f"{k} (x{v})" for k, v in sorted(plan.missing_rules.items()))
+        lines += ["", f"ops with no sharding rule, planned replicated: {ops}"]
+    if plan.references:
+        lines += ["", "reference plans, scored by the same cost model:"]
+        rows = []
+        for name, rc in sorted(plan.references.items(), key=lambda kv: kv[1].step_s):
+            ratio = rc.step_s / c.step_s if c.step_s else float("nan")
+            rows.append([name, fmt_time(rc.step_s), fmt_time(rc.compute_s), fmt_time(rc.comm_s),
+                         fmt_bytes(rc.mem_bytes), f"{ratio:.2f}x"])
+        rows.insert(0, ["autopar", fmt_time(c.step_s), fmt_time(c.compute_s), fmt_time(c.comm_s),
+                        fmt_bytes(c.mem_bytes), "1.00x"])
+        lines += _table(["plan", "step", "compute", "comm", "memory", "step vs autopar"], rows)
+    return "\n".join(lines)

@@ -1,0 +1,208 @@
+"""The planner: capture -> strategies + cost model -> solve -> Plan.
+
+``make_plan(model, mesh, example_inputs)`` runs the passes in order and returns a
+:class:`Planned` (the plan plus what made it, for explanations and comparisons). Reference
+layouts (``autopar.models.reference_plans``) are scored by the same cost model: their parameter
+and input placements are pinned and the solver completes the rest at its best, so a reference's
+score is the best that layout can do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch.nn as nn
+
+from autopar.capture import capture
+from autopar.errors import PlanError
+from autopar.graph import PlanGraph
+from autopar.mesh import Mesh
+from autopar.passes import sharding_problem
+from autopar.passes.scoring import score_assignment
+from autopar.passes.sharding_problem import ShardingProblem
+from autopar.placements import Spec
+from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
+from autopar.solver import Problem, Solution, solve
+
+
+@dataclass
+class Planned:
+    plan: Plan
+    graph: PlanGraph
+    problem: ShardingProblem
+    solution: Solution
+    node_choice: list[int]
+    reference_choices: dict[str, list[int]] = field(default_factory=dict)
+
+    def explain(self, node: str, top: int = 5) -> str:
+        from autopar.explain import explain_node
+
+        return explain_node(self, node, top)
+
+
+def make_plan(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    references: dict[str, Any] | None = None,
+    model_name: str = "",
+    graph: PlanGraph | None = None,
+) -> Planned:
+    """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score."""
+    t0 = time.perf_counter()
+    pg = graph or capture(model, example_inputs, example_kwargs, loss_fn)
+    t_trace = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    sp = sharding_problem.build(pg, mesh, memory_budget)
+    t_build = time.perf_counter() - t1
+    assert sp.problem is not None
+    t2 = time.perf_counter()
+    sol = _solve_within_budget(sp, memory_budget, time_limit_s)
+    t_solve = time.perf_counter() - t2
+    if sol.status in ("infeasible", "timeout-no-solution"):
+        need = _min_memory(sp)
+        raise PlanError(
+            f"no plan fits the memory budget of {_gib(memory_budget)} per device on mesh "
+            f"{mesh.describe()}: the leanest layout needs about {_gib(need)}. Raise "
+            "--memory-budget, use a larger mesh, or a smaller batch"
+        )
+    choice = sp.expand(sol.assignment)
+    refs_cost: dict[str, PlanCost] = {}
+    ref_choices: dict[str, list[int]] = {}
+    for name, ref in (references or {}).items():
+        got = score_reference(sp, pg, ref, time_limit_s)
+        if got is not None:
+            refs_cost[name], ref_choices[name] = got
+    t_total = time.perf_counter() - t0
+    plan = assemble_plan(
+        pg, sp, choice, model_name, mesh,
+        SolverInfo(sol.status, round(sol.time_s, 4), sol.method, sp.problem.num_nodes,
+                   len(sp.nodes), sp.shared_layers, float(sol.cost)),
+        {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "total_s": t_total},
+        refs_cost, memory_budget,
+    )
+    return Planned(plan, pg, sp, sol, choice, ref_choices)
+
+
+def _solve_within_budget(sp: ShardingProblem, budget: float | None, time_limit_s: float) -> Solution:
+    """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
+    problem constrains one instant), tighten the limit by the overshoot and solve again."""
+    assert sp.problem is not None
+    problem = sp.problem
+    sol = solve(problem, timeout_s=time_limit_s)
+    if budget is None or sol.status in ("infeasible", "timeout-no-solution"):
+        return sol
+    for _ in range(3):
+        peak = score_assignment(sp, sp.expand(sol.assignment)).cost.mem_bytes
+        if peak <= budget * (1 + 1e-9):
+            return sol
+        limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
+        problem = _with_limit(problem, limit)
+        retry = solve(problem, timeout_s=time_limit_s, hint=sol.assignment)
+        if retry.status in ("infeasible", "timeout-no-solution"):
+            return retry
+        sol = retry
+    return sol
+
+
+def _with_limit(p: Problem, limit: float) -> Problem:
+    return Problem(p.costs, p.usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
+
+
+def _min_memory(sp: ShardingProblem) -> float:
+    assert sp.problem is not None
+    return float(sum(u.min() for u in sp.problem.usages))
+
+
+def _gib(x: float | None) -> str:
+    return "unlimited" if x is None else f"{x / 2**30:.2f} GiB"
+
+
+# --- reference plans ------------------------------------------------------------------------
+
+
+def score_reference(
+    sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float
+) -> tuple[PlanCost, list[int]] | None:
+    """Best completion of a reference layout (its params and inputs pinned), or None if it
+    cannot be expressed on this graph (e.g. a placement no strategy of the node offers)."""
+    assert sp.problem is not None and sp.var_of is not None
+    pins: dict[int, Spec] = {}
+    index = {n.name: i for i, n in enumerate(sp.nodes)}
+    for pname, spec in ref.params.items():
+        try:
+            pins[index[pg.param_node(pname).name]] = tuple(spec)
+        except KeyError:
+            continue
+    for n in sp.nodes:
+        f = n.meta["autopar"]
+        if f.role == "input" and f.input_index in ref.inputs:
+            spec = tuple(ref.inputs[f.input_index])
+            if len(spec) == len(sp.mesh.shape) and f.out is not None and len(f.out.shape) > 0:
+                pins[index[n.name]] = spec
+    allowed: dict[int, set[int]] = {}
+    for node_i, spec in pins.items():
+        v = int(sp.var_of[node_i])
+        ok = {k for k, s in enumerate(sp.strategies[node_i]) if s.outs[0] == spec}
+        if not ok:
+            return None
+        allowed[v] = allowed[v] & ok if v in allowed else ok
+        if not allowed[v]:
+            return None
+    sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
+    sol = solve(sub, timeout_s=time_limit_s)
+    if sol.status in ("infeasible", "timeout-no-solution"):
+        return None
+    full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
+    choice = sp.expand(full_assign)
+    return score_assignment(sp, choice).cost, choice
+
+
+def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[np.ndarray]]:
+    """The problem with some variables limited to given strategies; ``maps[v][k]`` is the
+    original index of the restricted problem's strategy ``k``."""
+    maps = [np.asarray(allowed.get(v, range(len(c)))) for v, c in enumerate(p.costs)]
+    costs = [c[m] for c, m in zip(p.costs, maps)]
+    usages = [u[m] for u, m in zip(p.usages, maps)]
+    ecosts = [m_[np.ix_(maps[u], maps[v])] for (u, v), m_ in zip(p.edges, p.edge_costs)]
+    return Problem(costs, usages, p.intervals, p.edges, ecosts, p.usage_limit, p.names, p.name), maps
+
+
+# --- assembling the plan --------------------------------------------------------------------
+
+
+def assemble_plan(
+    pg: PlanGraph, sp: ShardingProblem, choice: list[int], model_name: str, mesh: Mesh,
+    solver: SolverInfo, timings: dict[str, float], references: dict[str, PlanCost],
+    memory_budget: float | None,
+) -> Plan:
+    scored = score_assignment(sp, choice)
+    params: dict[str, Spec] = {}
+    inputs: dict[str, Spec] = {}
+    input_shapes: dict[str, list[int]] = {}
+    nodes: dict[str, NodePlacement] = {}
+    for i, n in enumerate(sp.nodes):
+        s = sp.strategies[i][choice[i]]
+        f = n.meta["autopar"]
+        nodes[n.name] = NodePlacement(s.ins, s.outs, s.impls)
+        if f.role == "param":
+            params[f.param_name] = s.outs[0]
+        elif f.role == "input" and f.input_index is not None and f.out is not None:
+            key = pg.input_names[f.input_index]
+            inputs.setdefault(key, s.outs[0])
+            input_shapes.setdefault(key, list(f.out.shape))
+    return Plan(
+        model=model_name, mesh_shape=mesh.shape, mesh_axes=mesh.axes, device=mesh.device.name,
+        params=params, inputs=inputs, nodes=nodes, collectives=tuple(scored.collectives),
+        cost=scored.cost, solver=solver, timings={k: round(v, 4) for k, v in timings.items()},
+        missing_rules=dict(sp.missing_rules), references=references,
+        input_shapes=input_shapes, memory_budget=memory_budget,
+    )

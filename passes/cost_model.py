@@ -1,0 +1,150 @@
+"""The cost model: every plan, solver-made or hand-written, is scored by these functions.
+
+- Compute: roofline on the device profile. An op's work is split over every mesh axis on
+  which any of its operands is sharded (or its output is sharded/partial); on an axis where
+  everything is replicated each device repeats the whole op.
+- Communication: alpha-beta per mesh axis, ring algorithms. Resharding between two specs is
+  decomposed axis by axis into all-gather, all-reduce, reduce-scatter and all-to-all.
+- Memory per device: parameters with their gradients and optimizer state (Adam: two fp32
+  moments), plus activations while they are live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.graph import TensorMeta
+from autopar.mesh import Mesh
+from autopar.placements import Partial, Replicate, Shard, Spec, num_shards
+
+# ops that only reinterpret storage: no kernel, no traffic
+VIEW_OPS = frozenset(
+    f"aten.{n}"
+    for n in (
+        "view.default", "_unsafe_view.default", "t.default", "transpose.int", "permute.default",
+        "expand.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default",
+        "alias.default", "detach.default", "split.Tensor", "split_with_sizes.default",
+        "slice.Tensor", "select.int", "unbind.int", "chunk.default", "reshape.default",
+        "as_strided.default", "lift_fresh_copy.default",
+    )
+) | {"getitem"}
+
+ADAM_STATE_BYTES_PER_PARAM = 8.0  # exp_avg and exp_avg_sq in fp32
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    kind: str  # "all_gather" | "all_reduce" | "reduce_scatter" | "all_to_all"
+    axis: str
+    bytes: float  # size of the local buffer each rank hands to the collective
+    time_s: float
+
+    def __repr__(self) -> str:
+        return f"{self.kind}[{self.axis}] {self.bytes / 1e6:.3g} MB"
+
+
+def collective_time(kind: str, nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Ring-algorithm time of one collective over ``n`` devices (``nbytes`` = full buffer)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+    # all-gather / reduce-scatter / all-to-all move (n-1)/n of the full buffer per device
+    return (n - 1) * lat + (n - 1) / n * nbytes / bw
+
+
+def reshard_collectives(meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh) -> list[Collective]:
+    """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis."""
+    if src == dst:
+        return []
+    out: list[Collective] = []
+    cur = list(src)
+    full = float(meta.nbytes)
+    for ax in range(mesh.ndim):
+        a, b = cur[ax], dst[ax]
+        if a == b:
+            continue
+        n = mesh.shape[ax]
+        # the buffer this axis works on: the tensor as sharded by the other axes
+        others = tuple(p if i != ax else Replicate() for i, p in enumerate(cur))
+        buf = full / num_shards(others, mesh.shape)
+        kind = _transition(a, b)
+        if kind is not None:
+            t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax])
+            # what each rank hands to the collective: its shard for gathers and all-to-alls
+            local = buf / n if kind in ("all_gather", "all_to_all") else buf
+            out.append(Collective(kind, mesh.axes[ax], local, t))
+        cur[ax] = b
+    return out
+
+
+def _transition(a, b) -> str | None:
+    if isinstance(b, Replicate):
+        if isinstance(a, Shard):
+            return "all_gather"
+        if isinstance(a, Partial):
+            return "all_reduce"
+    if isinstance(b, Shard):
+        if isinstance(a, Partial):
+            return "reduce_scatter"
+        if isinstance(a, Shard):
+            return "all_to_all"
+        return None  # R -> S: each rank keeps its slice
+    if isinstance(b, Partial):
+        if isinstance(a, Shard):
+            return "all_gather"  # gather, then keep it on one rank: zeros elsewhere
+        if isinstance(a, Partial):
+            return "all_reduce"  # another reduce op
+        return None  # R -> P: divide or zero on the other ranks, no traffic
+    return None
+
+
+def reshard_time(meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh) -> float:
+    if src == dst:
+        return 0.0
+    return sum(c.time_s for c in reshard_collectives(meta, src, dst, mesh))
+
+
+def work_split(ins: tuple[Spec, ...], outs: tuple[Spec, ...], mesh: Mesh) -> int:
+    """By how much an op's work shrinks per device under a strategy."""
+    f = 1
+    for ax, n in enumerate(mesh.shape):
+        if any(not isinstance(s[ax], Replicate) for s in ins + outs if s):
+            f *= n
+    return f
+
+
+def compute_time(
+    op: str,
+    flops: float,
+    in_metas: tuple[TensorMeta, ...],
+    out_metas: tuple[TensorMeta | None, ...],
+    ins: tuple[Spec, ...],
+    outs: tuple[Spec, ...],
+    mesh: Mesh,
+) -> float:
+    """Roofline time of one op on one device under a strategy."""
+    if op in VIEW_OPS:
+        return 0.0
+    traffic = 0.0
+    for m, s in zip(in_metas, ins):
+        traffic += m.nbytes / num_shards(s, mesh.shape)
+    for m, s in zip(out_metas, outs):
+        if m is not None:
+            traffic += m.nbytes / num_shards(s, mesh.shape)
+    dtype = (out_metas[0] or in_metas[0]).dtype_name if (out_metas or in_metas) else "float32"
+    dev = mesh.device
+    t_flops = flops / work_split(ins, outs, mesh) / dev.flops_per_s(dtype) if flops else 0.0
+    return max(t_flops, traffic / dev.bytes_per_s())
+
+
+def param_bytes_per_device(meta: TensorMeta, spec: Spec, mesh: Mesh, optimizer: bool = True) -> float:
+    """Parameter + gradient (+ Adam state) bytes one device holds for a parameter."""
+    per_elem = 2 * meta.dtype.itemsize + (ADAM_STATE_BYTES_PER_PARAM if optimizer else 0.0)
+    return meta.numel * per_elem / num_shards(spec, mesh.shape)
+
+
+def activation_bytes(meta: TensorMeta | None, spec: Spec, mesh: Mesh) -> float:
+    if meta is None:
+        return 0.0
+    return meta.nbytes / num_shards(spec, mesh.shape)

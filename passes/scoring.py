@@ -1,0 +1,67 @@
+"""Scoring a complete assignment (one strategy per traced node) with the cost model.
+
+This works on the full graph, not the reduced solver problem, so it is the ground truth a plan
+reports: predicted step time split into compute and communication, the collectives with their
+axis and bytes, and the exact peak memory per device over the whole step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.passes import cost_model as cm
+from autopar.passes.memory import peak_memory
+from autopar.passes.sharding_problem import Edge, ShardingProblem
+from autopar.placements import Replicate
+from autopar.plan import CollectiveUse, PlanCost
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    cost: PlanCost
+    collectives: list[CollectiveUse]
+    edge_collectives: dict[int, list[cm.Collective]]  # edge index -> its collectives
+
+
+def edge_reason(sp: ShardingProblem, e: Edge) -> str:
+    if e.in_idx < 0:
+        return "gradient sync"
+    if sp.nodes[e.src].meta["autopar"].role == "param":
+        return "parameter gather"
+    return "resharding"
+
+
+def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
+    compute = float(sum(sp.node_cost[i][s] for i, s in enumerate(choice)))
+    per_edge: dict[int, list[cm.Collective]] = {}
+    agg: dict[tuple[str, str, str], list[float]] = {}
+
+    def add(colls: list[cm.Collective], reason: str) -> None:
+        for c in colls:
+            slot = agg.setdefault((c.kind, c.axis, reason), [0, 0.0, 0.0])
+            slot[0] += 1
+            slot[1] += c.bytes
+            slot[2] += c.time_s
+
+    for k, e in enumerate(sp.edges):
+        src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
+        dst_s = sp.strategies[e.dst][choice[e.dst]]
+        dst = dst_s.outs[0] if e.in_idx < 0 else dst_s.ins[e.in_idx]
+        if src == dst:
+            continue
+        meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
+        colls = cm.reshard_collectives(meta, src, dst, sp.mesh)
+        if colls:
+            per_edge[k] = colls
+            add(colls, edge_reason(sp, e))
+    loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
+    loss_meta = sp.nodes[loss_i].meta["autopar"].out
+    add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
+                               (Replicate(),) * sp.mesh.ndim, sp.mesh), "loss")
+    comm = float(sum(v[2] for v in agg.values()))
+    mem, _ = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)
+    collectives = [
+        CollectiveUse(kind, axis, int(v[0]), float(v[1]), float(v[2]), reason)
+        for (kind, axis, reason), v in sorted(agg.items(), key=lambda kv: -kv[1][2])
+    ]
+    return Scored(PlanCost(compute + comm, compute, comm, mem), collectives, per_edge)

@@ -1,0 +1,86 @@
+"""Running an op on local shards: what each rank calls once its inputs are placed.
+
+Most ops are SPMD as they are: each rank calls the same op on its shards. Two things break that
+and are registered here by the rule modules:
+
+- *localizers* rewrite non-tensor arguments that name global sizes (``view(x, [B, S, H])``
+  becomes ``view(x, [B/2, S, H])`` when the batch is split in two). One function per op.
+- *special impls* replace the op with a rank-aware kernel, named by ``Rule.impl`` (e.g. a
+  vocab-parallel embedding masks the ids outside the rank's vocabulary range).
+
+The runtime's lowering and the rule validator (``simulate.py``) both go through
+:func:`local_call`, so a rule that validates is a rule that runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.passes.strategies.registry import OpInfo, Strategy
+
+
+@dataclass(frozen=True, slots=True)
+class LocalContext:
+    """Where this rank sits and what layout the op runs under."""
+
+    info: OpInfo  # global metadata of the op (full shapes)
+    strategy: Strategy
+    mesh_shape: tuple[int, ...]
+    coord: tuple[int, ...]  # this rank's index on every mesh axis
+
+
+Localizer = Callable[[LocalContext, tuple, dict], tuple[tuple, dict]]
+SpecialImpl = Callable[[LocalContext, tuple, dict], Any]
+
+_LOCALIZERS: dict[Any, Localizer] = {}
+_IMPLS: dict[str, SpecialImpl] = {}
+
+
+def register_localizer(*ops: Any) -> Callable[[Localizer], Localizer]:
+    def deco(fn: Localizer) -> Localizer:
+        for op in ops:
+            _LOCALIZERS[op] = fn
+        return fn
+
+    return deco
+
+
+def register_impl(name: str) -> Callable[[SpecialImpl], SpecialImpl]:
+    def deco(fn: SpecialImpl) -> SpecialImpl:
+        _IMPLS[name] = fn
+        return fn
+
+    return deco
+
+
+def localizer_for(target: Any) -> Localizer | None:
+    fn = _LOCALIZERS.get(target)
+    if fn is None and hasattr(target, "overloadpacket"):
+        fn = _LOCALIZERS.get(target.overloadpacket)
+    return fn
+
+
+def local_call(target: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:
+    """Run ``target`` on this rank's local inputs (already placed as ``ctx.strategy.ins``)."""
+    from autopar.passes.strategies.registry import _load_rule_modules
+
+    _load_rule_modules()
+    impl = next((i for i in ctx.strategy.impls if i), None)
+    if impl is not None:
+        return _IMPLS[impl](ctx, args, kwargs)
+    fn = localizer_for(target)
+    if fn is not None:
+        args, kwargs = fn(ctx, args, kwargs)
+    return target(*args, **kwargs)
+
+
+def local_size(ctx: LocalContext, size: int, out_index: int, dim: int) -> int:
+    """The local extent of output ``out_index``'s ``dim`` whose global extent is ``size``."""
+    spec = ctx.strategy.outs[out_index]
+    f = 1
+    for p, n in zip(spec, ctx.mesh_shape):
+        if getattr(p, "dim", None) == dim:
+            f *= n
+    return size // f

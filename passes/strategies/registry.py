@@ -1,0 +1,262 @@
+"""The registry of sharding rules, keyed by ATen op, and their expansion to an N-D mesh.
+
+A *rule function* describes one op on ONE mesh axis: given an :class:`OpInfo` (the op, its
+arguments with tensors replaced by :class:`TensorMeta`, its outputs) it returns the list of
+:class:`Rule`s, each a placement per tensor input and per output that computes the right
+result when every rank runs the op on its local pieces. :func:`expand` takes the Cartesian
+product over mesh axes (DTensor does the same), keeps the strategies whose shards divide
+evenly, and drops duplicates. An op with no rule gets the all-replicated strategy and is
+reported by name: planning never fails on an unknown op.
+
+Tensor inputs are numbered in the order :func:`tensor_inputs` finds them: positional args, then
+kwargs, descending into lists (``cat``'s tensor list counts element by element).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autopar.graph import TensorMeta
+from autopar.placements import Partial, Placement, R, Replicate, Shard, Spec, evenly_divides
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One valid way to run an op on one mesh axis."""
+
+    ins: tuple[Placement, ...]
+    outs: tuple[Placement, ...]
+    # a local kernel other than "run the same op on the shards" (see localize.SPECIAL_IMPLS)
+    impl: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """A rule per mesh axis, stacked: ``ins[i]`` / ``outs[j]`` are specs (one placement per axis)."""
+
+    ins: tuple[Spec, ...]
+    outs: tuple[Spec, ...]
+    impls: tuple[str | None, ...] = ()
+
+    def __repr__(self) -> str:
+        def fmt(specs):
+            return ", ".join("(" + ",".join(repr(p) for p in s) + ")" for s in specs)
+
+        return f"[{fmt(self.ins)}] -> [{fmt(self.outs)}]"
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    target: Any  # the OpOverload (or operator.getitem)
+    args: tuple  # node.args with each input tensor replaced by its TensorMeta
+    kwargs: dict
+    inputs: tuple[TensorMeta, ...]  # tensor inputs in flattened order
+    outputs: tuple[TensorMeta | None, ...]
+    name: str = ""
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outputs[0]  # type: ignore[return-value]
+
+    def arg(self, i: int, name: str | None = None, default: Any = None) -> Any:
+        if i < len(self.args):
+            return self.args[i]
+        if name is not None and name in self.kwargs:
+            return self.kwargs[name]
+        return default
+
+
+RuleFn = Callable[[OpInfo], list[Rule]]
+_RULES: dict[Any, RuleFn] = {}
+
+
+def register(*ops: Any) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn`` for ops given as OpOverloads, OpOverloadPackets, or callables."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def rule_fn(target: Any) -> RuleFn | None:
+    _load_rule_modules()
+    fn = _RULES.get(target)
+    if fn is None and hasattr(target, "overloadpacket"):
+        fn = _RULES.get(target.overloadpacket)
+    return fn
+
+
+def registered_ops() -> list[Any]:
+    _load_rule_modules()
+    return list(_RULES)
+
+
+_LOADED = False
+
+
+def _load_rule_modules() -> None:
+    """Import every rule family once (they register themselves)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    from autopar.passes import strategies as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if mod.name not in ("registry", "localize", "__init__"):
+            importlib.import_module(f"{pkg.__name__}.{mod.name}")
+
+
+# --- op info --------------------------------------------------------------------------------
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor inputs in the canonical flattened order."""
+    found: list[fx.Node] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, fx.Node):
+            if _is_tensor_node(a):
+                found.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x)
+
+    visit(node.args)
+    visit(node.kwargs)
+    return found
+
+
+def _is_tensor_node(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), torch.Tensor)
+
+
+def _meta_of(n: fx.Node) -> TensorMeta:
+    v = n.meta["val"]
+    return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+
+
+def op_info(node: fx.Node) -> OpInfo:
+    def sub(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return _meta_of(a) if _is_tensor_node(a) else a.meta.get("val")
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        return a
+
+    outs = node.meta["autopar"].outputs if "autopar" in node.meta else ()
+    return OpInfo(
+        node.target,
+        tuple(sub(a) for a in node.args),
+        {k: sub(v) for k, v in node.kwargs.items()},
+        tuple(_meta_of(n) for n in tensor_inputs(node)),
+        tuple(outs),
+        node.name,
+    )
+
+
+# --- expansion to the mesh ------------------------------------------------------------------
+
+
+def replicated_rule(info: OpInfo) -> Rule:
+    return Rule(tuple(R for _ in info.inputs), tuple(R for _ in info.outputs))
+
+
+@dataclass(slots=True)
+class NodeStrategies:
+    strategies: list[Strategy]
+    missing_rule: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def node_strategies(node: fx.Node, mesh_shape: tuple[int, ...]) -> NodeStrategies:
+    """All valid N-D strategies of ``node`` (never empty: all-replicated is always valid)."""
+    info = op_info(node)
+    if node.target is operator.getitem:
+        return NodeStrategies(_getitem_strategies(node, info, mesh_shape))
+    fn = rule_fn(node.target)
+    if fn is None:
+        return NodeStrategies(expand(info, [replicated_rule(info)], mesh_shape), True)
+    rules = fn(info)
+    return NodeStrategies(expand(info, rules, mesh_shape))
+
+
+def _getitem_strategies(node, info, mesh_shape) -> list[Strategy]:
+    # a getitem follows one output of its producer: any spec it can hold, it passes through
+    src = node.args[0]
+    idx = node.args[1]
+    metas = src.meta["autopar"].outputs if "autopar" in src.meta else None
+    meta = metas[idx] if metas else info.out
+    if meta is None:
+        return [Strategy((), ((R,) * len(mesh_shape),))]
+    specs = all_specs(meta, mesh_shape, allow_partial=True)
+    return [Strategy((s,), (s,)) for s in specs]
+
+
+def all_specs(
+    meta: TensorMeta, mesh_shape: tuple[int, ...], allow_partial: bool = False
+) -> list[Spec]:
+    per_axis: list[Placement] = [R] + [Shard(d) for d in range(len(meta.shape))]
+    if allow_partial:
+        per_axis.append(Partial("sum"))
+    out = []
+    for spec in itertools.product(per_axis, repeat=len(mesh_shape)):
+        if evenly_divides(meta.shape, spec, mesh_shape):
+            out.append(tuple(spec))
+    return out
+
+
+def expand(info: OpInfo, rules: Iterable[Rule], mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """N-D strategies: one rule per mesh axis, kept when every shard divides evenly.
+
+    A mesh axis of size 1 only takes all-replicated rules, since sharding over one device is
+    the same layout and would only multiply the strategy count.
+    """
+    rules = list(dict.fromkeys(rules))  # dedupe, keep order
+    rep = replicated_rule(info)
+    if rep not in rules:
+        rules.insert(0, rep)
+    per_axis = [rules if n > 1 else [rep] for n in mesh_shape]
+    seen: set = set()
+    out: list[Strategy] = []
+    for combo in itertools.product(*per_axis):
+        ins = tuple(tuple(r.ins[i] for r in combo) for i in range(len(info.inputs)))
+        outs = tuple(tuple(r.outs[j] for r in combo) for j in range(len(info.outputs)))
+        if not _divides(info.inputs, ins, mesh_shape):
+            continue
+        if not _divides(info.outputs, outs, mesh_shape):
+            continue
+        key = (ins, outs)
+        if key in seen:
+            continue
+        seen.add(key)
+        impls = tuple(r.impl for r in combo)
+        out.append(Strategy(ins, outs, impls if any(impls) else ()))
+    return out
+
+
+def _divides(metas, specs, mesh_shape) -> bool:
+    for meta, spec in zip(metas, specs):
+        if meta is None:
+            if any(not isinstance(p, Replicate) for p in spec):
+                return False
+            continue
+        if not evenly_divides(meta.shape, spec, mesh_shape):
+            return False
+    return True
