@@ -115,6 +115,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+    from autopar.plan_table import render_diff
+
+    print(render_diff(Plan.load(args.a), Plan.load(args.b), args.a, args.b))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -131,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--explain", action="append", metavar="NODE",
                     help="explain the choice for a graph node or parameter name (repeatable)")
     pl.set_defaults(func=cmd_plan)
+    df = sub.add_parser("diff", help="show how two plan JSON files differ")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.set_defaults(func=cmd_diff)
     from autopar.solver import command as solve_command
 
     solve_command.register(sub)

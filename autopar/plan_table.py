@@ -97,3 +97,27 @@ def render(plan: Plan, max_params: int = 40) -> str:
                         fmt_bytes(c.mem_bytes), "1.00x"])
         lines += _table(["plan", "step", "compute", "comm", "memory", "step vs autopar"], rows)
     return "\n".join(lines)
+
+
+def render_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
+    """What differs between two plans of one model: placements and predicted cost."""
+    lines = [f"{name_a}: step {fmt_time(a.cost.step_s)}, memory {fmt_bytes(a.cost.mem_bytes)}",
+             f"{name_b}: step {fmt_time(b.cost.step_s)}, memory {fmt_bytes(b.cost.mem_bytes)}"]
+    if a.mesh_shape != b.mesh_shape:
+        lines.append(f"meshes differ: {a.mesh_shape} vs {b.mesh_shape}")
+    rows = []
+    for key in sorted(set(a.inputs) | set(b.inputs)):
+        pa, pb = a.inputs.get(key), b.inputs.get(key)
+        if pa != pb:
+            rows.append([f"input {key}", spec_str(pa) if pa else "-", spec_str(pb) if pb else "-"])
+    folded: dict[tuple[str, str, str], int] = {}
+    for key in sorted(set(a.params) | set(b.params)):
+        pa, pb = a.params.get(key), b.params.get(key)
+        if pa != pb:
+            k = (_LAYER_INDEX.sub(".*.", key), spec_str(pa) if pa else "-",
+                 spec_str(pb) if pb else "-")
+            folded[k] = folded.get(k, 0) + 1
+    rows += [[name + (f"  (x{n})" if n > 1 else ""), sa, sb] for (name, sa, sb), n in folded.items()]
+    if not rows:
+        return "\n".join(lines + ["the plans place every parameter and input alike"])
+    return "\n".join(lines + [""] + _table(["tensor", name_a, name_b], rows))

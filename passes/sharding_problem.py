@@ -23,6 +23,7 @@ import operator
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from autopar.graph import NodeFacts, PlanGraph, TensorMeta
@@ -54,6 +55,7 @@ class ShardingProblem:
     unary: dict[int, np.ndarray] = field(default_factory=dict)  # communication tied to one node
     group_cost: list[np.ndarray] = field(default_factory=list)  # root: its group's total cost
     reshard_cache: dict = field(default_factory=dict, repr=False)
+    matrix_cache: dict = field(default_factory=dict, repr=False)
     peak_time: int = 0
     live: list[tuple[int, int]] = field(default_factory=list)
     # reduction results
@@ -90,19 +92,28 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     idx = {n: i for i, n in enumerate(nodes)}
     strategies: list[list[Strategy]] = []
     missing: dict[str, int] = {}
+    # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
+    # once and shared (the same list object), which also lets edge matrices be cached
+    cache: dict = {}
     for n in nodes:
         facts: NodeFacts = n.meta["autopar"]
-        if n.op == "placeholder":
-            meta = facts.out
-            specs = all_specs(meta, mesh.shape) if meta is not None else [(Replicate(),) * mesh.ndim]
-            strategies.append([Strategy((), (s,)) for s in specs])
-        else:
-            ns = node_strategies(n, mesh.shape)
-            if ns.missing_rule:
-                missing[facts.op] = missing.get(facts.op, 0) + 1
-            strategies.append(ns.strategies)
-        first = strategies[-1][0]
-        assert all(isinstance(p, Replicate) for s in first.ins + first.outs for p in s), n.name
+        key = _strategy_key(n)
+        hit = cache.get(key) if key is not None else None
+        if hit is None:
+            if n.op == "placeholder":
+                meta = facts.out
+                specs = all_specs(meta, mesh.shape) if meta is not None else [(Replicate(),) * mesh.ndim]
+                hit = ([Strategy((), (s,)) for s in specs], False)
+            else:
+                ns = node_strategies(n, mesh.shape)
+                hit = (ns.strategies, ns.missing_rule)
+            first = hit[0][0]
+            assert all(isinstance(p, Replicate) for s in first.ins + first.outs for p in s), n.name
+            if key is not None:
+                cache[key] = hit
+        if hit[1]:
+            missing[facts.op] = missing.get(facts.op, 0) + 1
+        strategies.append(hit[0])
 
     edges: list[Edge] = []
     for n in nodes:
@@ -114,12 +125,20 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
             if a in idx:
                 edges.append(Edge(idx[a], v, 0, i))
     by_name = {n.name: i for i, n in enumerate(nodes)}
+    param_index = {n.meta["autopar"].param_name: i for i, n in enumerate(nodes)
+                   if n.op == "placeholder" and n.meta["autopar"].role == "param"}
     for gname, pname in pg.grad_of.items():
         if gname in by_name:
-            edges.append(Edge(by_name[gname], idx[pg.param_node(pname)], 0, -1))
+            edges.append(Edge(by_name[gname], param_index[pname], 0, -1))
 
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
-    sp.node_cost = [_node_costs(n, strategies[i], mesh) for i, n in enumerate(nodes)]
+    cost_cache: dict = {}
+    for i, n in enumerate(nodes):
+        f = n.meta["autopar"]
+        key = (id(strategies[i]), f.op, f.flops)
+        if key not in cost_cache:
+            cost_cache[key] = _node_costs(n, strategies[i], mesh)
+        sp.node_cost.append(cost_cache[key])
     loss_i = by_name[pg.loss_node]
     loss_meta = nodes[loss_i].meta["autopar"].out
     rep = (Replicate(),) * mesh.ndim
@@ -134,6 +153,31 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     _assign_variables(sp, share_layers)
     sp.problem = _reduced_problem(sp, memory_budget)
     return sp
+
+
+def _frozen(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in x.items()))
+    if isinstance(x, fx.Node):
+        f = x.meta.get("autopar")
+        return ("node", f.outputs if f else None)
+    if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device,
+                      torch.memory_format, torch.layout)):
+        return x
+    raise TypeError(type(x))
+
+
+def _strategy_key(n: fx.Node):
+    """Nodes with equal keys have equal strategy lists (same op, argument shapes and values)."""
+    f: NodeFacts = n.meta["autopar"]
+    try:
+        if n.op == "placeholder":
+            return ("placeholder", f.out)
+        return (n.target, _frozen(n.args), _frozen(n.kwargs), f.outputs)
+    except TypeError:
+        return None
 
 
 # --- per-node costs -------------------------------------------------------------------------
@@ -194,16 +238,23 @@ def _edge_meta(sp: ShardingProblem, e: Edge) -> TensorMeta:
 
 
 def _edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) -> np.ndarray:
-    src_specs, dst_specs = _edge_specs(sp, e)
+    """Resharding cost of edge ``e`` for every (producer, consumer) strategy pair; with
+    ``rows``, only those producer strategies, in that order."""
     meta = _edge_meta(sp, e)
-    if rows is not None:
-        src_specs = [src_specs[r] for r in rows]
-    uniq_src = list(dict.fromkeys(src_specs))
-    uniq_dst = list(dict.fromkeys(dst_specs))
-    table = np.array([[_reshard(sp, meta, a, b) for b in uniq_dst] for a in uniq_src])
-    si = np.array([uniq_src.index(s) for s in src_specs])
-    di = np.array([uniq_dst.index(s) for s in dst_specs])
-    return table[np.ix_(si, di)]
+    src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta)
+    mat = sp.matrix_cache.get(key)
+    if mat is None:
+        src_specs, dst_specs = _edge_specs(sp, e)
+        uniq_src = list(dict.fromkeys(src_specs))
+        uniq_dst = list(dict.fromkeys(dst_specs))
+        table = np.array([[_reshard(sp, meta, a, b) for b in uniq_dst] for a in uniq_src])
+        pos_src = {s: i for i, s in enumerate(uniq_src)}
+        pos_dst = {s: i for i, s in enumerate(uniq_dst)}
+        si = np.array([pos_src[s] for s in src_specs])
+        di = np.array([pos_dst[s] for s in dst_specs])
+        mat = sp.matrix_cache[key] = table[np.ix_(si, di)]
+    return mat if rows is None else mat[rows]
 
 
 # --- reduction 1: followers -----------------------------------------------------------------
@@ -291,7 +342,8 @@ def _root_layer(sp: ShardingProblem, r: int) -> int | None:
 
 def _signature(sp: ShardingProblem, r: int) -> tuple:
     f: NodeFacts = sp.nodes[r].meta["autopar"]
-    return (f.op, f.role, tuple(m.shape if m else None for m in f.outputs), len(sp.strategies[r]))
+    # the same strategy list object means the same op on the same shapes (see _strategy_key)
+    return (f.op, f.role, id(sp.strategies[r]))
 
 
 # --- the reduced problem --------------------------------------------------------------------

@@ -1,0 +1,210 @@
+"""``autopar.parallelize``: trace, plan (or load a plan), lower, and wrap a model for a mesh.
+
+Planning runs once per process on fake tensors; with several processes rank 0 solves and
+broadcasts the plan JSON, because the ILP solver runs several workers with a time limit and is
+not guaranteed to return the same optimum twice (every rank must run the same program).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.capture import capture
+from autopar.errors import MeshError, PlanError
+from autopar.graph import PlanGraph
+from autopar.mesh import Mesh
+from autopar.placements import Spec
+from autopar.plan import Plan, SolverInfo
+from autopar.runtime import _compat
+from autopar.runtime.parallel_module import ParallelModule
+
+_BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda", "fake": "cpu", "threaded": "cpu"}
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: Mesh | Any,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    plan: Plan | str | Path | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+) -> ParallelModule:
+    """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
+
+    ``plan=None`` solves a plan; a :class:`Plan` or a plan JSON path is used as given, after
+    checking it was made for this model, these input shapes and this mesh. The model's
+    parameters are replaced in place by DTensors (keep a copy if you need the original).
+    Calling the result with other input shapes retraces and replans, keeping the parameter
+    layouts, unless a plan was given (then it raises :class:`PlanError`).
+    """
+    device_mesh, amesh = resolve_mesh(mesh)
+    example_inputs = tuple(example_inputs)
+    skeleton = _meta_skeleton(model)
+    with _compat.outside_local_tensor_mode():
+        graph = capture(model, example_inputs, example_kwargs, loss_fn)
+        if plan is None:
+            the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget, time_limit_s))
+            replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s)
+        else:
+            the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+            replan = None
+    check_plan_mesh(the_plan, amesh)
+    if the_plan.missing_rules:
+        warnings.warn(
+            "no sharding rule for " + ", ".join(sorted(the_plan.missing_rules)) + ": these ops "
+            "run replicated (whole on every rank), which is correct but may be slow",
+            stacklevel=2)
+    return ParallelModule(model, device_mesh, graph, the_plan, replan)
+
+
+# --- meshes -----------------------------------------------------------------------------------
+
+
+def resolve_mesh(mesh: Mesh | Any) -> tuple[Any, Mesh]:
+    """The torch DeviceMesh to run on and the abstract Mesh to plan for."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if isinstance(mesh, DeviceMesh):
+        return mesh, Mesh.from_device_mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh must be an autopar.Mesh or a torch DeviceMesh, got {type(mesh)}")
+    _ensure_process_group(mesh)
+    world = dist.get_world_size()
+    if world != mesh.size:
+        raise MeshError(
+            f"mesh {mesh.describe()} has {mesh.size} devices but the process group has {world} "
+            f"ranks: launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or use "
+            f"a mesh of {world} devices")
+    backend = str(dist.get_backend())
+    device_type = _BACKEND_DEVICE.get(backend, "cuda" if "nccl" in backend else "cpu")
+    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axes), mesh
+
+
+def _ensure_process_group(mesh: Mesh) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    elif mesh.size == 1:  # a single-device mesh needs no launcher
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        raise MeshError(
+            f"mesh {mesh.describe()} has {mesh.size} devices but no process group is running: "
+            f"launch with torchrun --nproc-per-node {mesh.size} (or call "
+            "torch.distributed.init_process_group first)")
+
+
+def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
+    if tuple(plan.mesh_shape) != tuple(mesh.shape) or tuple(plan.mesh_axes) != tuple(mesh.axes):
+        raise PlanError(
+            f"the plan was made for mesh {dict(zip(plan.mesh_axes, plan.mesh_shape))} but runs on "
+            f"{dict(zip(mesh.axes, mesh.shape))}: make the plan for this mesh, or run on the "
+            "mesh it was made for")
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: float | None,
+               time_limit_s: float) -> Plan:
+    from autopar.planner import make_plan
+
+    return make_plan(model, mesh, graph=graph, memory_budget=memory_budget,
+                     time_limit_s=time_limit_s, model_name=type(model).__name__).plan
+
+
+def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
+                  inputs: dict[int, Spec] | None = None, memory_budget: float | None = None,
+                  time_limit_s: float = 30.0, model_name: str = "") -> Plan:
+    """A plan with the given parameter (and input, by position) specs pinned, the rest solved.
+
+    Used to replan for new input shapes with the parameters where they are, and to turn a
+    hand-written reference layout into an executable plan."""
+    from autopar.passes import sharding_problem
+    from autopar.planner import assemble_plan, score_reference
+
+    sp = sharding_problem.build(graph, mesh, memory_budget)
+    ref = SimpleNamespace(params=params, inputs=inputs or {})
+    got = score_reference(sp, graph, ref, time_limit_s)
+    if got is None:
+        raise PlanError(
+            "no plan keeps the given parameter/input layouts on this graph (a pinned spec is not "
+            "among the strategies of its node, e.g. it does not divide the shape evenly): "
+            "pin fewer layouts or let autopar plan freely (plan=None)")
+    cost, choice = got
+    return assemble_plan(graph, sp, choice, model_name, mesh,
+                         SolverInfo("pinned", 0.0, "pinned+solve"), {}, {}, memory_budget)
+
+
+def _replanner(skeleton: nn.Module, mesh: Mesh, loss_fn: Callable | None,
+               memory_budget: float | None, time_limit_s: float) -> Callable:
+    def replan(args: tuple, kwargs: dict, param_specs: dict[str, Spec]) -> tuple[PlanGraph, Plan]:
+        with _compat.outside_local_tensor_mode():
+            meta_args = tuple(_to_meta(a) for a in args)
+            meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+            graph = capture(skeleton, meta_args, meta_kwargs, loss_fn)
+            plan = _agree(lambda: complete_plan(graph, mesh, param_specs,
+                                                memory_budget=memory_budget,
+                                                time_limit_s=time_limit_s))
+        return graph, plan
+
+    return replan
+
+
+def _agree(make: Callable[[], Plan]) -> Plan:
+    """``make()`` on rank 0, the same plan on every rank."""
+    if not _real_multi_process():
+        return make()
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = json.dumps(make().to_json())
+        except Exception as e:  # every rank must leave the broadcast, then all raise
+            box[0] = "error:" + f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(box, src=0)
+    text = box[0]
+    if text.startswith("error:"):
+        raise PlanError(f"planning failed on rank 0: {text[6:]}")
+    return Plan.from_json(json.loads(text))
+
+
+def _real_multi_process() -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return False
+    # a fake world (LocalTensorMode, planning tests) is one process: nothing to agree on
+    return str(dist.get_backend()) != "fake"
+
+
+def _meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device (no memory),
+    kept to retrace when the inputs change shape."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        m = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(
+            t, nn.Parameter) else m
+    return copy.deepcopy(model, memo)
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("meta") if not _compat.local_tensor_mode_active() else torch.empty(
+            x.shape, dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,63 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from autopar.cli import main, parse_bytes
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_writes_the_documented_json(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    code, out, err = run(capsys, "plan", "gpt2-tiny", "--mesh", "dp=2,tp=2", "--batch", "4",
+                         "--seq", "32", "--compare", "--json", str(path), "--time-limit", "10")
+    assert code == 0, err
+    assert "predicted step" in out and "reference plans" in out
+    doc = json.loads(path.read_text())
+    for key in ("version", "mesh", "params", "cost", "solver", "references"):
+        assert key in doc
+    assert doc["mesh"]["shape"] == [2, 2] and doc["mesh"]["axes"] == ["dp", "tp"]
+    assert {"data_parallel", "fsdp", "megatron_tp", "dp_tp_2d"} <= set(doc["references"])
+    for cost in [doc["cost"], *doc["references"].values()]:
+        assert set(cost) >= {"step_s", "compute_s", "comm_s", "mem_bytes"}
+    # never worse than the best reference under the same cost model
+    best_ref = min(c["step_s"] for c in doc["references"].values())
+    assert doc["cost"]["step_s"] <= best_ref * (1 + 1e-9)
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plan", "gpt2-tiny", "--mesh", "dp=4", "--batch", "6", "--seq", "16"], "multiple of 4"),
+        (["plan", "gpt2-tinyy", "--batch", "2", "--mesh", "dp=2"], "unknown model preset"),
+        (["plan", "gpt2-tiny", "--mesh", "dp=2", "--batch", "2", "--seq", "16",
+          "--memory-budget", "1KiB"], "memory budget"),
+        (["plan", "gpt2-tiny", "--mesh", "dp=two"], "axis=size"),
+        (["plan", "gpt2-tiny", "--memory-budget", "lots"], "memory size"),
+        (["plan", "no_such_module:f"], "cannot load model factory"),
+        (["plan", "gpt2-tiny", "--device", "tpu"], "unknown device"),
+    ],
+)
+def test_bad_arguments_end_with_one_clear_line(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40GB") == 40e9
+    assert parse_bytes("1.5e10") == 1.5e10
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "autopar.cli", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "plan" in out.stdout and "solve" in out.stdout

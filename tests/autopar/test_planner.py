@@ -1,0 +1,105 @@
+"""The plans the solver finds for the classic situations, and the plan's own contracts."""
+
+import json
+
+import pytest
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.models import get_preset
+from autopar.placements import R, S, Shard
+from autopar.plan import Plan
+from autopar.planner import make_plan
+
+
+def _plan(name, mesh, batch, seq, budget=None, **changes):
+    preset = get_preset(name)
+    if changes:
+        preset = preset.replace(**changes)
+    return make_plan(preset.build("meta"), mesh, preset.example_inputs(batch, seq),
+                     memory_budget=budget, time_limit_s=20, model_name=name)
+
+
+GPT_COLUMN = ("attn.qkv.weight", "mlp.fc.weight")
+GPT_ROW = ("attn.proj.weight", "mlp.proj.weight")
+LLAMA_COLUMN = ("attention.wq.weight", "feed_forward.w1.weight", "feed_forward.w3.weight")
+LLAMA_ROW = ("attention.wo.weight", "feed_forward.w2.weight")
+
+
+@pytest.mark.parametrize(
+    "name,changes,column,row",
+    [
+        ("gpt2-tiny", dict(n_layer=2, d_model=1024, n_head=16), GPT_COLUMN, GPT_ROW),
+        ("llama3-tiny", dict(n_layers=2, dim=1024, n_heads=16, n_kv_heads=8, ffn_dim=4096),
+         LLAMA_COLUMN, LLAMA_ROW),
+    ],
+)
+def test_small_batch_on_a_tp_mesh_gives_megatron_column_then_row(name, changes, column, row):
+    planned = _plan(name, Mesh((8,), ("tp",)), batch=1, seq=256, **changes)
+    params = planned.plan.params
+    for pname, spec in params.items():
+        if pname.endswith(column):
+            assert spec == (S(0),), f"{pname} should be column-parallel, got {spec}"
+        if pname.endswith(row):
+            assert spec == (S(1),), f"{pname} should be row-parallel, got {spec}"
+
+
+def test_large_batch_gives_data_parallelism():
+    planned = _plan("gpt2-tiny", Mesh((8,), ("dp",)), batch=256, seq=128,
+                    n_layer=2, d_model=256, n_head=8)
+    plan = planned.plan
+    assert plan.inputs["arg0"] == (S(0),)
+    replicated = sum(spec == (R,) for spec in plan.params.values())
+    assert replicated >= 0.9 * len(plan.params)
+    assert any(c.kind == "all_reduce" and c.reason == "gradient sync" for c in plan.collectives)
+
+
+def test_memory_budget_below_replicated_state_shards_parameters():
+    mesh = Mesh((8,), ("dp",))
+    free = _plan("gpt2-tiny", mesh, batch=64, seq=128, n_layer=4, d_model=512, n_head=8)
+    state = sum(free.problem.usage[i][0] for i, n in enumerate(free.problem.nodes)
+                if n.meta["autopar"].role == "param")
+    budget = 0.5 * state
+    tight = _plan("gpt2-tiny", mesh, batch=64, seq=128, budget=budget,
+                  n_layer=4, d_model=512, n_head=8)
+    assert tight.plan.cost.mem_bytes <= budget
+    sharded = [n for n, s in tight.plan.params.items() if any(isinstance(p, Shard) for p in s)]
+    assert len(sharded) >= len(tight.plan.params) // 2
+    assert tight.plan.cost.step_s >= free.plan.cost.step_s
+
+
+def test_infeasible_budget_is_a_clear_error():
+    with pytest.raises(PlanError, match="memory budget"):
+        _plan("gpt2-tiny", Mesh((2,), ("dp",)), batch=4, seq=32, budget=1000)
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    planned = _plan("llama3-tiny", Mesh((2, 2), ("dp", "tp")), batch=4, seq=32)
+    path = tmp_path / "plan.json"
+    planned.plan.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 1
+    assert doc["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"], "device": "h100"}
+    assert set(doc["cost"]) >= {"step_s", "compute_s", "comm_s", "mem_bytes"}
+    assert set(doc["solver"]) >= {"status", "time_s"}
+    assert all(isinstance(v, list) and len(v) == 2 for v in doc["params"].values())
+    loaded = Plan.load(path)
+    assert loaded == planned.plan
+    assert "predicted step" in loaded.table()
+
+
+def test_plan_json_errors_name_the_fix(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(PlanError, match="autopar plan"):
+        Plan.load(bad)
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "missing.json")
+
+
+def test_explain_lists_the_alternatives():
+    planned = _plan("gpt2-tiny", Mesh((4,), ("tp",)), batch=2, seq=32)
+    text = planned.explain("blocks.0.attn.qkv.weight")
+    assert "chosen" in text and "<- chosen" in text
+    with pytest.raises(KeyError):
+        planned.explain("no.such.node")
