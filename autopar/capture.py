@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten
 
 from autopar import _torch_compat as compat
+from autopar.depth_proxy import truncated
 from autopar.errors import CaptureError
 from autopar.graph import NodeFacts, PlanGraph, TensorMeta
 
@@ -32,13 +33,24 @@ def capture(
     example_inputs: Sequence[Any] = (),
     example_kwargs: dict[str, Any] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    max_layers: int | None = None,
 ) -> PlanGraph:
     """Trace one training step of ``model`` into a :class:`PlanGraph`.
 
     The model's output must be a scalar loss, an object with a ``.loss`` field (Hugging Face
     style) or a dict with ``"loss"``. With ``loss_fn``, the last positional input is the target:
-    the model gets the others and the loss is ``loss_fn(output, target)``.
+    the model gets the others and the loss is ``loss_fn(output, target)``. With ``max_layers``,
+    a deeper model is traced as a proxy of that many layers (see :mod:`autopar.depth_proxy`).
     """
+    all_names = [n for n, p in model.named_parameters() if p.requires_grad]
+    with truncated(model, max_layers) as proxy:
+        pg = _capture(model, example_inputs, example_kwargs, loss_fn)
+    pg.proxy = proxy
+    pg.all_param_names = all_names
+    return pg
+
+
+def _capture(model, example_inputs, example_kwargs, loss_fn) -> PlanGraph:
     example_kwargs = dict(example_kwargs or {})
     example_inputs = tuple(example_inputs)
     if loss_fn is not None and not example_inputs:

@@ -104,7 +104,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             if ref is not None:
                 refs[rname] = ref
     planned = make_plan(model, mesh, inputs, memory_budget=budget, time_limit_s=args.time_limit,
-                        references=refs, model_name=name)
+                        references=refs, model_name=name,
+                        max_layers=args.trace_layers if args.trace_layers > 0 else None)
     print(planned.plan.table())
     for node in args.explain or []:
         print()
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--compare", action="store_true", help="score the reference plans beside it")
     pl.add_argument("--json", help="also write the plan as JSON to this path")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit, seconds")
+    pl.add_argument("--trace-layers", type=int, default=4, metavar="N",
+                    help="trace a deeper model as a proxy of N of its layers, the middle ones "
+                    "weighted to stand for the rest (default 4; 0 traces every layer)")
     pl.add_argument("--explain", action="append", metavar="NODE",
                     help="explain the choice for a graph node or parameter name (repeatable)")
     pl.set_defaults(func=cmd_plan)

@@ -7,10 +7,13 @@ tensors again. Facts are filled by :mod:`autopar.capture` once, right after trac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.fx as fx
+
+if TYPE_CHECKING:
+    from autopar.depth_proxy import DepthProxy
 
 Role = Literal["param", "buffer", "input", "activation", "grad", "loss", "output"]
 
@@ -77,6 +80,12 @@ class PlanGraph:
     loss_node: str
     trace_s: float = 0.0
     num_layers: int = 0
+    proxy: DepthProxy | None = None  # set when only some of the layers were traced
+    all_param_names: list[str] = field(default_factory=list)  # the whole model's, traced or not
+
+    def layer_weight(self, layer: int | None) -> float:
+        """How many real layers a traced layer stands for (1 without a depth proxy)."""
+        return self.proxy.layer_weight(layer) if self.proxy else 1.0
 
     @property
     def graph(self) -> fx.Graph:
@@ -105,5 +114,7 @@ class PlanGraph:
         n_call = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
         return (
             f"{n_call} ops, {len(self.param_names)} params, {len(self.input_names)} inputs, "
-            f"{self.num_layers} repeated layers, traced in {self.trace_s:.2f} s"
+            f"{self.num_layers} repeated layers"
+            + (f" (a proxy of {self.proxy.total})" if self.proxy else "")
+            + f", traced in {self.trace_s:.2f} s"
         )

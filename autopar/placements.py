@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +40,7 @@ class Partial:
         return f"P({self.reduce})"
 
 
-Placement = Union[Replicate, Shard, Partial]
+Placement = Replicate | Shard | Partial
 Spec = tuple[Placement, ...]
 
 R = Replicate()

@@ -26,7 +26,7 @@ from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import Spec
 from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
-from autopar.solver import Problem, Solution, solve
+from autopar.solver import Problem, Solution, evaluate, solve
 
 
 @dataclass
@@ -55,17 +55,35 @@ def make_plan(
     references: dict[str, Any] | None = None,
     model_name: str = "",
     graph: PlanGraph | None = None,
+    max_layers: int | None = None,
 ) -> Planned:
-    """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score."""
+    """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
+
+    ``max_layers``: trace a deeper model as a proxy of that many layers (planning time then
+    does not grow with depth; the plan's node placements cover the traced layers only)."""
     t0 = time.perf_counter()
-    pg = graph or capture(model, example_inputs, example_kwargs, loss_fn)
+    pg = graph or capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers)
     t_trace = time.perf_counter() - t0
     t1 = time.perf_counter()
     sp = sharding_problem.build(pg, mesh, memory_budget)
     t_build = time.perf_counter() - t1
     assert sp.problem is not None
+    refs_cost: dict[str, PlanCost] = {}
+    ref_choices: dict[str, list[int]] = {}
+    ref_assign: dict[str, tuple[int, ...]] = {}
+    t_refs = time.perf_counter()
+    for name, ref in (references or {}).items():
+        got = score_reference(sp, pg, ref, time_limit_s)
+        if got is not None:
+            refs_cost[name], ref_choices[name], ref_assign[name] = got
+    t_refs = time.perf_counter() - t_refs
+    # the best reference layout that fits seeds the search: the solver starts from it and can
+    # only improve on it (a portfolio start, as MIP solvers take from heuristics)
+    fitting = [n for n, c in refs_cost.items()
+               if memory_budget is None or c.mem_bytes <= memory_budget]
+    hint = ref_assign[min(fitting, key=lambda n: refs_cost[n].step_s)] if fitting else None
     t2 = time.perf_counter()
-    sol = _solve_within_budget(sp, memory_budget, time_limit_s)
+    sol = _solve_within_budget(sp, memory_budget, time_limit_s, hint)
     t_solve = time.perf_counter() - t2
     if sol.status in ("infeasible", "timeout-no-solution"):
         need = _min_memory(sp)
@@ -75,29 +93,31 @@ def make_plan(
             "--memory-budget, use a larger mesh, or a smaller batch"
         )
     choice = sp.expand(sol.assignment)
-    refs_cost: dict[str, PlanCost] = {}
-    ref_choices: dict[str, list[int]] = {}
-    for name, ref in (references or {}).items():
-        got = score_reference(sp, pg, ref, time_limit_s)
-        if got is not None:
-            refs_cost[name], ref_choices[name] = got
     t_total = time.perf_counter() - t0
     plan = assemble_plan(
         pg, sp, choice, model_name, mesh,
         SolverInfo(sol.status, round(sol.time_s, 4), sol.method, sp.problem.num_nodes,
                    len(sp.nodes), sp.shared_layers, float(sol.cost)),
-        {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "total_s": t_total},
+        {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "references_s": t_refs,
+         "total_s": t_total},
         refs_cost, memory_budget,
     )
     return Planned(plan, pg, sp, sol, choice, ref_choices)
 
 
-def _solve_within_budget(sp: ShardingProblem, budget: float | None, time_limit_s: float) -> Solution:
+def _solve_within_budget(
+    sp: ShardingProblem, budget: float | None, time_limit_s: float,
+    hint: tuple[int, ...] | None = None,
+) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), tighten the limit by the overshoot and solve again."""
     assert sp.problem is not None
     problem = sp.problem
-    sol = solve(problem, timeout_s=time_limit_s)
+    sol = solve(problem, timeout_s=time_limit_s, hint=hint)
+    if hint is not None and sol.feasible:
+        hinted_cost, hinted_ok, _ = evaluate(problem, hint)
+        if hinted_ok and hinted_cost < sol.cost:  # a solver that drifted off its start
+            sol = Solution(tuple(hint), hinted_cost, True, "feasible", sol.time_s, "reference")
     if budget is None or sol.status in ("infeasible", "timeout-no-solution"):
         return sol
     for _ in range(3):
@@ -131,7 +151,7 @@ def _gib(x: float | None) -> str:
 
 def score_reference(
     sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float
-) -> tuple[PlanCost, list[int]] | None:
+) -> tuple[PlanCost, list[int], tuple[int, ...]] | None:
     """Best completion of a reference layout (its params and inputs pinned), or None if it
     cannot be expressed on this graph (e.g. a placement no strategy of the node offers)."""
     assert sp.problem is not None and sp.var_of is not None
@@ -163,7 +183,7 @@ def score_reference(
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
     choice = sp.expand(full_assign)
-    return score_assignment(sp, choice).cost, choice
+    return score_assignment(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
 
 
 def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[np.ndarray]]:
@@ -199,6 +219,8 @@ def assemble_plan(
             key = pg.input_names[f.input_index]
             inputs.setdefault(key, s.outs[0])
             input_shapes.setdefault(key, list(f.out.shape))
+    if pg.proxy is not None:  # untraced layers take the placements of the layer they stand for
+        params = {name: params[pg.proxy.traced_name(name)] for name in pg.all_param_names}
     return Plan(
         model=model_name, mesh_shape=mesh.shape, mesh_axes=mesh.axes, device=mesh.device.name,
         params=params, inputs=inputs, nodes=nodes, collectives=tuple(scored.collectives),

@@ -36,12 +36,14 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     per_edge: dict[int, list[cm.Collective]] = {}
     agg: dict[tuple[str, str, str], list[float]] = {}
 
-    def add(colls: list[cm.Collective], reason: str) -> None:
+    weight = sp.weight if sp.weight is not None else [1.0] * len(sp.nodes)
+
+    def add(colls: list[cm.Collective], reason: str, w: float = 1.0) -> None:
         for c in colls:
             slot = agg.setdefault((c.kind, c.axis, reason), [0, 0.0, 0.0])
-            slot[0] += 1
-            slot[1] += c.bytes
-            slot[2] += c.time_s
+            slot[0] += w
+            slot[1] += c.bytes * w
+            slot[2] += c.time_s * w
 
     for k, e in enumerate(sp.edges):
         src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
@@ -53,7 +55,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         colls = cm.reshard_collectives(meta, src, dst, sp.mesh)
         if colls:
             per_edge[k] = colls
-            add(colls, edge_reason(sp, e))
+            add(colls, edge_reason(sp, e), float(weight[e.dst]))
     loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
     loss_meta = sp.nodes[loss_i].meta["autopar"].out
     add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
@@ -61,7 +63,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     comm = float(sum(v[2] for v in agg.values()))
     mem, _ = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)
     collectives = [
-        CollectiveUse(kind, axis, int(v[0]), float(v[1]), float(v[2]), reason)
+        CollectiveUse(kind, axis, int(round(v[0])), float(v[1]), float(v[2]), reason)
         for (kind, axis, reason), v in sorted(agg.items(), key=lambda kv: -kv[1][2])
     ]
     return Scored(PlanCost(compute + comm, compute, comm, mem), collectives, per_edge)

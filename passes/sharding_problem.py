@@ -56,6 +56,7 @@ class ShardingProblem:
     group_cost: list[np.ndarray] = field(default_factory=list)  # root: its group's total cost
     reshard_cache: dict = field(default_factory=dict, repr=False)
     matrix_cache: dict = field(default_factory=dict, repr=False)
+    weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     peak_time: int = 0
     live: list[tuple[int, int]] = field(default_factory=list)
     # reduction results
@@ -147,6 +148,15 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         [cm.reshard_time(loss_meta, s.outs[0], rep, mesh) for s in strategies[loss_i]]
     )
     sp.usage = [_usage(n, strategies[i], mesh) for i, n in enumerate(nodes)]
+    if pg.proxy is not None:
+        # a traced middle layer stands for several real ones: weigh its costs and memory
+        sp.weight = np.array([pg.layer_weight(_node_layer(n)) for n in nodes])
+        for i, w in enumerate(sp.weight):
+            if w != 1.0:
+                sp.node_cost[i] = sp.node_cost[i] * w
+                sp.usage[i] = sp.usage[i] * w
+    else:
+        sp.weight = np.ones(len(nodes))
     sp.live = live_intervals(nodes)
     sp.peak_time = _replicated_peak(sp)
     _merge_followers(sp)
@@ -278,7 +288,7 @@ def _merge_followers(sp: ShardingProblem) -> None:
         root = group[e.src]
         rows = follow[e.src]  # producer strategy for each root strategy
         own = sp.node_cost[v] + sp.unary[v] if v in sp.unary else sp.node_cost[v]
-        mat = _edge_matrix(sp, e, rows) + own[None, :]
+        mat = _edge_matrix(sp, e, rows) * sp.weight[v] + own[None, :]
         choice = np.argmin(mat, axis=1)
         follow[v] = choice
         group[v] = root
@@ -330,11 +340,14 @@ def _assign_variables(sp: ShardingProblem, share_layers: bool) -> None:
 
 
 def _root_layer(sp: ShardingProblem, r: int) -> int | None:
-    ly = _layer_of(sp, r)
-    if ly is None and sp.nodes[r].op == "placeholder":
+    return _node_layer(sp.nodes[r])
+
+
+def _node_layer(n: fx.Node) -> int | None:
+    ly = n.meta["autopar"].layer
+    if ly is None and n.op == "placeholder":
         # a parameter belongs to the layer of the ops that use it
-        users = [u for u in sp.nodes[r].users if "autopar" in u.meta]
-        layers = {u.meta["autopar"].layer for u in users} - {None}
+        layers = {u.meta["autopar"].layer for u in n.users if "autopar" in u.meta} - {None}
         if len(layers) == 1:
             return layers.pop()
     return ly
@@ -366,8 +379,8 @@ def _reduced_problem(sp: ShardingProblem, memory_budget: float | None) -> Proble
         gu, gv = sp.group_of[e.src], sp.group_of[e.dst]
         if e.in_idx >= 0 and gu == gv:
             continue  # folded into the follower's group cost
-        u, v = sp.var_of[e.src], sp.var_of[e.dst]
-        mat = _edge_matrix(sp, e, sp.follow[e.src])[:, sp.follow[e.dst]]
+        u, v = int(sp.var_of[e.src]), int(sp.var_of[e.dst])
+        mat = _edge_matrix(sp, e, sp.follow[e.src])[:, sp.follow[e.dst]] * sp.weight[e.dst]
         if u == v:
             costs[u] += np.diagonal(mat)
         elif (u, v) in pair:

@@ -1,0 +1,76 @@
+"""Planning a deep model on a shallow proxy of itself.
+
+A 126-layer model repeats one block 126 times. The planner shares one set of solver variables
+between identical layers anyway, so tracing all of them only costs time. With ``max_layers=k``
+capture keeps the first ``k`` blocks (the first and last stay themselves: they meet the
+embedding and the head), and every middle block stands for ``(L - 2) / (k - 2)`` real ones:
+its compute, communication and memory are weighted by that factor. Parameters of the blocks
+that were not traced take the placements of the traced block they stand for.
+
+Step time and collectives come out exactly as from the full trace. Peak memory errs a little
+high: a middle block's short-lived temporaries are weighted like its saved activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True, slots=True)
+class DepthProxy:
+    path: str  # the ModuleList's qualified name, e.g. "layers"
+    total: int  # blocks in the real model
+    kept: int  # blocks traced
+
+    @property
+    def middle_weight(self) -> float:
+        return (self.total - 2) / (self.kept - 2)
+
+    def layer_weight(self, layer: int | None) -> float:
+        if layer is None or layer == 0 or layer == self.kept - 1:
+            return 1.0
+        return self.middle_weight
+
+    def traced_name(self, name: str) -> str:
+        """The traced parameter that stands for ``name`` (itself if it was traced)."""
+        m = re.match(rf"^{re.escape(self.path)}\.(\d+)\.(.*)$", name)
+        if not m:
+            return name
+        i = int(m.group(1))
+        if i < self.kept - 1:
+            return name
+        j = self.kept - 1 if i == self.total - 1 else 1 + (i - 1) % (self.kept - 2)
+        return f"{self.path}.{j}.{m.group(2)}"
+
+
+def _longest_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
+            if best is None or len(mod) > len(best[1]):
+                best = (name, mod)
+    return best
+
+
+@contextlib.contextmanager
+def truncated(model: nn.Module, max_layers: int | None) -> Iterator[DepthProxy | None]:
+    """Within the block, the model's longest list of repeated blocks keeps ``max_layers``."""
+    found = _longest_block_list(model) if max_layers else None
+    if found is None or max_layers is None or len(found[1]) <= max_layers:
+        yield None
+        return
+    if max_layers < 3:
+        raise ValueError("a depth proxy needs at least 3 layers: first, middle and last")
+    path, blocks = found
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    parent._modules[attr] = nn.ModuleList(list(blocks)[:max_layers])
+    try:
+        yield DepthProxy(path, len(blocks), max_layers)
+    finally:
+        parent._modules[attr] = blocks
