@@ -22,11 +22,12 @@ from autopar.errors import PlanError
 from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import sharding_problem
+from autopar.passes.axis_search import solve_axiswise
 from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import Spec
 from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
-from autopar.solver import Problem, Solution, evaluate, solve
+from autopar.solver import Problem, Solution, solve
 
 
 @dataclass
@@ -61,6 +62,7 @@ def make_plan(
 
     ``max_layers``: trace a deeper model as a proxy of that many layers (planning time then
     does not grow with depth; the plan's node placements cover the traced layers only)."""
+    memory_budget = float(memory_budget) if memory_budget is not None else None
     t0 = time.perf_counter()
     pg = graph or capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers)
     t_trace = time.perf_counter() - t0
@@ -85,7 +87,7 @@ def make_plan(
     t2 = time.perf_counter()
     sol = _solve_within_budget(sp, memory_budget, time_limit_s, hint)
     t_solve = time.perf_counter() - t2
-    if sol.status in ("infeasible", "timeout-no-solution"):
+    if not sol.feasible:
         need = _min_memory(sp)
         raise PlanError(
             f"no plan fits the memory budget of {_gib(memory_budget)} per device on mesh "
@@ -105,6 +107,29 @@ def make_plan(
     return Planned(plan, pg, sp, sol, choice, ref_choices)
 
 
+def planner_solve(
+    sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
+    domains: list[np.ndarray] | None = None,
+) -> Solution:
+    """Axis-by-axis exact sweeps from several starts, then the general solver from the best
+    point for what is left of a short polishing budget; the better answer wins."""
+    t0 = time.perf_counter()
+    best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains)
+    if best is not None and best.status == "optimal":
+        return best
+    left = time_limit_s - (time.perf_counter() - t0)
+    polish = min(POLISH_S, left)
+    if polish > 0.2 or best is None:
+        hint = best.assignment if best is not None and best.feasible else None
+        other = solve(problem, timeout_s=max(polish, 0.5), hint=hint)
+        if best is None or (other.feasible and (not best.feasible or other.cost < best.cost)):
+            return other
+    return best
+
+
+POLISH_S = 2.0
+
+
 def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None,
@@ -113,12 +138,8 @@ def _solve_within_budget(
     problem constrains one instant), tighten the limit by the overshoot and solve again."""
     assert sp.problem is not None
     problem = sp.problem
-    sol = solve(problem, timeout_s=time_limit_s, hint=hint)
-    if hint is not None and sol.feasible:
-        hinted_cost, hinted_ok, _ = evaluate(problem, hint)
-        if hinted_ok and hinted_cost < sol.cost:  # a solver that drifted off its start
-            sol = Solution(tuple(hint), hinted_cost, True, "feasible", sol.time_s, "reference")
-    if budget is None or sol.status in ("infeasible", "timeout-no-solution"):
+    sol = planner_solve(sp, problem, time_limit_s, [hint] if hint is not None else None)
+    if budget is None or not sol.feasible:
         return sol
     for _ in range(3):
         peak = score_assignment(sp, sp.expand(sol.assignment)).cost.mem_bytes
@@ -126,8 +147,8 @@ def _solve_within_budget(
             return sol
         limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
         problem = _with_limit(problem, limit)
-        retry = solve(problem, timeout_s=time_limit_s, hint=sol.assignment)
-        if retry.status in ("infeasible", "timeout-no-solution"):
+        retry = planner_solve(sp, problem, time_limit_s, [sol.assignment])
+        if not retry.feasible:
             return retry
         sol = retry
     return sol
@@ -178,8 +199,8 @@ def score_reference(
         if not allowed[v]:
             return None
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
-    sol = solve(sub, timeout_s=time_limit_s)
-    if sol.status in ("infeasible", "timeout-no-solution"):
+    sol = planner_solve(sp, sub, time_limit_s, domains=maps)
+    if not sol.feasible:
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
     choice = sp.expand(full_assign)

@@ -30,6 +30,7 @@ VIEW_OPS = frozenset(
 ) | {"getitem"}
 
 ADAM_STATE_BYTES_PER_PARAM = 8.0  # exp_avg and exp_avg_sq in fp32
+BUCKET_BYTES = 25 * 2**20  # DDP's default gradient bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,14 @@ def collective_time(kind: str, nbytes: float, n: int, bw: float, lat: float) -> 
     return (n - 1) * lat + (n - 1) / n * nbytes / bw
 
 
-def reshard_collectives(meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh) -> list[Collective]:
-    """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis."""
+def reshard_collectives(
+    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False
+) -> list[Collective]:
+    """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis.
+
+    ``bucketed``: gradient syncs and parameter gathers are batched into buckets of
+    ``BUCKET_BYTES`` (as DDP and FSDP do), so a small tensor pays only its share of a
+    collective's latency."""
     if src == dst:
         return []
     out: list[Collective] = []
@@ -70,7 +77,8 @@ def reshard_collectives(meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh) -> l
         buf = full / num_shards(others, mesh.shape)
         kind = _transition(a, b)
         if kind is not None:
-            t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax])
+            lat = mesh.latency[ax] * (min(1.0, buf / BUCKET_BYTES) if bucketed else 1.0)
+            t = collective_time(kind, buf, n, mesh.bandwidth[ax], lat)
             # what each rank hands to the collective: its shard for gathers and all-to-alls
             local = buf / n if kind in ("all_gather", "all_to_all") else buf
             out.append(Collective(kind, mesh.axes[ax], local, t))
@@ -99,10 +107,12 @@ def _transition(a, b) -> str | None:
     return None
 
 
-def reshard_time(meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh) -> float:
+def reshard_time(
+    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False
+) -> float:
     if src == dst:
         return 0.0
-    return sum(c.time_s for c in reshard_collectives(meta, src, dst, mesh))
+    return sum(c.time_s for c in reshard_collectives(meta, src, dst, mesh, bucketed))
 
 
 def work_split(ins: tuple[Spec, ...], outs: tuple[Spec, ...], mesh: Mesh) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from autopar.passes import cost_model as cm
 from autopar.passes.memory import peak_memory
-from autopar.passes.sharding_problem import Edge, ShardingProblem
+from autopar.passes.sharding_problem import Edge, ShardingProblem, is_bucketed
 from autopar.placements import Replicate
 from autopar.plan import CollectiveUse, PlanCost
 
@@ -52,7 +52,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         if src == dst:
             continue
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
-        colls = cm.reshard_collectives(meta, src, dst, sp.mesh)
+        colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(sp, e))
         if colls:
             per_edge[k] = colls
             add(colls, edge_reason(sp, e), float(weight[e.dst]))

@@ -226,12 +226,17 @@ def _replicated_peak(sp: ShardingProblem) -> int:
 
 # --- edges ----------------------------------------------------------------------------------
 
-def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst) -> float:
-    key = (meta.shape, meta.dtype, src, dst)
+def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, bucketed: bool) -> float:
+    key = (meta.shape, meta.dtype, src, dst, bucketed)
     t = sp.reshard_cache.get(key)
     if t is None:
-        t = sp.reshard_cache[key] = cm.reshard_time(meta, src, dst, sp.mesh)
+        t = sp.reshard_cache[key] = cm.reshard_time(meta, src, dst, sp.mesh, bucketed)
     return t
+
+
+def is_bucketed(sp: ShardingProblem, e: Edge) -> bool:
+    """Gradient syncs and parameter gathers go in buckets (see ``cost_model.BUCKET_BYTES``)."""
+    return e.in_idx < 0 or sp.nodes[e.src].meta["autopar"].role == "param"
 
 
 def _edge_specs(sp: ShardingProblem, e: Edge):
@@ -252,13 +257,15 @@ def _edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) -
     ``rows``, only those producer strategies, in that order."""
     meta = _edge_meta(sp, e)
     src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
-    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta)
+    bucketed = is_bucketed(sp, e)
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, bucketed)
     mat = sp.matrix_cache.get(key)
     if mat is None:
         src_specs, dst_specs = _edge_specs(sp, e)
         uniq_src = list(dict.fromkeys(src_specs))
         uniq_dst = list(dict.fromkeys(dst_specs))
-        table = np.array([[_reshard(sp, meta, a, b) for b in uniq_dst] for a in uniq_src])
+        table = np.array([[_reshard(sp, meta, a, b, bucketed) for b in uniq_dst]
+                          for a in uniq_src])
         pos_src = {s: i for i, s in enumerate(uniq_src)}
         pos_dst = {s: i for i, s in enumerate(uniq_dst)}
         si = np.array([pos_src[s] for s in src_specs])

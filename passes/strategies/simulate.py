@@ -48,7 +48,10 @@ def _split_partial(pieces, axis, n, reduce, gen):
     for members in groups.values():
         base = pieces[members[0]]
         if reduce == "sum" and base.is_floating_point():
-            noise = [torch.randn(base.shape, generator=gen, dtype=base.dtype) for _ in range(n - 1)]
+            noise = [
+                torch.randn(base.shape, generator=gen, dtype=base.dtype).to(base.device)
+                for _ in range(n - 1)
+            ]
             parts = noise + [base - sum(noise)] if noise else [base]
         elif reduce == "sum":  # integers/bools: one rank holds the value, the others zeros
             parts = [base] + [torch.zeros_like(base)] * (n - 1)
@@ -64,10 +67,10 @@ def _split_partial(pieces, axis, n, reduce, gen):
 def _split_extreme(base, n, is_max, gen):
     """Pieces whose elementwise max (min) is ``base``: every element is exact on one random rank
     and further from the extreme elsewhere, so a rule that reads a P(max) piece as whole fails."""
-    owner = torch.randint(0, n, base.shape, generator=gen)
+    owner = torch.randint(0, n, base.shape, generator=gen).to(base.device)
     parts = []
     for r in range(n):
-        gap = torch.rand(base.shape, generator=gen, dtype=base.dtype) + 0.5
+        gap = torch.rand(base.shape, generator=gen, dtype=base.dtype).to(base.device) + 0.5
         off = torch.where(owner == r, torch.zeros_like(base), gap)
         parts.append(base - off if is_max else base + off)
     return parts

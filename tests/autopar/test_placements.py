@@ -9,11 +9,11 @@ from autopar.placements import (
     Shard,
     evenly_divides,
     format_spec,
+    from_torch,
     local_shape,
     parse_placement,
     parse_spec,
     to_torch,
-    from_torch,
 )
 
 placements = st.one_of(

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
@@ -14,8 +15,8 @@ from autopar.planner import make_plan
 
 def _plan(name, mesh, batch, seq, budget=None, **changes):
     preset = get_preset(name)
-    if changes:
-        preset = preset.replace(**changes)
+    changes.setdefault("n_positions" if preset.family == "gpt2" else "max_seq_len", seq)
+    preset = preset.replace(**changes)
     return make_plan(preset.build("meta"), mesh, preset.example_inputs(batch, seq),
                      memory_budget=budget, time_limit_s=20, model_name=name)
 
@@ -29,13 +30,14 @@ LLAMA_ROW = ("attention.wo.weight", "feed_forward.w2.weight")
 @pytest.mark.parametrize(
     "name,changes,column,row",
     [
-        ("gpt2-tiny", dict(n_layer=2, d_model=1024, n_head=16), GPT_COLUMN, GPT_ROW),
-        ("llama3-tiny", dict(n_layers=2, dim=1024, n_heads=16, n_kv_heads=8, ffn_dim=4096),
+        ("gpt2-tiny", dict(n_layer=2, d_model=4096, n_head=32), GPT_COLUMN, GPT_ROW),
+        ("llama3-tiny", dict(n_layers=2, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336),
          LLAMA_COLUMN, LLAMA_ROW),
     ],
 )
 def test_small_batch_on_a_tp_mesh_gives_megatron_column_then_row(name, changes, column, row):
-    planned = _plan(name, Mesh((8,), ("tp",)), batch=1, seq=256, **changes)
+    # one sequence of 1024 tokens through layers of GPT-2 XL / Llama-3 8B width
+    planned = _plan(name, Mesh((8,), ("tp",)), batch=1, seq=1024, **changes)
     params = planned.plan.params
     for pname, spec in params.items():
         if pname.endswith(column):
@@ -48,7 +50,10 @@ def test_large_batch_gives_data_parallelism():
     planned = _plan("gpt2-tiny", Mesh((8,), ("dp",)), batch=256, seq=128,
                     n_layer=2, d_model=256, n_head=8)
     plan = planned.plan
-    assert plan.inputs["arg0"] == (S(0),)
+    # the batch may arrive whole and be sliced locally (free): what matters is that the
+    # matmuls run on batch shards
+    mms = [n for n in planned.graph.nodes() if n.target is torch.ops.aten.addmm.default]
+    assert mms and all(plan.nodes[n.name].ins[1] == (S(0),) for n in mms)
     replicated = sum(spec == (R,) for spec in plan.params.values())
     assert replicated >= 0.9 * len(plan.params)
     assert any(c.kind == "all_reduce" and c.reason == "gradient sync" for c in plan.collectives)
@@ -56,15 +61,19 @@ def test_large_batch_gives_data_parallelism():
 
 def test_memory_budget_below_replicated_state_shards_parameters():
     mesh = Mesh((8,), ("dp",))
-    free = _plan("gpt2-tiny", mesh, batch=64, seq=128, n_layer=4, d_model=512, n_head=8)
+    # parameters and Adam state (16 B a parameter) dominate: few tokens, wide layers
+    free = _plan("gpt2-tiny", mesh, batch=8, seq=32, n_layer=4, d_model=1024, n_head=8)
     state = sum(free.problem.usage[i][0] for i, n in enumerate(free.problem.nodes)
                 if n.meta["autopar"].role == "param")
     budget = 0.5 * state
-    tight = _plan("gpt2-tiny", mesh, batch=64, seq=128, budget=budget,
-                  n_layer=4, d_model=512, n_head=8)
+    tight = _plan("gpt2-tiny", mesh, batch=8, seq=32, budget=budget,
+                  n_layer=4, d_model=1024, n_head=8)
     assert tight.plan.cost.mem_bytes <= budget
-    sharded = [n for n, s in tight.plan.params.items() if any(isinstance(p, Shard) for p in s)]
-    assert len(sharded) >= len(tight.plan.params) // 2
+    sizes = {n.meta["autopar"].param_name: n.meta["autopar"].out.nbytes
+             for n in tight.graph.nodes() if n.meta["autopar"].role == "param"}
+    sharded = sum(sizes[n] for n, s in tight.plan.params.items()
+                  if any(isinstance(p, Shard) for p in s))
+    assert sharded >= 0.5 * sum(sizes.values())  # at least half the state is split
     assert tight.plan.cost.step_s >= free.plan.cost.step_s
 
 
