@@ -36,7 +36,7 @@ def main() -> None:
         t0 = time.perf_counter()
         model = preset.build("meta")
         planned = make_plan(model, Mesh.parse(mesh_s, "h100"), preset.example_inputs(batch, seq),
-                            time_limit_s=target / 2, model_name=name)
+                            time_limit_s=target / 2, model_name=name, max_layers=4)
         total = time.perf_counter() - t0
         t = planned.plan.timings
         s = planned.plan.solver
