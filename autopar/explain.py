@@ -24,6 +24,8 @@ def explain_node(planned: Planned, node: str, top: int = 5) -> str:
     if node not in names:
         params = {n.meta["autopar"].param_name: n.name for n in sp.nodes
                   if n.meta["autopar"].param_name and n.op == "placeholder"}
+        if planned.graph.proxy is not None:  # a layer that was not traced: its stand-in
+            node = planned.graph.proxy.traced_name(node)
         if node not in params:
             raise KeyError(f"no node or parameter named {node!r} in the plan's graph")
         node = params[node]
@@ -38,7 +40,8 @@ def explain_node(planned: Planned, node: str, top: int = 5) -> str:
     f = sp.nodes[i].meta["autopar"]
     chosen = sp.strategies[i][planned.node_choice[i]]
     lines = [
-        f"{node}: {f.op} -> {', '.join(repr(m) for m in f.outputs if m)}",
+        f"{node}{f' (parameter {f.param_name})' if f.param_name else ''}: {f.op} -> "
+        f"{', '.join(repr(m) for m in f.outputs if m)}",
         f"  chosen: {chosen}",
         f"  decided by variable {v} (root {sp.nodes[root].name}; it covers {members} graph "
         f"nodes{', shared by repeated layers' if sp.shared_layers else ''})",

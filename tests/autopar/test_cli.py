@@ -61,3 +61,39 @@ def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "autopar.cli", "--help"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "plan" in out.stdout and "solve" in out.stdout
+
+
+FACTORY = '''
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class WithLabels(torch.nn.Module):
+    """HF causal LMs take labels by keyword; autopar traces positional example inputs."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        return self.lm(input_ids=ids, labels=labels)
+
+
+def build(batch, seq):
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=seq)
+    model = WithLabels(LlamaForCausalLM(cfg))
+    ids = torch.randint(0, 128, (batch, seq))
+    return model, (ids, ids)
+'''
+
+
+def test_a_users_factory_plans_a_hugging_face_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_hf_factory.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run(capsys, "plan", "my_hf_factory:build", "--mesh", "dp=2,tp=2",
+                         "--batch", "4", "--seq", "16", "--time-limit", "5")
+    assert code == 0, err
+    assert "lm.model.layers.*.self_attn.q_proj.weight" in out
+    assert "ops with no sharding rule" not in out
