@@ -57,16 +57,18 @@ PROFILES: dict[str, DeviceProfile] = {
                  4800 * GBps, 141 * GiB, 450 * GBps, 50 * GBps),
     "a100": _gpu("a100", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,
                  2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps),
-    # A CPU process talking gloo over loopback: what `autopar train` runs on.
+    # A CPU process talking gloo over loopback, as `autopar train` runs: gloo's per-call
+    # overhead is large (0.5-4 ms per collective measured on a 2-core machine, ~0.3 GB/s),
+    # so each ring step is charged 200 us and the link 0.5 GB/s.
     "cpu": DeviceProfile(
         "cpu",
-        {"float32": 100e9, "bfloat16": 50e9, "float16": 25e9},
-        mem_bandwidth=20 * GBps,
+        {"float32": 50e9, "bfloat16": 10e9, "float16": 5e9},
+        mem_bandwidth=10 * GBps,
         mem_capacity=16 * GiB,
-        intra_node_bandwidth=2 * GBps,
-        inter_node_bandwidth=1 * GBps,
-        intra_node_latency=50e-6,
-        inter_node_latency=100e-6,
+        intra_node_bandwidth=0.5 * GBps,
+        inter_node_bandwidth=0.2 * GBps,
+        intra_node_latency=200e-6,
+        inter_node_latency=400e-6,
         devices_per_node=64,
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
