@@ -27,6 +27,8 @@ class DeviceProfile:
     intra_node_latency: float = 5e-6
     inter_node_latency: float = 10e-6
     devices_per_node: int = 8
+    # fixed price of issuing one collective, whatever its size and steps (launch, sync)
+    collective_overhead: float = 10e-6
     matmul_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     extra: dict[str, float] = field(default_factory=dict)
@@ -70,6 +72,7 @@ PROFILES: dict[str, DeviceProfile] = {
         intra_node_latency=200e-6,
         inter_node_latency=400e-6,
         devices_per_node=64,
+        collective_overhead=1e-3,
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
     ),

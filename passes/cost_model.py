@@ -44,14 +44,17 @@ class Collective:
         return f"{self.kind}[{self.axis}] {self.bytes / 1e6:.3g} MB"
 
 
-def collective_time(kind: str, nbytes: float, n: int, bw: float, lat: float) -> float:
-    """Ring-algorithm time of one collective over ``n`` devices (``nbytes`` = full buffer)."""
+def collective_time(
+    kind: str, nbytes: float, n: int, bw: float, lat: float, overhead: float = 0.0
+) -> float:
+    """Ring-algorithm time of one collective over ``n`` devices (``nbytes`` = full buffer):
+    ``overhead`` once, ``lat`` per ring step, and the bytes each device moves over ``bw``."""
     if n <= 1:
         return 0.0
     if kind == "all_reduce":
-        return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+        return overhead + 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
     # all-gather / reduce-scatter / all-to-all move (n-1)/n of the full buffer per device
-    return (n - 1) * lat + (n - 1) / n * nbytes / bw
+    return overhead + (n - 1) * lat + (n - 1) / n * nbytes / bw
 
 
 def reshard_collectives(
@@ -77,8 +80,9 @@ def reshard_collectives(
         buf = full / num_shards(others, mesh.shape)
         kind = _transition(a, b)
         if kind is not None:
-            lat = mesh.latency[ax] * (min(1.0, buf / BUCKET_BYTES) if bucketed else 1.0)
-            t = collective_time(kind, buf, n, mesh.bandwidth[ax], lat)
+            share = min(1.0, buf / BUCKET_BYTES) if bucketed else 1.0
+            t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax] * share,
+                                mesh.device.collective_overhead * share)
             # what each rank hands to the collective: its shard for gathers and all-to-alls
             local = buf / n if kind in ("all_gather", "all_to_all") else buf
             out.append(Collective(kind, mesh.axes[ax], local, t))

@@ -59,3 +59,18 @@ def test_memory_of_params_counts_grad_and_adam_state():
     w = TensorMeta((1000,), torch.float32)
     assert cm.param_bytes_per_device(w, (R, R), MESH) == 1000 * (4 + 4 + 8)
     assert cm.param_bytes_per_device(w, (S(0), S(0)), MESH) == 1000 * 16 / 8
+
+
+def test_per_call_overhead_makes_one_all_reduce_cheaper_than_two_halves():
+    n, b, bw, lat, ovh = 4, 1e6, 1e9, 1e-4, 1e-3
+    ar = cm.collective_time("all_reduce", b, n, bw, lat, ovh)
+    rs_ag = cm.collective_time("reduce_scatter", b, n, bw, lat, ovh) + cm.collective_time(
+        "all_gather", b, n, bw, lat, ovh)
+    assert ar == pytest.approx(rs_ag - ovh)
+
+
+def test_bucketed_gradient_syncs_pay_only_their_share_of_fixed_costs():
+    small = TensorMeta((1024,), torch.float32)
+    alone = cm.reshard_time(small, (Partial(), R), (R, R), MESH)
+    bucketed = cm.reshard_time(small, (Partial(), R), (R, R), MESH, bucketed=True)
+    assert bucketed < alone / 100
