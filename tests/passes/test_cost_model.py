@@ -73,4 +73,7 @@ def test_bucketed_gradient_syncs_pay_only_their_share_of_fixed_costs():
     small = TensorMeta((1024,), torch.float32)
     alone = cm.reshard_time(small, (Partial(), R), (R, R), MESH)
     bucketed = cm.reshard_time(small, (Partial(), R), (R, R), MESH, bucketed=True)
-    assert bucketed < alone / 100
+    bandwidth_only = cm.collective_time("all_reduce", small.nbytes, 2, MESH.bandwidth[0], 0.0)
+    share = small.nbytes / cm.BUCKET_BYTES
+    assert bucketed == pytest.approx(bandwidth_only + share * (alone - bandwidth_only))
+    assert bucketed < alone / 50
