@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.passes import cost_model as cm
+from autopar.passes.edge_costs import is_bucketed
 from autopar.passes.memory import peak_memory
-from autopar.passes.sharding_problem import Edge, ShardingProblem, is_bucketed
+from autopar.passes.sharding_problem import Edge, ShardingProblem
 from autopar.placements import Replicate
 from autopar.plan import CollectiveUse, PlanCost
 

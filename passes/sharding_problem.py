@@ -1,20 +1,12 @@
 """From a PlanGraph on a mesh to the abstract problem the solver takes, and back.
 
 Every tensor-producing node gets its strategies (``passes.strategies``), a compute cost and a
-memory use per strategy; every producer->consumer edge a matrix of resharding costs. Two
-reductions then shrink the problem before it reaches the solver:
-
-1. **Followers are merged.** A node with one tensor input (a view, a unary elementwise op, a
-   getitem, a reduction) takes, for each strategy of its producer, its own cheapest matching
-   strategy. It then needs no variable of its own (Alpa does the same).
-2. **Repeated layers share variables.** Capture tags the nodes of every repeated block with
-   its index; layers whose merged groups line up (same ops, shapes and strategies, in order)
-   are given one set of variables, and their costs are added up. Solve time then does not grow
-   with depth.
-
-Memory is constrained at one instant, the peak of the all-replicated plan (in training, the
-turn from forward to backward, when every saved activation is live). The exact peak of the
-solved plan is measured afterwards over the whole schedule (:mod:`passes.memory`).
+memory use per strategy; every producer->consumer edge a matrix of resharding costs
+(``passes.edge_costs``); a gradient is tied to its parameter by an edge that prices moving it
+into the parameter's layout. ``passes.problem_reduction`` then merges followers and shares
+variables between repeated layers; ``ShardingProblem.expand`` maps a solution back to every
+node. The exact peak memory of a solved plan is measured over the whole step afterwards
+(``passes.scoring``).
 """
 
 from __future__ import annotations
@@ -26,10 +18,17 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.graph import NodeFacts, PlanGraph, TensorMeta
+from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
+from autopar.passes.edge_costs import edge_matrix
 from autopar.passes.memory import live_intervals, peak_memory
+from autopar.passes.problem_reduction import (
+    assign_variables,
+    merge_followers,
+    node_layer,
+    reduced_problem,
+)
 from autopar.passes.strategies.registry import Strategy, all_specs, node_strategies, tensor_inputs
 from autopar.placements import Replicate
 from autopar.solver.problem import Problem
@@ -71,7 +70,7 @@ class ShardingProblem:
         return {n.name: i for i, n in enumerate(self.nodes)}
 
     def edge_matrix(self, e: Edge) -> np.ndarray:
-        return _edge_matrix(self, e)
+        return edge_matrix(self, e)
 
     def expand(self, assignment: tuple[int, ...] | list[int]) -> list[int]:
         """Strategy index of every node from one strategy per solver variable."""
@@ -150,7 +149,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     sp.usage = [_usage(n, strategies[i], mesh) for i, n in enumerate(nodes)]
     if pg.proxy is not None:
         # a traced middle layer stands for several real ones: weigh its costs and memory
-        sp.weight = np.array([pg.layer_weight(_node_layer(n)) for n in nodes])
+        sp.weight = np.array([pg.layer_weight(node_layer(n)) for n in nodes])
         for i, w in enumerate(sp.weight):
             if w != 1.0:
                 sp.node_cost[i] = sp.node_cost[i] * w
@@ -159,9 +158,9 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         sp.weight = np.ones(len(nodes))
     sp.live = live_intervals(nodes)
     sp.peak_time = _replicated_peak(sp)
-    _merge_followers(sp)
-    _assign_variables(sp, share_layers)
-    sp.problem = _reduced_problem(sp, memory_budget)
+    merge_followers(sp)
+    assign_variables(sp, share_layers)
+    sp.problem = reduced_problem(sp, memory_budget)
     return sp
 
 
@@ -222,187 +221,3 @@ def _usage(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
 
 def _replicated_peak(sp: ShardingProblem) -> int:
     return peak_memory([u[0] for u in sp.usage], sp.live)[1]
-
-
-# --- edges ----------------------------------------------------------------------------------
-
-def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, bucketed: bool) -> float:
-    key = (meta.shape, meta.dtype, src, dst, bucketed)
-    t = sp.reshard_cache.get(key)
-    if t is None:
-        t = sp.reshard_cache[key] = cm.reshard_time(meta, src, dst, sp.mesh, bucketed)
-    return t
-
-
-def is_bucketed(sp: ShardingProblem, e: Edge) -> bool:
-    """Gradient syncs and parameter gathers go in buckets (see ``cost_model.BUCKET_BYTES``)."""
-    return e.in_idx < 0 or sp.nodes[e.src].meta["autopar"].role == "param"
-
-
-def _edge_specs(sp: ShardingProblem, e: Edge):
-    src_specs = [s.outs[e.out_idx] for s in sp.strategies[e.src]]
-    if e.in_idx < 0:  # gradient -> the layout of its parameter
-        dst_specs = [s.outs[0] for s in sp.strategies[e.dst]]
-    else:
-        dst_specs = [s.ins[e.in_idx] for s in sp.strategies[e.dst]]
-    return src_specs, dst_specs
-
-
-def _edge_meta(sp: ShardingProblem, e: Edge) -> TensorMeta:
-    return sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
-
-
-def _edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) -> np.ndarray:
-    """Resharding cost of edge ``e`` for every (producer, consumer) strategy pair; with
-    ``rows``, only those producer strategies, in that order."""
-    meta = _edge_meta(sp, e)
-    src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
-    bucketed = is_bucketed(sp, e)
-    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, bucketed)
-    mat = sp.matrix_cache.get(key)
-    if mat is None:
-        src_specs, dst_specs = _edge_specs(sp, e)
-        uniq_src = list(dict.fromkeys(src_specs))
-        uniq_dst = list(dict.fromkeys(dst_specs))
-        table = np.array([[_reshard(sp, meta, a, b, bucketed) for b in uniq_dst]
-                          for a in uniq_src])
-        pos_src = {s: i for i, s in enumerate(uniq_src)}
-        pos_dst = {s: i for i, s in enumerate(uniq_dst)}
-        si = np.array([pos_src[s] for s in src_specs])
-        di = np.array([pos_dst[s] for s in dst_specs])
-        mat = sp.matrix_cache[key] = table[np.ix_(si, di)]
-    return mat if rows is None else mat[rows]
-
-
-# --- reduction 1: followers -----------------------------------------------------------------
-
-
-def _merge_followers(sp: ShardingProblem) -> None:
-    n = len(sp.nodes)
-    in_edges: list[list[Edge]] = [[] for _ in range(n)]
-    for e in sp.edges:
-        if e.in_idx >= 0:
-            in_edges[e.dst].append(e)
-    group = np.arange(n)
-    follow = [np.arange(len(s)) for s in sp.strategies]
-    sp.group_cost = [c + sp.unary[i] if i in sp.unary else c.copy()
-                     for i, c in enumerate(sp.node_cost)]
-    for v in range(n):  # nodes are in topological order, so producers are settled first
-        ins = in_edges[v]
-        if len(ins) != 1 or sp.nodes[v].op == "placeholder":
-            continue
-        e = ins[0]
-        root = group[e.src]
-        rows = follow[e.src]  # producer strategy for each root strategy
-        own = sp.node_cost[v] + sp.unary[v] if v in sp.unary else sp.node_cost[v]
-        mat = _edge_matrix(sp, e, rows) * sp.weight[v] + own[None, :]
-        choice = np.argmin(mat, axis=1)
-        follow[v] = choice
-        group[v] = root
-        sp.group_cost[root] = sp.group_cost[root] + mat[np.arange(len(choice)), choice]
-    sp.group_of = group
-    sp.follow = follow
-
-
-# --- reduction 2: shared layer variables ----------------------------------------------------
-
-
-def _layer_of(sp: ShardingProblem, i: int) -> int | None:
-    return sp.nodes[i].meta["autopar"].layer
-
-
-def _assign_variables(sp: ShardingProblem, share_layers: bool) -> None:
-    n = len(sp.nodes)
-    assert sp.group_of is not None
-    roots = [i for i in range(n) if sp.group_of[i] == i]
-    layer_of_root = {r: _root_layer(sp, r) for r in roots}
-    by_layer: dict[int, list[int]] = {}
-    for r in roots:
-        if layer_of_root[r] is not None:
-            by_layer.setdefault(layer_of_root[r], []).append(r)
-    var_of_root: dict[int, int] = {}
-    sp.var_root = []
-    shared = 0
-    if share_layers and len(by_layer) >= 2:
-        sigs = {ly: [_signature(sp, r) for r in rs] for ly, rs in by_layer.items()}
-        templates: dict[tuple, int] = {}  # signature sequence -> template layer
-        for ly in sorted(by_layer):
-            key = tuple(sigs[ly])
-            if key in templates:
-                tmpl = by_layer[templates[key]]
-                for r, t in zip(by_layer[ly], tmpl):
-                    var_of_root[r] = var_of_root[t]
-                shared += 1
-            else:
-                templates[key] = ly
-                for r in by_layer[ly]:
-                    var_of_root[r] = len(sp.var_root)
-                    sp.var_root.append(r)
-    for r in roots:
-        if r not in var_of_root:
-            var_of_root[r] = len(sp.var_root)
-            sp.var_root.append(r)
-    sp.var_of = np.array([var_of_root[sp.group_of[i]] for i in range(n)])
-    sp.shared_layers = shared
-
-
-def _root_layer(sp: ShardingProblem, r: int) -> int | None:
-    return _node_layer(sp.nodes[r])
-
-
-def _node_layer(n: fx.Node) -> int | None:
-    ly = n.meta["autopar"].layer
-    if ly is None and n.op == "placeholder":
-        # a parameter belongs to the layer of the ops that use it
-        layers = {u.meta["autopar"].layer for u in n.users if "autopar" in u.meta} - {None}
-        if len(layers) == 1:
-            return layers.pop()
-    return ly
-
-
-def _signature(sp: ShardingProblem, r: int) -> tuple:
-    f: NodeFacts = sp.nodes[r].meta["autopar"]
-    # the same strategy list object means the same op on the same shapes (see _strategy_key)
-    return (f.op, f.role, id(sp.strategies[r]))
-
-
-# --- the reduced problem --------------------------------------------------------------------
-
-
-def _reduced_problem(sp: ShardingProblem, memory_budget: float | None) -> Problem:
-    assert sp.var_of is not None and sp.group_of is not None
-    nv = len(sp.var_root)
-    costs = [np.zeros(len(sp.strategies[r])) for r in sp.var_root]
-    usage = [np.zeros(len(sp.strategies[r])) for r in sp.var_root]
-    for i in range(len(sp.nodes)):
-        v = sp.var_of[i]
-        if sp.group_of[i] == i:
-            costs[v] += sp.group_cost[i]
-        a, b = sp.live[i]
-        if a <= sp.peak_time <= b and sp.usage[i].any():
-            usage[v] += sp.usage[i][sp.follow[i]] if sp.group_of[i] != i else sp.usage[i]
-    pair: dict[tuple[int, int], np.ndarray] = {}
-    for e in sp.edges:
-        gu, gv = sp.group_of[e.src], sp.group_of[e.dst]
-        if e.in_idx >= 0 and gu == gv:
-            continue  # folded into the follower's group cost
-        u, v = int(sp.var_of[e.src]), int(sp.var_of[e.dst])
-        mat = _edge_matrix(sp, e, sp.follow[e.src])[:, sp.follow[e.dst]] * sp.weight[e.dst]
-        if u == v:
-            costs[u] += np.diagonal(mat)
-        elif (u, v) in pair:
-            pair[(u, v)] = pair[(u, v)] + mat
-        elif (v, u) in pair:
-            pair[(v, u)] = pair[(v, u)] + mat.T
-        else:
-            pair[(u, v)] = mat
-    edges = list(pair)
-    return Problem(
-        costs=costs,
-        usages=usage,
-        intervals=[(0, 1)] * nv,
-        edges=edges,
-        edge_costs=[pair[k] for k in edges],
-        usage_limit=memory_budget,
-        names=[sp.nodes[r].name for r in sp.var_root],
-    )

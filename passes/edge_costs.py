@@ -1,0 +1,65 @@
+"""Edge costs of the sharding problem: resharding time for every (producer, consumer) pair.
+
+Matrices are cached by the identity of the two strategy lists (repeated layers share them), so
+a model's 32 identical layers cost one matrix per distinct edge, not 32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.graph import TensorMeta
+from autopar.passes import cost_model as cm
+
+if TYPE_CHECKING:
+    from autopar.passes.sharding_problem import Edge, ShardingProblem
+
+
+def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, bucketed: bool) -> float:
+    key = (meta.shape, meta.dtype, src, dst, bucketed)
+    t = sp.reshard_cache.get(key)
+    if t is None:
+        t = sp.reshard_cache[key] = cm.reshard_time(meta, src, dst, sp.mesh, bucketed)
+    return t
+
+
+def is_bucketed(sp: ShardingProblem, e: Edge) -> bool:
+    """Gradient syncs and parameter gathers go in buckets (see ``cost_model.BUCKET_BYTES``)."""
+    return e.in_idx < 0 or sp.nodes[e.src].meta["autopar"].role == "param"
+
+
+def edge_specs(sp: ShardingProblem, e: Edge):
+    src_specs = [s.outs[e.out_idx] for s in sp.strategies[e.src]]
+    if e.in_idx < 0:  # gradient -> the layout of its parameter
+        dst_specs = [s.outs[0] for s in sp.strategies[e.dst]]
+    else:
+        dst_specs = [s.ins[e.in_idx] for s in sp.strategies[e.dst]]
+    return src_specs, dst_specs
+
+
+def edge_meta(sp: ShardingProblem, e: Edge) -> TensorMeta:
+    return sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
+
+
+def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) -> np.ndarray:
+    """Resharding cost of edge ``e`` for every (producer, consumer) strategy pair; with
+    ``rows``, only those producer strategies, in that order."""
+    meta = edge_meta(sp, e)
+    src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
+    bucketed = is_bucketed(sp, e)
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, bucketed)
+    mat = sp.matrix_cache.get(key)
+    if mat is None:
+        src_specs, dst_specs = edge_specs(sp, e)
+        uniq_src = list(dict.fromkeys(src_specs))
+        uniq_dst = list(dict.fromkeys(dst_specs))
+        table = np.array([[_reshard(sp, meta, a, b, bucketed) for b in uniq_dst]
+                          for a in uniq_src])
+        pos_src = {s: i for i, s in enumerate(uniq_src)}
+        pos_dst = {s: i for i, s in enumerate(uniq_dst)}
+        si = np.array([pos_src[s] for s in src_specs])
+        di = np.array([pos_dst[s] for s in dst_specs])
+        mat = sp.matrix_cache[key] = table[np.ix_(si, di)]
+    return mat if rows is None else mat[rows]
