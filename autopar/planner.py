@@ -29,6 +29,9 @@ from autopar.placements import Spec
 from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
 from autopar.solver import Problem, Solution, solve
 
+# seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
+POLISH_S = 2.0
+
 
 @dataclass
 class Planned:
@@ -125,9 +128,6 @@ def planner_solve(
         if best is None or (other.feasible and (not best.feasible or other.cost < best.cost)):
             return other
     return best
-
-
-POLISH_S = 2.0
 
 
 def _solve_within_budget(
