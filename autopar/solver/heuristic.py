@@ -1,0 +1,367 @@
+"""Fast solver for large instances: memory-safe greedy, then a loop of exact moves on ever
+larger neighbourhoods, with CP-SAT large-neighbourhood search (LNS) when they stall.
+
+Works on a presolved problem (``reduce.py``); moves, cheapest first:
+
+- single-node sweeps (``LocalSearch.sweep``), with incremental numpy cost vectors;
+- rigid-group moves (``groups.py``): whole groups of nodes bound by bijective edges;
+- tree moves (``treedp.py``): (min, +) dynamic programming over induced trees of up to
+  20,000 nodes, e.g. a hub and all its leaf operands;
+- CP-SAT on neighbourhoods (``LocalSearch.lns_step``) of three kinds, seeded at the
+  currently most expensive edges: breadth-first in the graph (whole groups at a time), a
+  window of consecutive node ids (program order), and nodes live at the seed's tightest
+  moment that could give memory back. Sizes grow while CP-SAT proves them optimal.
+
+The incumbent is feasible at every step: the greedy starts from every node at its smallest
+usage (which fits iff the problem is feasible at all) and only takes a strategy whose extra
+usage fits under the limit over the node's whole live interval; every other move checks the
+usage profile (or carries it into the CP-SAT memory rows) and is undone if it would overflow.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from autopar.solver import ilp
+from autopar.solver.groups import Groups
+from autopar.solver.problem import Problem, evaluate, fits, usage_profile
+from autopar.solver.treedp import tree_move
+
+# Inside the heuristic, forbidden costs (1e18 in the contest files) are lowered to this so
+# sums keep the precision of the ordinary costs; it still outweighs any real plan.
+_PENALTY = 1e15
+_TREE_SIZE = 20_000
+_GROUP_CAP = 3_000  # a neighbourhood may exceed its size by this much to take a whole group
+
+
+def _capped(q: Problem, forbid: float) -> Problem:
+    def cap(a: np.ndarray) -> np.ndarray:
+        return np.where(a >= forbid, _PENALTY, a) if (a >= forbid).any() else a
+
+    return Problem(
+        [cap(c) for c in q.costs], q.usages, q.intervals, q.edges,
+        [cap(m) for m in q.edge_costs], q.usage_limit, q.names, q.name,
+    )  # fmt: skip
+
+
+class LocalSearch:
+    """Incumbent assignment with its usage profile, and moves that keep it feasible."""
+
+    def __init__(self, q: Problem, seed: int = 0, forbid: float = ilp.FORBIDDEN) -> None:
+        if forbid < math.inf:
+            q, forbid = _capped(q, forbid), _PENALTY
+        self.q = q
+        self.forbid = forbid
+        self.rng = np.random.default_rng(seed)
+        n = q.num_nodes
+        self.inc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        for e, (u, v) in enumerate(q.edges):
+            self.inc[u].append((e, 0))
+            self.inc[v].append((e, 1))
+        self.nbrs = [[q.edges[e][1 - side] for e, side in lst] for lst in self.inc]
+        idx = q.index
+        self.st, self.en = idx.start, idx.end
+        self.live = self.en > self.st
+        self.limit = q.usage_limit
+        self.tol = 0.0 if self.limit is None else 1e-12 * max(1.0, abs(self.limit))
+        self.a = np.array([int(np.lexsort((c, u))[0]) for c, u in zip(q.costs, q.usages)])
+        self.min_usage = np.array([u.min() for u in q.usages])
+        self.kinds = ["bfs", "bfs", "memory", "window"]
+        self.groups: Groups | None = None
+        self.load = usage_profile(q, self.a)
+
+    def fits(self) -> bool:
+        return self.limit is None or fits(float(self.load.max(initial=0.0)), self.limit)
+
+    def cost(self) -> float:
+        return evaluate(self.q, self.a)[0]
+
+    def local(self, i: int, assigned: np.ndarray | None = None) -> np.ndarray:
+        """Cost of each strategy of node i given its neighbours' current strategies."""
+        q, a = self.q, self.a
+        c = q.costs[i].copy()
+        for e, side in self.inc[i]:
+            m = q.edge_costs[e]
+            if side == 0:
+                j = q.edges[e][1]
+                if assigned is None or assigned[j]:
+                    c += m[:, a[j]]
+            else:
+                j = q.edges[e][0]
+                if assigned is None or assigned[j]:
+                    c += m[a[j], :]
+        return c
+
+    def allowed(self, i: int) -> np.ndarray:
+        u = self.q.usages[i]
+        if self.limit is None or not self.live[i]:
+            return np.ones(len(u), dtype=bool)
+        head = self.limit - float(self.load[self.st[i] : self.en[i]].max())
+        return u - u[self.a[i]] <= head + self.tol
+
+    def set(self, i: int, s: int) -> None:
+        old = self.a[i]
+        if old == s:
+            return
+        if self.live[i]:
+            d = self.q.usages[i][s] - self.q.usages[i][old]
+            if d:
+                self.load[self.st[i] : self.en[i]] += d
+        self.a[i] = s
+
+    def greedy(self, order: np.ndarray | None = None, price: float = 0.0) -> None:
+        """Assign in ``order`` (default: index order, which follows the program), each node
+        taking its cheapest strategy that fits in memory, prefers allowed pairs with assigned
+        neighbours, and leaves every unassigned neighbour an allowed strategy (forward
+        checking: forbidden pairs make a myopic greedy paint itself into corners)."""
+        q, n, f = self.q, self.q.num_nodes, self.forbid
+        assigned = np.zeros(n, dtype=bool)
+        dom = [np.ones(k, dtype=bool) for k in q.index.n_strat.tolist()]
+        span = (self.en - self.st).clip(0) if self.limit is not None else np.zeros(n)
+        for i in range(n) if order is None else order.tolist():
+            c = self.local(i, assigned)
+            if price and span[i]:
+                # memory held longer costs more: leaves room for nodes that need it more
+                c = c + price * span[i] * (q.usages[i] - q.usages[i].min())
+            c[~self.allowed(i)] = np.inf
+            look = dom[i].copy()
+            for e, side in self.inc[i]:
+                j = q.edges[e][1 - side]
+                if not assigned[j]:
+                    ok = q.edge_costs[e] < f
+                    ok = ok if side == 0 else ok.T
+                    look &= (ok & dom[j][None, :]).any(1)
+            pen = np.where(look, 0.0, f)
+            s = int(np.argmin(c + pen))
+            self.set(i, s)
+            assigned[i] = True
+            for e, side in self.inc[i]:
+                j = q.edges[e][1 - side]
+                if not assigned[j]:
+                    row = q.edge_costs[e][s, :] if side == 0 else q.edge_costs[e][:, s]
+                    nd = dom[j] & (row < f)
+                    if nd.any():
+                        dom[j] = nd
+
+    def sweep(self, order: np.ndarray | None = None) -> int:
+        """One pass of best single-node moves; returns how many nodes changed."""
+        moved = 0
+        n = self.q.num_nodes
+        for i in (self.rng.permutation(n) if order is None else order).tolist():
+            if len(self.q.costs[i]) == 1:
+                continue
+            c = self.local(i)
+            c[~self.allowed(i)] = np.inf
+            s = int(np.argmin(c))
+            if c[s] < c[self.a[i]] - 1e-9 * max(1.0, abs(c[self.a[i]])):
+                self.set(i, s)
+                moved += 1
+        return moved
+
+    def neighbourhood(self, size: int) -> np.ndarray:
+        """A connected set of about ``size`` free nodes grown breadth-first from a costly
+        seed; a node brings its whole rigid group (``groups.py``), which alone can move."""
+        q = self.q
+        free = self.free_nodes
+        if size >= len(free):
+            return free
+        seed = self.pick_seed()
+        seen: set[int] = set()
+        frontier: list[int] = []
+
+        def add(j: int) -> None:
+            g = self.groups.group_of[j] if self.groups is not None else -1
+            new = [j] if g < 0 else self.groups.members[g].tolist()
+            if g >= 0 and len(seen) + len(new) > max(size, _GROUP_CAP):
+                new = [j]
+            for x in new:
+                if x not in seen:
+                    seen.add(x)
+                    frontier.append(x)
+
+        add(seed)
+        while frontier and len(seen) < size:
+            cur, frontier = frontier, []
+            for i in cur:
+                nb = self.nbrs[i]
+                for j in self.rng.permutation(len(nb)).tolist() if len(nb) > 8 else range(len(nb)):
+                    j = nb[j]
+                    if j not in seen and len(q.costs[j]) > 1:
+                        add(j)
+                        if len(seen) >= size:
+                            break
+                if len(seen) >= size:
+                    break
+        return np.array(sorted(seen), dtype=np.int64)
+
+    def memory_neighbourhood(self, size: int) -> np.ndarray:
+        """A costly seed's graph neighbourhood plus nodes live at its tightest moment that
+        could give memory back: a resharding forced by a full timeline is only fixed by
+        shrinking nodes that share the time, which are rarely near it in the graph."""
+        near = self.neighbourhood(max(1, size // 3))
+        seed = int(near[0]) if len(near) else self.pick_seed()
+        if self.limit is None or not len(near):
+            return near
+        lo, hi = int(self.st[near].min()), int(self.en[near].max())
+        if hi <= lo:
+            return near
+        t = lo + int(np.argmax(self.load[lo:hi]))
+        idx = self.q.index
+        cur = idx.usage_flat[idx.node_off + self.a]
+        slack = cur - self.min_usage
+        cand = np.nonzero((self.st <= t) & (self.en > t) & (slack > 0) & (idx.n_strat > 1))[0]
+        cand = np.setdiff1d(cand, near)
+        want = size - len(near)
+        if want <= 0:
+            return near
+        if len(cand) > want:
+            p = slack[cand] / slack[cand].sum()
+            cand = self.rng.choice(cand, size=want, replace=False, p=p)
+        del seed
+        return np.union1d(near, cand)
+
+    def window(self, size: int) -> np.ndarray:
+        """``size`` consecutive free nodes around a costly seed: node ids follow program
+        order, so a window holds whole layers, including chains a BFS cuts through."""
+        free = self.free_nodes
+        k = int(np.searchsorted(free, self.pick_seed()))
+        lo = max(0, min(k - size // 2, len(free) - size))
+        return free[lo : lo + size]
+
+    def pick_seed(self) -> int:
+        """A free node, most often an endpoint of an edge drawn in proportion to its current
+        cost: on the contest instances nearly all of the cost is resharding on a few hundred
+        edges, and neighbourhoods elsewhere are already optimal."""
+        if self.rng.random() < 0.7:
+            e = self.pick_edge()
+            if e is not None:
+                return e[int(self.rng.random() < 0.5)]
+        free = self.free_nodes
+        return int(free[self.rng.integers(len(free))])
+
+    def pick_edge(self) -> tuple[int, int] | None:
+        """An edge drawn in proportion to its current cost (None if all cost nothing)."""
+        idx = self.q.index
+        if not len(idx.edge_u):
+            return None
+        ec = idx.edge_flat[idx.edge_off + self.a[idx.edge_u] * idx.edge_nv + self.a[idx.edge_v]]
+        ec = np.maximum(ec, 0.0)
+        tot = ec.sum()
+        if not tot > 0:
+            return None
+        e = int(self.rng.choice(len(ec), p=ec / tot))
+        return int(idx.edge_u[e]), int(idx.edge_v[e])
+
+    @property
+    def free_nodes(self) -> np.ndarray:
+        if not hasattr(self, "_free"):
+            self._free = np.nonzero(self.q.index.n_strat > 1)[0]
+        return self._free
+
+    def lns_step(
+        self, size: int, time_limit: float, workers: int, seed: int
+    ) -> tuple[bool, bool, int]:
+        """Re-optimise one neighbourhood; returns (improved, solved to optimality, its size)."""
+        q = self.q
+        kind = self.kinds[int(self.rng.integers(len(self.kinds)))]
+        if kind == "memory" and self.limit is not None:
+            free = self.memory_neighbourhood(size)
+        elif kind == "window":
+            free = self.window(size)
+        else:
+            free = self.neighbourhood(size)
+        if len(free) == 0:
+            return False, True, 0
+        cap = ilp.capacity_profile(q, free, self.a)
+        lex = self.cost() >= self.forbid
+        sm = ilp.build(q, free, self.a, cap, edges_of=self.inc, forbid=self.forbid, lex=lex)
+        st, sub, _ = ilp.solve_sub(sm, time_limit, workers, seed, self.a)
+        if sub is None:
+            return False, False, len(free)
+        old = self.a[free].copy()
+        before = self.cost()
+        for k, i in enumerate(free.tolist()):
+            self.set(i, int(sub[k]))
+        after = self.cost()
+        ok = self.limit is None or fits(float(self.load.max()), self.limit)
+        if not ok or after > before:
+            for k, i in enumerate(free.tolist()):
+                self.set(i, int(old[k]))
+            return False, st == ilp.cp_model.OPTIMAL, len(free)
+        return after < before, st == ilp.cp_model.OPTIMAL, len(free)
+
+
+def group_pass(ls: LocalSearch, deadline: float) -> int:
+    """Try every rigid group once, in random order; returns how many moved."""
+    moved = 0
+    for g in ls.rng.permutation(len(ls.groups.members)).tolist():
+        if time.monotonic() > deadline:
+            break
+        moved += ls.groups.move(ls, g) > 0
+    return moved
+
+
+def run_heuristic(
+    q: Problem,
+    deadline: float,
+    workers: int = 2,
+    seed: int = 0,
+    hint: np.ndarray | None = None,
+    log: bool = False,
+    forbid: float = ilp.FORBIDDEN,
+) -> tuple[np.ndarray, bool]:
+    """Best assignment of ``q`` found by ``deadline`` (a ``time.monotonic()`` value), and
+    whether it is proven optimal (only when one neighbourhood spans every free node)."""
+    ls = LocalSearch(q, seed, forbid)
+    if hint is not None:
+        h = np.asarray(hint, dtype=np.int64)
+        if fits(float(usage_profile(q, h).max(initial=0.0)), q.usage_limit):
+            ls.a, ls.load = h.copy(), usage_profile(q, h)
+        else:
+            hint = None
+    if hint is None:
+        ls.greedy()
+    for _ in range(3):
+        if time.monotonic() > deadline or ls.sweep() == 0:
+            break
+    size, it, tree_fails, tree_its, pair_fails = 60, 0, 0, 0, 0
+    whole = len(ls.free_nodes) <= size
+    if not whole and time.monotonic() < deadline:
+        ls.groups = Groups(ls)
+        group_pass(ls, deadline)
+    while len(ls.free_nodes) and time.monotonic() < deadline - 0.5:
+        if not whole and tree_fails < 25:
+            # cheap exact moves on big induced trees first; they stall after a while
+            gain = tree_move(ls, ls.pick_seed(), _TREE_SIZE, safe=tree_its % 2 == 0)
+            tree_its += 1
+            tree_fails = 0 if gain > 0 else tree_fails + 1
+            if tree_its % 25 == 0:
+                ls.sweep()
+            continue
+        if not whole and ls.groups is not None and pair_fails < 60:
+            # both ends of an expensive edge, each with its whole group, re-chosen jointly
+            e = ls.pick_edge()
+            gain = ls.groups.move_units(ls, list(e)) if e is not None else 0.0
+            pair_fails = 0 if gain > 0 else pair_fails + 1
+            continue
+        left = deadline - time.monotonic()
+        if left < 1.5:
+            break  # building a model takes time too; a late step would overrun the deadline
+        tl = min(3.0, left - 1.0)
+        improved, optimal, got = ls.lns_step(size, tl, workers, seed + it)
+        it += 1
+        if improved:
+            tree_fails = max(0, tree_fails - 5)  # a changed region may admit tree moves again
+            pair_fails = max(0, pair_fails - 10)
+            if it % 10 == 0:
+                group_pass(ls, deadline)
+        if optimal and got == len(ls.free_nodes):
+            return ls.a.copy(), True  # the neighbourhood was the whole problem
+        # grow neighbourhoods while CP-SAT proves them quickly, shrink when it cannot
+        size = min(2000, int(size * 1.1) + 1) if optimal else max(20, int(size * 0.8))
+        if log and it % 10 == 0:
+            print(f"  lns it={it} size={size} trees={tree_its} cost={ls.cost():.6g}", flush=True)
+    return ls.a.copy(), len(ls.free_nodes) == 0

@@ -1,0 +1,109 @@
+"""The heuristic returns feasible plans, never better than the optimum, scored honestly."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.solver import Problem, evaluate, make_problem, read_problem, solve
+from autopar.solver.heuristic import LocalSearch, run_heuristic
+from autopar.solver.problem import usage_profile
+
+G = Path(__file__).resolve().parents[3] / "shared" / "bench" / "iopddl" / "G.json.gz"
+
+
+def random_problem(seed: int, n: int, k: int = 4, limit_frac: float | None = 0.5) -> Problem:
+    """A chain-with-shortcuts graph with overlapping lifetimes, like a real program."""
+    rng = np.random.default_rng(seed)
+    ks = rng.integers(1, k + 1, n)
+    edges = [(i, i + 1) for i in range(n - 1)]
+    edges += [(int(a), int(b)) for a, b in rng.integers(0, n, (n // 3, 2))]
+    usages = [rng.integers(1, 20, ki) for ki in ks]
+    intervals = [(i, i + int(rng.integers(1, 8))) for i in range(n)]
+    limit = None
+    if limit_frac is not None:
+        mins = np.zeros(n + 10)
+        maxs = np.zeros(n + 10)
+        for (s, e), u in zip(intervals, usages):
+            mins[s:e] += u.min()
+            maxs[s:e] += u.max()
+        lo = mins.max()
+        limit = float(lo + limit_frac * (maxs.max() - lo))
+    return make_problem(
+        costs=[rng.integers(0, 100, ki) for ki in ks],
+        usages=usages,
+        intervals=intervals,
+        edges=edges,
+        edge_costs=[rng.integers(0, 100, ks[u] * ks[v]) for u, v in edges],
+        usage_limit=limit,
+    )
+
+
+def brute_force(p: Problem) -> float:
+    best = math.inf
+    for a in itertools.product(*[range(len(c)) for c in p.costs]):
+        cost, ok, _ = evaluate(p, a)
+        if ok:
+            best = min(best, cost)
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 7), st.sampled_from([None, 0.0, 0.3, 0.8]))
+def test_heuristic_is_feasible_and_not_below_optimum(seed: int, n: int, frac) -> None:
+    p = random_problem(seed, n, k=3, limit_frac=frac)
+    want = brute_force(p)
+    sol = solve(p, timeout_s=5, method="heuristic", seed=seed)
+    assert sol.feasible and sol.status in ("optimal", "feasible")
+    cost, ok, peak = evaluate(p, sol.assignment)
+    assert ok and cost == sol.cost and peak == sol.peak_usage
+    assert cost >= want
+    if sol.status == "optimal":
+        assert cost == want
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_keeps_memory_feasible(seed: int) -> None:
+    p = random_problem(seed, 300, k=5, limit_frac=0.1)
+    ls = LocalSearch(p, seed)
+    ls.greedy()
+    assert evaluate(p, ls.a)[1]
+    assert np.allclose(ls.load, usage_profile(p, ls.a))  # incremental profile is exact
+    before = ls.cost()
+    ls.sweep()
+    assert ls.cost() <= before and evaluate(p, ls.a)[1]
+
+
+def test_lns_improves_and_respects_the_deadline() -> None:
+    p = random_problem(11, 400, k=5, limit_frac=0.3)
+    ls = LocalSearch(p, 0)
+    ls.greedy()
+    greedy_cost = ls.cost()
+    t = time.monotonic()
+    a, _ = run_heuristic(p, t + 4.0, workers=1)
+    assert time.monotonic() - t < 6.0
+    cost, ok, _ = evaluate(p, a)
+    assert ok and cost < greedy_cost
+
+
+def test_infeasible_limit_is_reported_not_raised() -> None:
+    p = make_problem([[1, 2]] * 2, [[5, 6]] * 2, [(0, 2), (1, 3)], [], [], usage_limit=9)
+    sol = solve(p, timeout_s=2)
+    assert sol.status == "infeasible" and not sol.feasible and sol.assignment == ()
+
+
+@pytest.mark.skipif(not G.exists(), reason="contest instance G not present")
+def test_contest_instance_g_feasible_in_a_short_timeout() -> None:
+    p = read_problem(G)
+    sol = solve(p, timeout_s=12)
+    cost, ok, _ = evaluate(p, sol.assignment)
+    assert sol.feasible and ok and cost == sol.cost
+    assert sol.cost < 1e17  # no forbidden (1e18) pair or strategy used
+    assert sol.time_s < 16
