@@ -136,7 +136,9 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
     from autopar.passes import sharding_problem
     from autopar.planner import assemble_plan, score_reference
 
-    sp = sharding_problem.build(graph, mesh, memory_budget)
+    # no shared layer variables: pins may differ between layers that look alike (Megatron
+    # pairs the MLP's equal-width layers 1 and 2 as row then column parallel)
+    sp = sharding_problem.build(graph, mesh, memory_budget, share_layers=False)
     ref = SimpleNamespace(params=params, inputs=inputs or {})
     got = score_reference(sp, graph, ref, time_limit_s)
     if got is None:
@@ -144,7 +146,7 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
             "no plan keeps the given parameter/input layouts on this graph (a pinned spec is not "
             "among the strategies of its node, e.g. it does not divide the shape evenly): "
             "pin fewer layouts or let autopar plan freely (plan=None)")
-    cost, choice = got
+    choice = got[1]  # (cost, per-node choice, ...)
     return assemble_plan(graph, sp, choice, model_name, mesh,
                          SolverInfo("pinned", 0.0, "pinned+solve"), {}, {}, memory_budget)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.passes import cost_model as cm
+from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
 from autopar.passes.edge_costs import is_bucketed
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem
@@ -32,6 +33,31 @@ def edge_reason(sp: ShardingProblem, e: Edge) -> str:
     return "resharding"
 
 
+def _add_gradient_syncs(
+    sp: ShardingProblem, syncs: list[GradSync], per_edge: dict[int, list[cm.Collective]],
+    agg: dict[tuple[str, str, str], list[float]],
+) -> None:
+    """Gradient syncs that are pure all-reduces go out in buckets (one all-reduce per bucket
+    and axis, as the runtime issues them); the others one by one."""
+    bucketed = gradient_buckets(syncs, sp.mesh.shape)
+    in_bucket = {g.index for b in bucketed for g in b}
+    for bucket in bucketed:
+        for ax in reduce_axes(bucket[0].src, bucket[0].dst) or ():
+            name = sp.mesh.axes[ax]
+            mine = [(c, g.weight) for g in bucket for c in per_edge[g.index] if c.axis == name]
+            slot = agg.setdefault(("all_reduce", name, "gradient sync"), [0, 0.0, 0.0])
+            slot[0] += 1
+            slot[1] += sum(c.bytes * w for c, w in mine)
+            slot[2] += sum(c.time_s * w for c, w in mine)
+    for g in syncs:
+        if g.index not in in_bucket:
+            for c in per_edge[g.index]:
+                slot = agg.setdefault((c.kind, c.axis, "gradient sync"), [0, 0.0, 0.0])
+                slot[0] += g.weight
+                slot[1] += c.bytes * g.weight
+                slot[2] += c.time_s * g.weight
+
+
 def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     compute = float(sum(sp.node_cost[i][s] for i, s in enumerate(choice)))
     per_edge: dict[int, list[cm.Collective]] = {}
@@ -46,6 +72,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
             slot[1] += c.bytes * w
             slot[2] += c.time_s * w
 
+    syncs: list[GradSync] = []
     for k, e in enumerate(sp.edges):
         src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
         dst_s = sp.strategies[e.dst][choice[e.dst]]
@@ -54,9 +81,14 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
             continue
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
         colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(sp, e))
-        if colls:
-            per_edge[k] = colls
+        if not colls:
+            continue
+        per_edge[k] = colls
+        if e.in_idx < 0:
+            syncs.append(GradSync(k, meta, src, dst, float(weight[e.dst])))
+        else:
             add(colls, edge_reason(sp, e), float(weight[e.dst]))
+    _add_gradient_syncs(sp, syncs, per_edge, agg)
     loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
     loss_meta = sp.nodes[loss_i].meta["autopar"].out
     add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],

@@ -1,0 +1,61 @@
+"""Gradient buckets: which gradient all-reduces travel together, as DDP batches them.
+
+A gradient whose move into its parameter's layout is only all-reduces (``P -> R`` on some mesh
+axes, every other axis unchanged) can share one flat buffer with others of the same dtype that
+reduce over the same axes. Buckets fill in parameter order up to ``BUCKET_BYTES`` of local
+data. The scorer lists one collective per bucket and the runtime issues exactly that, so the
+collectives executed still match the plan's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.graph import TensorMeta
+from autopar.passes.cost_model import BUCKET_BYTES
+from autopar.placements import Partial, Replicate, Spec, num_shards
+
+
+@dataclass(frozen=True, slots=True)
+class GradSync:
+    index: int  # position among the gradients being synced
+    meta: TensorMeta
+    src: Spec
+    dst: Spec
+    weight: float = 1.0  # real gradients it stands for (depth proxy)
+
+
+def reduce_axes(src: Spec, dst: Spec) -> tuple[int, ...] | None:
+    """The axes a pure all-reduce move runs over, or None if the move needs anything else."""
+    axes = []
+    for k, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        if isinstance(a, Partial) and a.reduce == "sum" and isinstance(b, Replicate):
+            axes.append(k)
+        else:
+            return None
+    return tuple(axes) or None
+
+
+def gradient_buckets(
+    syncs: list[GradSync], mesh_shape: tuple[int, ...], bucket_bytes: float = BUCKET_BYTES
+) -> list[list[GradSync]]:
+    """Groups of gradients reduced in one flat buffer; a gradient that cannot join any is
+    left out (it is moved on its own)."""
+    open_: dict[tuple, list[GradSync]] = {}
+    sizes: dict[tuple, float] = {}
+    done: list[list[GradSync]] = []
+    for g in syncs:
+        axes = reduce_axes(g.src, g.dst)
+        if axes is None:
+            continue
+        key = (axes, g.meta.dtype)
+        local = g.weight * g.meta.nbytes / num_shards(g.dst, mesh_shape)
+        if key in open_ and sizes[key] + local > bucket_bytes:
+            done.append(open_.pop(key))
+        if key not in open_:
+            open_[key], sizes[key] = [], 0.0
+        open_[key].append(g)
+        sizes[key] += local
+    return done + list(open_.values())

@@ -1,0 +1,83 @@
+"""The runtime's private-torch adapters: functional collectives and LocalTensorMode hooks.
+
+Same policy as :mod:`autopar._torch_compat` (one small function per private API, exercised by
+``tests/runtime/test_lower_local.py`` so a torch release that changes one fails loudly there).
+Kept beside the runtime so the planner never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as _fc
+
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single and deprecated the old
+# names (they warn on every call); 2.11 only has the old ones.
+_all_gather = getattr(_fc, "all_gather_single", None) or _fc.all_gather_tensor
+_reduce_scatter = getattr(_fc, "reduce_scatter_single", None) or _fc.reduce_scatter_tensor
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    # AsyncCollectiveTensor waits lazily on first use; the runtime hands results straight to
+    # kernels and into saved state, so it waits here and keeps plain tensors everywhere.
+    if isinstance(t, _fc.AsyncCollectiveTensor):
+        return t.wait()
+    return t
+
+
+def all_gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    return _wait(_all_gather(t.contiguous(), dim, group))
+
+
+def all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    return _wait(_fc.all_reduce(t.contiguous(), op, group))
+
+
+def reduce_scatter(t: torch.Tensor, op: str, dim: int, group: Any) -> torch.Tensor:
+    return _wait(_reduce_scatter(t.contiguous(), op, dim, group))
+
+
+def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Equal split along dim 0: row block ``j`` goes to rank ``j`` of the group."""
+    return _wait(_fc.all_to_all_single(t.contiguous(), None, None, group))
+
+
+def local_tensor_mode_active() -> bool:
+    """True inside ``LocalTensorMode`` (single-process simulation of all ranks)."""
+    try:
+        from torch.distributed._local_tensor import local_tensor_mode
+    except ImportError:  # pragma: no cover - torch without LocalTensorMode
+        return False
+    return local_tensor_mode() is not None
+
+
+def outside_local_tensor_mode() -> contextlib.AbstractContextManager:
+    """Suspend LocalTensorMode (tracing and planning run on fake tensors, once, for all ranks)."""
+    try:
+        from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    except ImportError:  # pragma: no cover
+        return contextlib.nullcontext()
+    return maybe_disable_local_tensor_mode()
+
+
+def as_local(t: torch.Tensor) -> torch.Tensor:
+    """Under LocalTensorMode, a plain tensor (made outside it) as one LocalTensor holding it on
+    every rank: ops that take a per-rank symbolic offset (slicing by coordinate) need that."""
+    from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is None or isinstance(t, LocalTensor):
+        return t
+    # one copy per rank: an in-place update (the optimizer's) must not hit shared storage
+    return mode.rank_map(lambda r: t.clone())
+
+
+def reconcile(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a LocalTensor whose ranks agree (identity on plain tensors)."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(t, LocalTensor):
+        return t.reconcile()
+    return t

@@ -1,0 +1,279 @@
+"""Launch helpers: N local processes with a process group each, or join one torchrun made.
+
+Two ways in, one environment inside:
+
+* :func:`launch` spawns ``nproc`` processes on this machine (gloo over 127.0.0.1 on CPU, NCCL
+  with one GPU per process where there are enough GPUs), sets the variables torchrun would set
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``), initialises the default process group, runs ``fn(*args)`` and returns each
+  rank's result. Used by ``autopar train``, the examples and the tests.
+* :func:`init_from_env` is what a script started by ``torchrun`` (one node or many) calls; it
+  reads those same variables. Started by plain ``python`` it makes a one-process group, so the
+  script still runs.
+
+Nothing may hang: collectives time out (``collective_timeout_s``), the whole launch can have a
+deadline (``timeout_s``), a rank that fails takes the others down, and the parent raises the
+first rank's error (an :class:`~autopar.errors.AutoparError` as itself, so the CLI prints its one
+line; anything else as a :class:`LaunchError` that names the rank and carries its traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.errors import AutoparError
+
+_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT", "GROUP_RANK")
+
+
+class LaunchError(AutoparError):
+    """A launched rank failed, timed out or died; ``rank`` and ``child_traceback`` say where."""
+
+    def __init__(self, message: str, rank: int | None = None, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.child_traceback = child_traceback
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now. Another process can still take it before rank 0 binds it;
+    :func:`launch` retries once with a fresh port when that happens."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_from_env(
+    backend: str | None = None, collective_timeout_s: float = 300.0
+) -> DistInfo:
+    """Join the process group torchrun (or :func:`launch`) described in the environment.
+
+    Idempotent. With no ``RANK``/``WORLD_SIZE`` set (plain ``python script.py``) it creates a
+    one-process group on a free local port, so the same script runs without a launcher.
+    """
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                               "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"})
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        backend = backend or default_backend()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            # Binding the device before init makes NCCL use one GPU per process (not all on 0).
+            torch.cuda.set_device(local_rank)
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=collective_timeout_s), **kwargs
+        )
+    backend = str(dist.get_backend())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def cleanup() -> None:
+    """Destroy the default process group if there is one (safe to call twice)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def launch(
+    fn: Callable[..., Any],
+    nproc: int,
+    args: Sequence[Any] = (),
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    collective_timeout_s: float = 300.0,
+    threads_per_proc: int | None = None,
+    start_method: str = "spawn",
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` local processes in one process group; their results.
+
+    ``fn`` must be importable by name (a module-level function) because children are spawned,
+    not forked: forking a parent that already runs OpenMP or gloo threads can deadlock the
+    child. Each child gets ``threads_per_proc`` intra-op threads (default: the CPU cores
+    divided among the ranks) so N ranks do not oversubscribe the cores N-fold.
+    """
+    if nproc < 1:
+        raise LaunchError(f"nproc must be at least 1, got {nproc}")
+    backend = backend or ("nccl" if _enough_gpus(nproc) else "gloo")
+    threads = threads_per_proc or max(1, (os.cpu_count() or 1) // nproc)
+    for attempt in range(2):
+        try:
+            return _launch_once(fn, nproc, tuple(args), backend, timeout_s,
+                                collective_timeout_s, threads, start_method)
+        except _PortTaken:
+            if attempt == 1:
+                raise LaunchError(
+                    "could not bind a rendezvous port on 127.0.0.1 twice in a row; "
+                    "another program is grabbing ports, try again"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _enough_gpus(nproc: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= nproc
+
+
+def _launch_once(
+    fn: Callable[..., Any], nproc: int, args: tuple, backend: str, timeout_s: float | None,
+    collective_timeout_s: float, threads: int, start_method: str,
+) -> list[Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix="autopar-launch-"))
+    env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ctx = None
+    try:
+        ctx = mp.start_processes(
+            _child, args=(fn, args, env, backend, collective_timeout_s, threads, str(run_dir)),
+            nprocs=nproc, join=False, start_method=start_method,
+        )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            try:
+                if ctx.join(timeout=1.0, grace_period=5.0):
+                    break
+            except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+                raise _child_error(run_dir, nproc, e) from None
+            if deadline is not None and time.monotonic() > deadline:
+                _kill_all(ctx)
+                raise LaunchError(
+                    f"the {nproc} processes did not finish within {timeout_s:.0f} s and were "
+                    "stopped; raise the time limit or make the run shorter"
+                )
+        return [_read(run_dir / f"result{r}.pkl") for r in range(nproc)]
+    finally:
+        if ctx is not None:
+            _kill_all(ctx)  # KeyboardInterrupt or any error here: leave no orphans behind
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _child(
+    rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], backend: str,
+    collective_timeout_s: float, threads: int, run_dir: str,
+) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(threads)
+    phase = "init"
+    try:
+        init_from_env(backend, collective_timeout_s)
+        phase = "run"
+        result = fn(*args)
+        phase = "teardown"
+        cleanup()
+        phase = "returning the result"
+        _write(Path(run_dir) / f"result{rank}.pkl", result)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        _write(Path(run_dir) / f"error{rank}.pkl", _ErrorRecord.of(e, rank, phase))
+        # Exit without tearing the group down: a collective teardown would wait for peers
+        # that may be stuck, and the parent kills them anyway.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+@dataclass
+class _ErrorRecord:
+    rank: int
+    phase: str
+    when: float
+    type_name: str
+    message: str
+    traceback: str
+    exc: BaseException | None
+
+    @classmethod
+    def of(cls, e: BaseException, rank: int, phase: str) -> _ErrorRecord:
+        exc: BaseException | None = e
+        try:
+            pickle.loads(pickle.dumps(e))
+        except Exception:
+            exc = None  # unpicklable exceptions travel as text only
+        return cls(rank, phase, time.time(), type(e).__name__, str(e),
+                   traceback.format_exc(), exc)
+
+
+def _child_error(run_dir: Path, nproc: int, e: Exception) -> BaseException:
+    records = [r for i in range(nproc) if (r := _read(run_dir / f"error{i}.pkl")) is not None]
+    if not records:
+        rank = getattr(e, "error_index", None)
+        return LaunchError(f"rank {rank} died without reporting an error ({e}); "
+                           "it may have run out of memory or been killed", rank=rank)
+    # The first failure is the cause; later ones are peers noticing the lost connection.
+    first = min(records, key=lambda r: r.when)
+    if first.phase == "init" and "address already in use" in first.message.lower():
+        return _PortTaken()
+    if isinstance(first.exc, AutoparError):
+        return first.exc
+    lines = first.message.strip().splitlines()
+    detail = f": {lines[0]}" if lines else ""
+    return LaunchError(f"rank {first.rank} failed: {first.type_name}{detail}",
+                       rank=first.rank, child_traceback=first.traceback)
+
+
+def _kill_all(ctx: Any) -> None:
+    for p in ctx.processes:
+        if p.is_alive():
+            p.terminate()
+    for p in ctx.processes:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _write(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(tmp, path)  # atomic: the parent never reads half a file
+
+
+def _read(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,334 @@
+"""Lowering: a traced joint graph plus a Plan become a per-rank program on local tensors.
+
+Every rank walks the same node list. Before a node runs, each tensor input is moved from its
+producer's output spec to the spec the node's strategy needs (:mod:`.redistribute`, one
+reshard per producer->consumer edge, exactly the edges the scorer priced, so the collectives
+executed are the ones :attr:`Plan.collectives` predicted); then the op runs on local shards
+through :func:`localize.local_call`, the same entry point the rule validator uses.
+
+The graph is split where capture tagged it: forward nodes (phase ``"fwd"``) come first and run
+in the module's forward; the values the backward nodes read are kept; the backward nodes run
+from ``autograd.Function.backward`` with the graph's ``ones_like(loss)`` seed scaled by the
+incoming gradient. Gradients leave in their parameter's spec (in DDP-style buckets when the
+plan priced them so, :mod:`.grad_sync`), the loss replicated.
+
+Only even shards execute: the planner never emits others (``registry.expand`` filters them, so
+a dim the mesh does not divide is simply not split on that axis) and :func:`validate` rejects a
+given plan that has one, naming the node.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import PlanError
+from autopar.graph import PlanGraph, TensorMeta
+from autopar.passes.strategies.localize import LocalContext, local_call
+from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
+from autopar.placements import Replicate, Spec, evenly_divides, spec_str
+from autopar.plan import Plan
+from autopar.runtime.plan_check import grad_sync_mode
+from autopar.runtime.redistribute import Comm, redistribute
+
+
+@dataclass(slots=True)
+class _Input:
+    producer: str
+    item: int | None  # which output of a multi-output producer (getitem), else None
+    src: Spec
+    dst: Spec
+    reason: str
+
+
+@dataclass(slots=True)
+class _Step:
+    node: fx.Node
+    name: str
+    is_getitem: bool
+    inputs: list[_Input]
+    strategy: Strategy
+    info: OpInfo | None
+    free_after: list[str]  # values no later step of this phase (nor the backward) reads
+    # flat args (the common case): positions of the tensor inputs in ``node.args``, else None
+    flat: list[int] | None = None
+
+
+class LoweredGraph:
+    """The per-rank program for one (graph, plan) pair; between calls it holds no tensors but
+    the graph's lifted constants."""
+
+    def __init__(self, pg: PlanGraph, plan: Plan) -> None:
+        validate(pg, plan)
+        self.pg = pg
+        self.plan = plan
+        self.mesh_shape = tuple(plan.mesh_shape)
+        nodes = list(pg.graph.nodes)
+        self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        # tensors tracing lifted into the graph module (HF models make a few): whole on every
+        # rank, so the scorer gives their edges no collectives and neither do we
+        self.constants = {n.name: _fetch_attr(pg.gm, str(n.target))
+                          for n in nodes if n.op == "get_attr"}
+        calls = [n for n in nodes if n.op == "call_function"]
+        phases = [n.meta["autopar"].phase for n in calls]
+        n_fwd = sum(p == "fwd" for p in phases)
+        if any(p != "fwd" for p in phases[:n_fwd]):
+            raise PlanError("internal: the traced graph interleaves forward and backward nodes")
+        out_node = next(n for n in nodes if n.op == "output")
+        flat_out = tree_flatten(out_node.args[0])[0]
+        self.loss = pg.loss_node
+        self.grads = [g.name if isinstance(g, fx.Node) else None for g in flat_out[1:]]
+        self.seed = _seed_node(calls[n_fwd:], pg.loss_node)
+        bwd_reads = {i.producer for s in calls[n_fwd:] for i in self._inputs(s)}
+        bwd_reads |= {g for g in self.grads if g}
+        # the forward keeps what the backward reads (placeholders included) and the loss
+        self.saved = sorted((bwd_reads - {n.name for n in calls[n_fwd:]}) | {self.loss})
+        self.fwd = self._steps(calls[:n_fwd], keep=set(self.saved))
+        self.bwd = self._steps(calls[n_fwd:], keep={g for g in self.grads if g})
+        self.param_specs = {pg.param_node(p).name: self.spec(pg.param_node(p).name)
+                            for p in pg.param_names}
+        # gradients go in DDP-style buckets when the plan priced them so (see grad_sync)
+        self.bucketed = grad_sync_mode(self)
+
+    # --- building -----------------------------------------------------------------------------
+
+    def spec(self, name: str, out: int = 0) -> Spec:
+        if name in self.constants:
+            return (Replicate(),) * len(self.mesh_shape)
+        return self.plan.nodes[name].outs[out]
+
+    def _inputs(self, n: fx.Node) -> list[_Input]:
+        place = self.plan.nodes[n.name]
+        if n.target is operator.getitem:
+            src, k = n.args[0], int(n.args[1])
+            return [_Input(src.name, k, self.spec(src.name, k), place.ins[0], "resharding")]
+        out = []
+        for a, dst in zip(tensor_inputs(n), place.ins):
+            role = a.meta["autopar"].role
+            reason = "parameter gather" if role == "param" else "resharding"
+            out.append(_Input(a.name, None, self.spec(a.name), dst, reason))
+        return out
+
+    def _steps(self, nodes: list[fx.Node], keep: set[str]) -> list[_Step]:
+        steps = []
+        for n in nodes:
+            place = self.plan.nodes[n.name]
+            get = n.target is operator.getitem
+            steps.append(_Step(n, n.name, get, self._inputs(n),
+                               Strategy(place.ins, place.outs, place.impls),
+                               None if get else op_info(n), [], _flat_slots(n)))
+        last: dict[str, int] = {}
+        for i, s in enumerate(steps):
+            for inp in s.inputs:
+                last[inp.producer] = i
+        for name, i in last.items():
+            if name not in keep:
+                steps[i].free_after.append(name)
+        return steps
+
+    def edges(self) -> list[tuple[TensorMeta, Spec, Spec, str]]:
+        """Every reshard one step runs: (tensor, from, to, reason), as the scorer lists them."""
+        metas = {n.name: n.meta["autopar"].outputs for n in self.pg.graph.nodes
+                 if "autopar" in n.meta}
+        out = [(metas[i.producer][i.item or 0], i.src, i.dst, i.reason)
+               for s in self.fwd + self.bwd for i in s.inputs]
+        rep = (Replicate(),) * len(self.mesh_shape)
+        out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
+        for pname, g in zip(self.pg.param_names, self.grads):
+            if g is not None:
+                dst = self.param_specs[self.pg.param_node(pname).name]
+                out.append((metas[g][0], self.spec(g), dst, "gradient sync"))
+        return out
+
+    # --- running ------------------------------------------------------------------------------
+
+    def place_input(self, name: str, full: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """This rank's piece of a user input given whole (slicing needs no communication)."""
+        rep = (Replicate(),) * len(self.mesh_shape)
+        return redistribute(full, rep, self.spec(name), comm, "input")
+
+    def forward(self, env: dict[str, Any], comm: Comm) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Run the forward nodes on ``env`` (placeholder name -> local tensor).
+
+        Returns the loss, whole on every rank, and the values the backward needs."""
+        self._run(self.fwd, env, comm)
+        loss = redistribute(env[self.loss], self.spec(self.loss),
+                            (Replicate(),) * len(self.mesh_shape), comm, "loss")
+        return loss, {k: env[k] for k in self.saved}
+
+    def backward(self, saved: dict[str, Any], grad_loss: torch.Tensor | None,
+                 comm: Comm) -> list[torch.Tensor | None]:
+        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec."""
+        env = dict(saved)
+        self._run(self.bwd, env, comm, grad_loss)
+        grads, metas, srcs, dsts = self.grad_moves(env)
+        if self.bucketed:
+            from autopar.runtime.grad_sync import sync_gradients
+
+            return sync_gradients(grads, metas, srcs, dsts, comm)
+        return [None if g is None else redistribute(g, a, b, comm, "gradient sync")
+                for g, a, b in zip(grads, srcs, dsts)]
+
+    def grad_moves(self, env: dict[str, Any] | None = None) -> tuple[list, list, list, list]:
+        """Per parameter: its local gradient (from ``env``), tensor meta, spec, target spec."""
+        grads, metas, srcs, dsts = [], [], [], []
+        for pname, g in zip(self.pg.param_names, self.grads):
+            node = self.pg.param_node(pname)
+            grads.append(None if g is None or env is None else env[g])
+            metas.append(node.meta["autopar"].out)
+            srcs.append(None if g is None else self.spec(g))
+            dsts.append(self.param_specs[node.name])
+        return grads, metas, srcs, dsts
+
+    def _run(self, steps: list[_Step], env: dict[str, Any], comm: Comm,
+             grad_loss: torch.Tensor | None = None) -> None:
+        for s in steps:
+            vals = []
+            for inp in s.inputs:
+                v = env[inp.producer]
+                if inp.item is not None:
+                    v = v[inp.item]
+                vals.append(redistribute(v, inp.src, inp.dst, comm, inp.reason))
+            if s.is_getitem:
+                env[s.name] = vals[0]
+            else:
+                if s.flat is not None:  # skip the generic walk over the args
+                    args_list = list(s.node.args)
+                    for pos, v in zip(s.flat, vals):
+                        args_list[pos] = v
+                    args, kwargs = tuple(args_list), dict(s.node.kwargs)
+                else:
+                    args, kwargs = _substitute(s.node, iter(vals), env)
+                assert s.info is not None
+                ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
+                out = _call(s.node.target, args, kwargs, ctx)
+                if s.name == self.seed and grad_loss is not None:
+                    out = out * grad_loss.to(out.dtype)
+                env[s.name] = out
+            for name in s.free_after:
+                env.pop(name, None)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _call(target: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:
+    try:
+        return local_call(target, args, kwargs, ctx)
+    except RuntimeError:
+        # a local kernel may lay memory out otherwise than the fake tensors it was traced on
+        # (SDPA on CPU does), so a view that traced fine may need its input made contiguous
+        if target not in _VIEWS or args[0].is_contiguous():
+            raise
+        return local_call(target, (args[0].contiguous(), *args[1:]), kwargs, ctx)
+
+
+def _flat_slots(n: fx.Node) -> list[int] | None:
+    """Where the tensor inputs sit when every node argument is a top-level tensor arg."""
+    if any(isinstance(v, (fx.Node, list, tuple, dict)) for v in n.kwargs.values()):
+        return None
+    slots = []
+    for i, a in enumerate(n.args):
+        if isinstance(a, fx.Node):
+            if not isinstance(a.meta.get("val"), torch.Tensor):
+                return None
+            slots.append(i)
+        elif isinstance(a, (list, tuple, dict)) and any(
+                isinstance(x, fx.Node) for x in (a.values() if isinstance(a, dict) else a)):
+            return None
+    return slots
+
+
+def _substitute(node: fx.Node, vals: Any, env: dict[str, Any]) -> tuple[tuple, dict]:
+    """The node's args with tensor inputs taken from ``vals`` in :func:`tensor_inputs` order."""
+
+    def sub(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return next(vals) if isinstance(a.meta.get("val"), torch.Tensor) else env[a.name]
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(x) for x in a)
+        if isinstance(a, dict):
+            return {k: sub(x) for k, x in a.items()}
+        return a
+
+    args = sub(tuple(node.args))
+    kwargs = sub(dict(node.kwargs))
+    return args, kwargs
+
+
+def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _seed_node(bwd: list[fx.Node], loss: str) -> str | None:
+    for n in bwd:
+        if n.target is torch.ops.aten.ones_like.default and any(
+            a.name == loss for a in tensor_inputs(n)
+        ):
+            return n.name
+    return None
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def validate(pg: PlanGraph, plan: Plan) -> None:
+    """Raise :class:`PlanError` unless ``plan`` was made for this traced graph."""
+    fix = "make a new plan for this model and these inputs (parallelize(..., plan=None))"
+    nd = len(plan.mesh_shape)
+    for n in pg.graph.nodes:
+        if n.op not in ("placeholder", "call_function"):
+            continue
+        place = plan.nodes.get(n.name)
+        if place is None:
+            raise PlanError(f"the plan has no placement for graph node {n.name!r} "
+                            f"({n.meta['autopar'].op}): it was made for another model; {fix}")
+        facts = n.meta["autopar"]
+        n_in = 1 if n.target is operator.getitem else len(tensor_inputs(n))
+        if n.op == "call_function" and len(place.ins) != n_in:
+            raise PlanError(f"plan node {n.name!r} places {len(place.ins)} inputs but the traced "
+                            f"op {facts.op} has {n_in}; {fix}")
+        if len(place.outs) != len(facts.outputs):
+            raise PlanError(f"plan node {n.name!r} places {len(place.outs)} outputs but the "
+                            f"traced op {facts.op} has {len(facts.outputs)}; {fix}")
+        metas: list[TensorMeta | None] = list(facts.outputs)
+        if n.op == "call_function":
+            metas += [a.meta["autopar"].outputs[int(n.args[1])] if n.target is operator.getitem
+                      else a.meta["autopar"].out for a in _input_nodes(n)]
+        for meta, spec in zip(metas, list(place.outs) + list(place.ins)):
+            if len(spec) != nd:
+                raise PlanError(f"plan node {n.name!r} has spec {spec_str(spec)} for a "
+                                f"{nd}-axis mesh; {fix}")
+            if meta is not None and not evenly_divides(meta.shape, spec, plan.mesh_shape):
+                raise PlanError(
+                    f"plan node {n.name!r} splits a tensor of shape {list(meta.shape)} as "
+                    f"{spec_str(spec)} on mesh {tuple(plan.mesh_shape)}, which does not divide "
+                    f"evenly; autopar runs only even shards (the planner replicates such dims). "
+                    f"{fix}")
+    for pname in pg.param_names:
+        if pname not in plan.params:
+            raise PlanError(f"the plan does not place parameter {pname!r}; {fix}")
+        node_spec = plan.nodes[pg.param_node(pname).name].outs[0]
+        if tuple(plan.params[pname]) != tuple(node_spec):
+            raise PlanError(f"the plan places parameter {pname!r} as "
+                            f"{spec_str(plan.params[pname])} in its summary but as "
+                            f"{spec_str(node_spec)} in its graph; {fix}")
+    traced = {pg.input_names[n.meta["autopar"].input_index]: list(n.meta["autopar"].out.shape)
+              for n in pg.graph.nodes if n.op == "placeholder"
+              and n.meta["autopar"].role == "input" and n.meta["autopar"].out is not None}
+    for key, shape in plan.input_shapes.items():
+        if key in traced and list(shape) != traced[key]:
+            raise PlanError(f"the plan was made for input {key} of shape {list(shape)}, the "
+                            f"model was traced with {traced[key]}; {fix}")
+
+
+def _input_nodes(n: fx.Node) -> list[fx.Node]:
+    return [n.args[0]] if n.target is operator.getitem else tensor_inputs(n)

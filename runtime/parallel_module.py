@@ -1,0 +1,248 @@
+"""The module ``autopar.parallelize`` returns: DTensor parameters, a lowered joint graph inside.
+
+Calling it with the inputs a single-device script would use (the whole global batch, on every
+rank) slices this rank's pieces, runs the forward nodes of the lowered graph and returns the
+loss, whole on every rank. ``loss.backward()`` reaches :class:`_JointStep.backward`, which runs
+the backward nodes and hands autograd one ``DTensor`` gradient per parameter, placed like the
+parameter; autograd's own accumulation writes (or adds to) ``.grad``. So any ``torch.optim``
+optimizer steps it, its state sharded like the parameters, and ``state_dict()`` holds DTensors
+that ``torch.distributed.checkpoint`` saves and loads.
+
+The submodules of the wrapped model are registered here under their own names, so parameter
+and state-dict keys are the single-device model's keys.
+
+The same code runs under ``LocalTensorMode`` (all ranks simulated in one process, as the SPMD
+tests do): coordinates are then symbolic per-rank ints and every local tensor a LocalTensor,
+which is why inputs and replicated shards are turned into LocalTensors here and nothing
+branches on a coordinate in Python (:mod:`.redistribute`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import PlanError
+from autopar.graph import PlanGraph
+from autopar.placements import to_torch
+from autopar.plan import Plan
+from autopar.runtime import _compat
+from autopar.runtime.lower import LoweredGraph
+from autopar.runtime.redistribute import CollectiveCounter, Comm
+
+# (args, kwargs, current parameter specs) -> a new graph and plan keeping those specs
+Replanner = Callable[[tuple, dict, dict], tuple[PlanGraph, Plan]]
+
+
+class _JointStep(torch.autograd.Function):
+    """Forward nodes in ``forward``, backward nodes in ``backward``; params are the inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        loss, saved = call.run_forward()
+        ctx.call = call
+        ctx.saved_env = saved
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:  # type: ignore[override]
+        call: _Call = ctx.call
+        saved, ctx.saved_env = ctx.saved_env, None  # free activations as soon as we are done
+        grads = call.run_backward(saved, grad_loss)
+        return (None, *grads)
+
+
+class _Call:
+    """One forward call: the program, this rank's placeholder values, where grads go."""
+
+    def __init__(self, pm: ParallelModule, lowered: LoweredGraph, env: dict[str, Any]) -> None:
+        self.pm = pm
+        self.lowered = lowered
+        self.env = env
+
+    def run_forward(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        return self.lowered.forward(self.env, self.pm._comm)
+
+    def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
+        locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm)
+        out: list[DTensor | None] = []
+        for p, g in zip(self.pm._param_list, locals_):
+            if g is None:
+                out.append(None)
+                continue
+            out.append(DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                          shape=p.shape, stride=p.stride()))
+        return out
+
+
+class ParallelModule(nn.Module):
+    """A model whose step runs as a planned SPMD program on a device mesh."""
+
+    def __init__(self, model: nn.Module, device_mesh: Any, graph: PlanGraph, plan: Plan,
+                 replan: Replanner | None = None) -> None:
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b)
+        self.device_mesh = device_mesh
+        self._device = torch.device(device_mesh.device_type)  # inputs follow (nccl: cuda)
+        self.collectives = CollectiveCounter()
+        coord = tuple(device_mesh.get_coordinate())
+        self._comm = Comm(device_mesh, tuple(plan.mesh_axes), tuple(plan.mesh_shape), coord,
+                          self.collectives)
+        self._replan = replan
+        self._programs: dict[tuple, tuple[PlanGraph, LoweredGraph]] = {}
+        self._install(graph, plan)
+        _distribute_state(self, graph, plan, device_mesh)
+        self._param_list = [self.get_parameter(n) for n in graph.param_names]
+        self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
+
+    @property
+    def plan(self) -> Plan:
+        return self._active[1].plan
+
+    @property
+    def graph(self) -> PlanGraph:
+        return self._active[0]
+
+    def _install(self, graph: PlanGraph, plan: Plan) -> None:
+        self._active = (graph, LoweredGraph(graph, plan))
+        self._programs[_graph_signature(graph)] = self._active
+
+    # --- calling --------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        graph, lowered = self._program_for(args, kwargs)
+        with torch.no_grad():  # the program's own autograd is _JointStep, not torch's tape
+            env = self._placeholders(lowered, _flatten_inputs(args, kwargs, graph))
+        if not torch.is_grad_enabled():
+            return lowered.forward(env, self._comm)[0]
+        return _JointStep.apply(_Call(self, lowered, env), *self._param_list)
+
+    def _placeholders(self, lowered: LoweredGraph, leaves: list[torch.Tensor]) -> dict:
+        """This rank's value of every graph input: input slices, parameter and buffer shards,
+        lifted constants."""
+        env: dict[str, Any] = {}
+        local = _compat.local_tensor_mode_active()
+
+        def here(t: torch.Tensor) -> torch.Tensor:
+            return _compat.as_local(t) if local else t.to(self._device)
+
+        by_role: dict[str, list] = {"input": [], "param": [], "buffer": []}
+        for n in lowered.placeholders:
+            by_role.setdefault(n.meta["autopar"].role, []).append(n)
+        for node, value in zip(by_role["input"], leaves):
+            env[node.name] = lowered.place_input(node.name, here(value), self._comm)
+        for name, value in lowered.constants.items():
+            env[name] = here(value)
+        for node, p in zip(by_role["param"], self._param_list):
+            env[node.name] = p.to_local()
+        for node, b in zip(by_role["buffer"], self._buffer_list):
+            env[node.name] = b.to_local() if isinstance(b, DTensor) else b
+        return env
+
+    def _program_for(self, args: tuple, kwargs: dict) -> tuple[PlanGraph, LoweredGraph]:
+        graph = self._active[0]
+        sig = _input_signature(args, kwargs, graph)
+        if sig == _graph_signature(graph):
+            return self._active
+        if sig in self._programs:
+            self._active = self._programs[sig]
+            return self._active
+        traced = _describe(_graph_signature(graph))
+        if self._replan is None:
+            raise PlanError(
+                f"the inputs have shapes {_describe(sig)} but the plan was made for {traced}: "
+                "a given plan fits only the shapes it was made for. Call with those shapes, or "
+                "parallelize with plan=None so autopar replans for new shapes")
+        # same parameter layouts, new activation layouts: retrace and solve again
+        new_graph, new_plan = self._replan(args, kwargs, dict(self.plan.params))
+        self._install(new_graph, new_plan)
+        return self._active
+
+
+def _distribute_state(pm: nn.Module, graph: PlanGraph, plan: Plan, mesh: Any) -> None:
+    """Parameters and buffers become DTensors placed as the plan says (tied ones stay tied)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    device = torch.device(mesh.device_type)
+    specs = {pname: plan.params[pname] for pname in graph.param_names}
+    buf_nodes = [n for n in graph.graph.nodes
+                 if n.op == "placeholder" and n.meta["autopar"].role == "buffer"]
+    for bname, n in zip(graph.buffer_names, buf_nodes):
+        specs[bname] = plan.nodes[n.name].outs[0]
+    new_of: dict[int, torch.Tensor] = {}
+    for mod in pm.modules():
+        for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+            for key, t in list(store.items()):
+                if t is None or isinstance(t, DTensor):
+                    continue
+                if id(t) not in new_of:
+                    name = _name_of(pm, t)
+                    if name is None or name not in specs:
+                        continue
+                    if t.is_meta:
+                        raise PlanError(f"{name} is on the meta device: materialise the model "
+                                        "(to_empty + init) before parallelize")
+                    placements = [to_torch(p) for p in specs[name]]
+                    d = distribute_tensor(t.detach().to(device), mesh, placements)
+                    if _compat.local_tensor_mode_active():
+                        # a replicated piece comes back as the plain tensor; the simulation
+                        # needs every rank's piece as one LocalTensor (the optimizer writes it)
+                        d = DTensor.from_local(_compat.as_local(d.to_local()), mesh, placements,
+                                               run_check=False, shape=d.shape, stride=d.stride())
+                    new_of[id(t)] = nn.Parameter(d, requires_grad=t.requires_grad) if is_param else d
+                store[key] = new_of[id(t)]
+
+
+def _name_of(pm: nn.Module, t: torch.Tensor) -> str | None:
+    for name, p in pm.named_parameters(remove_duplicate=True):
+        if p is t:
+            return name
+    for name, b in pm.named_buffers(remove_duplicate=True):
+        if b is t:
+            return name
+    return None
+
+
+def _get_tensor(pm: nn.Module, name: str) -> torch.Tensor:
+    mod_name, _, attr = name.rpartition(".")
+    mod = pm.get_submodule(mod_name) if mod_name else pm
+    return getattr(mod, attr)
+
+
+# --- input signatures -----------------------------------------------------------------------
+
+
+def _flatten_inputs(args: tuple, kwargs: dict, graph: PlanGraph) -> list[torch.Tensor]:
+    kw_order = [n[3:] for n in graph.input_names if n.startswith("kw:")]
+    missing = [k for k in kw_order if k not in kwargs]
+    if missing or len(kwargs) != len(kw_order):
+        raise PlanError(f"the model was traced with keyword inputs {kw_order}, called with "
+                        f"{sorted(kwargs)}: call it with the inputs it was parallelized with")
+    flat = tree_flatten((list(args), [kwargs[k] for k in kw_order]))[0]
+    return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def _input_signature(args: tuple, kwargs: dict, graph: PlanGraph) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in _flatten_inputs(args, kwargs, graph))
+
+
+def _graph_signature(graph: PlanGraph) -> tuple:
+    nodes = [n for n in graph.graph.nodes if n.op == "placeholder"
+             and n.meta["autopar"].role == "input"]
+    return tuple((tuple(n.meta["autopar"].out.shape), n.meta["autopar"].out.dtype) for n in nodes)
+
+
+def _describe(sig: tuple) -> str:
+    return ", ".join(f"{str(d).removeprefix('torch.')}{list(s)}" for s, d in sig) or "no tensors"

@@ -1,0 +1,76 @@
+"""Does a plan fit this program? Its collectives, re-derived on the traced tensors.
+
+Tensor sizes enter the byte counts, so re-deriving :attr:`Plan.collectives` from the graph's
+tensors catches a plan made for other parameter or activation shapes (a plan records node
+names and specs, not every shape). It also tells how the plan priced gradient syncs: one
+collective per gradient, or DDP-style buckets (:mod:`autopar.passes.buckets`), which the
+runtime then issues the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.placements import num_shards
+
+if TYPE_CHECKING:
+    from autopar.runtime.lower import LoweredGraph
+
+Totals = dict[tuple[str, str, str], list]
+
+
+def grad_sync_mode(lowered: LoweredGraph) -> bool:
+    """``True`` if the plan lists gradient syncs bucketed, ``False`` if one per gradient;
+    :class:`PlanError` if its collectives fit this graph neither way."""
+    listed = {(c.kind, c.axis, c.reason): [c.count, c.bytes] for c in lowered.plan.collectives}
+    for bucketed in (False, True):
+        if _same(predicted(lowered, bucketed), listed):
+            return bucketed
+    raise PlanError(
+        "the plan's collectives do not match this model's tensors (it was made for other "
+        "parameter or activation shapes, or edited by hand); make a new plan for this model "
+        "and these inputs (parallelize(..., plan=None))")
+
+
+def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
+    """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
+    from autopar.passes.buckets import GradSync, gradient_buckets
+    from autopar.passes.cost_model import reshard_collectives
+
+    mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    out: Totals = {}
+
+    def add(kind: str, axis: str, reason: str, nbytes: float) -> None:
+        slot = out.setdefault((kind, axis, reason), [0, 0.0])
+        slot[0] += 1
+        slot[1] += nbytes
+
+    for meta, src, dst, reason in lowered.edges():
+        if src != dst and meta is not None and reason != "gradient sync":
+            for c in reshard_collectives(meta, src, dst, mesh):
+                add(c.kind, c.axis, reason, c.bytes)
+    _, metas, srcs, dsts = lowered.grad_moves()
+    moves = [GradSync(i, metas[i], srcs[i], dsts[i]) for i in range(len(metas))
+             if srcs[i] is not None and srcs[i] != dsts[i]]
+    done: set[int] = set()
+    if bucketed:
+        from autopar.passes.buckets import reduce_axes
+
+        for bucket in gradient_buckets(moves, mesh.shape):
+            nbytes = sum(g.meta.nbytes / num_shards(g.src, mesh.shape) for g in bucket)
+            for ax in reduce_axes(bucket[0].src, bucket[0].dst) or ():
+                add("all_reduce", mesh.axes[ax], "gradient sync", nbytes)
+            done |= {g.index for g in bucket}
+    for g in moves:
+        if g.index not in done:
+            for c in reshard_collectives(g.meta, g.src, g.dst, mesh):
+                add(c.kind, c.axis, "gradient sync", c.bytes)
+    return out
+
+
+def _same(a: Totals, b: Totals) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and math.isclose(a[k][1], b[k][1], rel_tol=1e-9) for k in a)

@@ -1,0 +1,171 @@
+"""Moving a local tensor from one placement spec to another with functional collectives.
+
+The steps mirror :func:`autopar.passes.cost_model.reshard_collectives`: one mesh axis at a time,
+each transition one collective of the kind the cost model predicts, with the same byte count
+(the local buffer each rank hands in), so what runs is what the plan priced:
+
+==============  ============================================================================
+``S(d) -> R``   all-gather along ``d``
+``P -> R``      all-reduce
+``P -> S(d)``   reduce-scatter along ``d``
+``S(a) -> S(b)``all-to-all (chunk ``b``, exchange, concatenate along ``a``)
+``R -> S(d)``   local slice, no traffic
+``R -> P``      the value stays on coordinate 0 of the axis, zeros elsewhere (exact for every
+                dtype, unlike dividing by the axis size)
+``S(d) -> P``   all-gather, then as ``R -> P``
+==============  ============================================================================
+
+Nested shards (two mesh axes splitting one dim) are routed by :mod:`.reshard_route`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from autopar.placements import Partial, Placement, Replicate, Shard, Spec
+from autopar.runtime import _compat
+from autopar.runtime.reshard_route import route
+
+_REDUCE_OPS = {"sum": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min",
+               "avg": "avg", "mean": "avg"}
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutedCollective:
+    kind: str  # "all_gather" | "all_reduce" | "reduce_scatter" | "all_to_all"
+    axis: str
+    bytes: int  # the local buffer handed in, as cost_model.Collective.bytes
+    reason: str  # "resharding", "gradient sync", "parameter gather", "loss", ...
+
+
+@dataclass
+class CollectiveCounter:
+    """Every collective the runtime issued, in order; tests compare it with the plan."""
+
+    records: list[ExecutedCollective] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def add(self, c: ExecutedCollective) -> None:
+        self.records.append(c)
+
+    def totals(self, by_reason: bool = False) -> dict[tuple, tuple[int, float]]:
+        """``(kind, axis[, reason]) -> (count, bytes)`` summed over the records."""
+        count: Counter = Counter()
+        nbytes: Counter = Counter()
+        for r in self.records:
+            key = (r.kind, r.axis, r.reason) if by_reason else (r.kind, r.axis)
+            count[key] += 1
+            nbytes[key] += r.bytes
+        return {k: (count[k], float(nbytes[k])) for k in count}
+
+
+class Comm:
+    """This rank's view of the mesh: axis groups, its coordinate, the collective counter."""
+
+    def __init__(self, device_mesh: Any, axes: tuple[str, ...], shape: tuple[int, ...],
+                 coord: tuple[Any, ...], counter: CollectiveCounter) -> None:
+        self.device_mesh = device_mesh
+        self.axes = axes
+        self.shape = shape
+        self.coord = coord  # ints on a real rank; SymInts under LocalTensorMode
+        self.counter = counter
+
+    def _group(self, ax: int) -> Any:
+        return (self.device_mesh, ax)
+
+    def _record(self, kind: str, ax: int, t: torch.Tensor, reason: str) -> None:
+        self.counter.add(ExecutedCollective(kind, self.axes[ax], t.numel() * t.element_size(),
+                                            reason))
+
+    def all_gather(self, t: torch.Tensor, dim: int, ax: int, reason: str) -> torch.Tensor:
+        self._record("all_gather", ax, t, reason)
+        return _compat.all_gather(t, dim, self._group(ax))
+
+    def all_reduce(self, t: torch.Tensor, op: str, ax: int, reason: str) -> torch.Tensor:
+        self._record("all_reduce", ax, t, reason)
+        return _compat.all_reduce(t, _reduce_op(op), self._group(ax))
+
+    def reduce_scatter(self, t: torch.Tensor, op: str, dim: int, ax: int,
+                       reason: str) -> torch.Tensor:
+        self._record("reduce_scatter", ax, t, reason)
+        return _compat.reduce_scatter(t, _reduce_op(op), dim, self._group(ax))
+
+    def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, ax: int,
+                   reason: str) -> torch.Tensor:
+        n = self.shape[ax]
+        self._record("all_to_all", ax, t, reason)
+        # block j of dst_dim goes to rank j; what comes back from rank j is its src_dim piece
+        blocks = torch.stack(t.chunk(n, dim=dst_dim))
+        got = _compat.all_to_all(blocks, self._group(ax))
+        return torch.cat(got.unbind(0), dim=src_dim)
+
+    def local_slice(self, t: torch.Tensor, dim: int, ax: int) -> torch.Tensor:
+        n = self.shape[ax]
+        length = t.shape[dim] // n
+        # narrow takes the (possibly symbolic) coordinate without a Python branch on it
+        return t.narrow(dim, self.coord[ax] * length, length).contiguous()
+
+    def keep_on_first(self, t: torch.Tensor, ax: int) -> torch.Tensor:
+        c = self.coord[ax]
+        if isinstance(c, int):
+            return t if c == 0 else torch.zeros_like(t)
+        # symbolic coordinate (LocalTensorMode): pick by index instead of branching on it
+        n = self.shape[ax]
+        return torch.stack([t] + [torch.zeros_like(t)] * (n - 1)).select(0, c)
+
+
+def _reduce_op(op: str) -> str:
+    try:
+        return _REDUCE_OPS[op]
+    except KeyError:
+        raise NotImplementedError(f"no collective reduces with {op!r}") from None
+
+
+def redistribute(t: torch.Tensor, src: Spec, dst: Spec, comm: Comm,
+                 reason: str = "resharding") -> torch.Tensor:
+    """``t`` (this rank's piece under ``src``) as this rank's piece under ``dst``."""
+    if src == dst:
+        return t
+    nd = t.dim()
+    src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in src)
+    dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in dst)
+    steps, perms = route(src, dst, tuple(t.shape), comm.shape)
+    cur = list(src)
+    for ax, b in steps:
+        why = reason if b == dst[ax] else "nested-shard fallback"
+        t = _transition(t, cur[ax], b, ax, comm, why)
+        cur[ax] = b
+    for d, perm in perms.items():
+        blocks = t.chunk(len(perm), dim=d)
+        t = torch.cat([blocks[i] for i in perm], dim=d)
+    return t
+
+
+def _transition(t: torch.Tensor, a: Placement, b: Placement, ax: int, comm: Comm,
+                reason: str) -> torch.Tensor:
+    if isinstance(b, Replicate):
+        if isinstance(a, Shard):
+            return comm.all_gather(t, a.dim, ax, reason)
+        if isinstance(a, Partial):
+            return comm.all_reduce(t, a.reduce, ax, reason)
+        return t
+    if isinstance(b, Shard):
+        if isinstance(a, Partial):
+            return comm.reduce_scatter(t, a.reduce, b.dim, ax, reason)
+        if isinstance(a, Shard):
+            return comm.all_to_all(t, a.dim, b.dim, ax, reason)
+        return comm.local_slice(t, b.dim, ax)
+    assert isinstance(b, Partial)
+    if isinstance(a, Shard):
+        t = comm.all_gather(t, a.dim, ax, reason)
+    elif isinstance(a, Partial):  # another reduce op: make it whole first
+        t = comm.all_reduce(t, a.reduce, ax, reason)
+    if b.reduce == "sum":
+        return comm.keep_on_first(t, ax)
+    return t  # max / min / avg: a whole value on every rank is already a valid partial

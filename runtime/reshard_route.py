@@ -1,0 +1,205 @@
+"""How a reshard runs, step by step: pure placement logic, no torch (the cost model can use it).
+
+**Nested shards** (two mesh axes splitting one tensor dim, nested in mesh-axis order as DTensor
+does) make the order matter: gathering an outer axis while an inner one still splits the dim
+leaves the blocks interleaved. The axes are taken in ascending order (the cost model's) and the
+blocks put back in order locally afterwards whenever every rank then holds the right blocks
+(``(S(0), S(0)) -> (R, R)``: two gathers and one local permutation, exactly as priced). When
+it does not (``(S(0), S(0)) -> (R, S(0))``), the first order that is valid step by step is
+taken, which moves other byte counts over the axes than the plan predicted; when no order is
+valid (``(R, S(0)) -> (S(0), S(0))``) the innermost shard is gathered first, an extra
+all-gather the plan did not price, recorded with reason ``"nested-shard fallback"``.
+
+:func:`route` gives the steps and the local block permutations; :func:`route_collectives`
+the collectives they issue, with the same kinds and byte definition as
+``cost_model.reshard_collectives`` (identical to it wherever the ascending order runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from functools import lru_cache
+from typing import Any
+
+from autopar.placements import Partial, Placement, Replicate, Shard, Spec, num_shards
+
+Steps = list[tuple[int, Placement]]
+Perms = dict[int, list[int]]
+
+
+def route(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, ...]
+          ) -> tuple[Steps, Perms]:
+    """The ``(axis, new placement)`` steps from ``src`` to ``dst`` for a local piece of shape
+    ``local``, and the block permutation to apply per dim afterwards."""
+    return _cached(tuple(src), tuple(dst), tuple(local), tuple(mesh_shape))
+
+
+@lru_cache(maxsize=4096)
+def _cached(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, ...]
+            ) -> tuple[Steps, Perms]:
+    return _route_uncached(src, dst, local, mesh_shape)
+
+
+def _route_uncached(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, ...]
+           ) -> tuple[list[tuple[int, Placement]], dict[int, list[int]]]:
+    """The steps to run and the local block permutations to apply after them.
+
+    First choice: the cost model's ascending axis order; nested shards may then come out with
+    their blocks interleaved, which a local permutation fixes when this rank ends up holding
+    the right blocks (e.g. ``(S(0), S(0)) -> (R, R)``). Otherwise: :func:`reshard_steps`."""
+    ascending = [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
+    perms = _block_permutations(src, dst, ascending, local, mesh_shape)
+    if perms is not None:
+        return ascending, perms
+    return reshard_steps(src, dst), {}
+
+
+def _block_permutations(src: Spec, dst: Spec, steps: list[tuple[int, Placement]],
+                        local: tuple[int, ...], mesh_shape: tuple[int, ...]
+                        ) -> dict[int, list[int]] | None:
+    """Per tensor dim, how to reorder the local blocks after ``steps`` so every rank holds its
+    ``dst`` piece in order; ``None`` if some rank would hold the wrong blocks.
+
+    Simulated on block ids: each dim is cut into as many blocks as the axes sharding it (in
+    ``src`` or ``dst``) make; a gather concatenates the peers' lists, a slice, reduce-scatter or
+    all-to-all keeps this rank's part of its list."""
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    full = _full_shape(local, src, mesh_shape)
+    perms: dict[int, list[int]] = {}
+    for d in range(len(full)):
+        sd = Shard(d)
+        if not any(src[ax] != dst[ax] and sd in (src[ax], dst[ax]) for ax in range(len(src))):
+            continue  # no step moves this dim's blocks
+        axes = [ax for ax in range(len(src)) if sd in (src[ax], dst[ax])]
+        n_blocks = math.prod(mesh_shape[ax] for ax in axes)
+        if full[d] % n_blocks:
+            return None
+        state = {c: _piece(src, d, n_blocks, mesh_shape, c) for c in coords}
+        cur = list(src)
+        for ax, b in steps:
+            a, n = cur[ax], mesh_shape[ax]
+            if a == sd and b != sd:
+                state = {c: sum((state[c[:ax] + (j,) + c[ax + 1:]] for j in range(n)), [])
+                         for c in coords}
+            elif b == sd and a != sd:
+                state = {c: _part(state[c], n, c[ax]) for c in coords}
+            cur[ax] = b
+        perm = None
+        for c in coords:
+            want = _piece(dst, d, n_blocks, mesh_shape, c)
+            if sorted(want) != sorted(state[c]):
+                return None
+            p = [state[c].index(b) for b in want]
+            if perm is not None and p != perm:
+                return None
+            perm = p
+        if perm is not None and perm != sorted(perm):
+            perms[d] = perm
+    return perms
+
+
+def _piece(spec: Spec, d: int, n_blocks: int, mesh_shape: tuple[int, ...],
+           coord: tuple[int, ...]) -> list[int]:
+    blocks = list(range(n_blocks))
+    for ax, p in enumerate(spec):
+        if p == Shard(d):
+            blocks = _part(blocks, mesh_shape[ax], coord[ax])
+    return blocks
+
+
+def _part(blocks: list[int], n: int, i: int) -> list[int]:
+    k = len(blocks) // n
+    return blocks[i * k:(i + 1) * k]
+
+
+def _full_shape(local: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> list[int]:
+    full = list(local)
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            full[p.dim] *= n
+    return full
+
+
+def _invalid(cur: list[Placement], ax: int, target: Placement) -> bool:
+    """True when changing axis ``ax`` now would interleave a nested shard's blocks."""
+    inner = cur[ax + 1:]
+    a = cur[ax]
+    if isinstance(a, Shard) and a in inner:
+        return True
+    return isinstance(target, Shard) and target != a and target in inner
+
+
+def reshard_steps(src: Spec, dst: Spec) -> list[tuple[int, Placement]]:
+    """The ordered ``(axis, new placement)`` steps from ``src`` to ``dst`` (see module doc).
+
+    Takes the lowest axis whose step is valid now. When none is, the inner axes blocking the
+    lowest pending one are gathered to ``R`` first (innermost first, each then the innermost
+    shard of its dim); that axis is then valid and never blocked again, so this terminates.
+    Such a gathered axis may be re-sharded by a later step.
+    """
+    cur = list(src)
+    steps: list[tuple[int, Placement]] = []
+    for _ in range(4 * len(cur) + 4):
+        pending = [ax for ax in range(len(cur)) if cur[ax] != dst[ax]]
+        if not pending:
+            return steps
+        ax = next((a for a in pending if not _invalid(cur, a, dst[a])), None)
+        if ax is None:
+            first = pending[0]
+            dims = {p for p in (cur[first], dst[first]) if isinstance(p, Shard)}
+            for j in reversed(range(first + 1, len(cur))):
+                if cur[j] in dims:
+                    steps.append((j, Replicate()))
+                    cur[j] = Replicate()
+            continue
+        steps.append((ax, dst[ax]))
+        cur[ax] = dst[ax]
+    raise AssertionError(f"internal: no reshard route from {src} to {dst}")
+
+
+def step_kind(a: Placement, b: Placement) -> str | None:
+    """The collective one axis step issues (``None``: local only), as the cost model names it."""
+    if isinstance(b, Replicate):
+        return "all_gather" if isinstance(a, Shard) else "all_reduce" if isinstance(
+            a, Partial) else None
+    if isinstance(b, Shard):
+        return "reduce_scatter" if isinstance(a, Partial) else "all_to_all" if isinstance(
+            a, Shard) else None
+    if isinstance(a, Shard):
+        return "all_gather"
+    return "all_reduce" if isinstance(a, Partial) and a != b else None
+
+
+def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any) -> list:
+    """The collectives :func:`route` issues for a tensor ``meta`` (a ``TensorMeta``) on ``mesh``
+    (an abstract ``Mesh``): a drop-in for ``cost_model.reshard_collectives`` that also prices
+    nested-shard transitions the way they actually run."""
+    from autopar.passes.cost_model import Collective, collective_time
+
+    if src == dst:
+        return []
+    nd = len(meta.shape)
+    src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in src)
+    dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in dst)
+    local = tuple(meta.shape[d] // _factor(src, d, mesh.shape) for d in range(nd))
+    steps, _ = route(src, dst, local, mesh.shape)
+    out, cur = [], list(src)
+    for ax, b in steps:
+        kind = step_kind(cur[ax], b)
+        if kind is not None:
+            n = mesh.shape[ax]
+            local_bytes = float(meta.nbytes) / num_shards(tuple(cur), mesh.shape)
+            buf = local_bytes * n if kind in ("all_gather", "all_to_all") else local_bytes
+            t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax])
+            out.append(Collective(kind, mesh.axes[ax], local_bytes, t))
+        cur[ax] = b
+    return out
+
+
+def _factor(spec: Spec, d: int, mesh_shape: tuple[int, ...]) -> int:
+    f = 1
+    for p, n in zip(spec, mesh_shape):
+        if p == Shard(d):
+            f *= n
+    return f

@@ -1,0 +1,283 @@
+"""``autopar train``: train a small GPT on the shipped corpus on local processes, then compare.
+
+With no arguments: ``gpt2-tiny`` on 4 CPU processes (mesh ``dp=2,tp=2``, gloo), the plan
+printed by rank 0, a progress bar, and at the end the loss curve next to the same model trained
+on one process (same seed, same initial weights, same batches). Every option a user can get
+wrong is checked here, before any process starts, and reported in one line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.mesh import Mesh
+from autopar.runtime.corpus import VOCAB_SIZE, BatchSampler, decode, load_tokens
+from autopar.runtime.progress import Progress, format_rate, loss_report
+
+LM_FAMILIES = ("gpt2", "llama3", "moe")
+DEFAULTS: dict[str, Any] = {
+    "model": "gpt2-tiny", "mesh": "dp=2,tp=2", "steps": 150, "batch": 16, "seq": 64,
+    "lr": 3e-3, "seed": 0, "time_limit": 10.0,
+}
+
+
+class TrainUsageError(AutoparError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class TrainConfig:
+    model: str
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    steps: int
+    batch: int
+    seq: int
+    lr: float
+    seed: int
+    nproc: int
+    baseline: bool
+    tty: bool
+    timeout_s: float | None
+    time_limit_s: float = DEFAULTS["time_limit"]
+
+    @property
+    def mesh_text(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in zip(self.mesh_axes, self.mesh_shape))
+
+
+@dataclass
+class RunResult:
+    losses: list[float]
+    step_times: list[float]
+    setup_s: float
+
+
+def register(subparsers: Any) -> None:
+    d = DEFAULTS
+    p = subparsers.add_parser(
+        "train", help="train a small GPT on the bundled corpus on local processes",
+        description="Train a small GPT from autopar.models on the corpus shipped with autopar, "
+                    "on local CPU processes it spawns (gloo), and compare its loss curve with the "
+                    "same model trained on one process.",
+    )
+    p.add_argument("--model", default=d["model"],
+                   help=f"model preset (default {d['model']}; gpt2-*, llama3-*, moe-*)")
+    p.add_argument("--mesh", default=d["mesh"],
+                   help=f"axis=size pairs (default {d['mesh']}); dp axes split the batch")
+    p.add_argument("--steps", type=int, default=d["steps"], help=f"default {d['steps']}")
+    p.add_argument("--batch", type=int, default=d["batch"],
+                   help=f"global batch size (default {d['batch']})")
+    p.add_argument("--seq", type=int, default=d["seq"], help=f"sequence length (default {d['seq']})")
+    p.add_argument("--lr", type=float, default=d["lr"], help=f"AdamW learning rate (default {d['lr']})")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="local processes to spawn (default: the mesh size; must equal it)")
+    p.add_argument("--seed", type=int, default=d["seed"], help="weights and data seed (default 0)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the one-process run the loss curve is compared with")
+    p.add_argument("--time-limit", type=float, default=d["time_limit"],
+                   help=f"plan solver time limit in seconds (default {d['time_limit']:g})")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="stop everything after this many seconds (default: no limit)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = validate(args)
+    from autopar.runtime.launch import launch
+
+    tokens_per_step = cfg.batch * cfg.seq
+    print(f"autopar train: {cfg.model} on {cfg.nproc} local CPU processes, mesh {cfg.mesh_text}, "
+          f"batch {cfg.batch} x seq {cfg.seq} ({tokens_per_step} tokens/step), {cfg.steps} "
+          f"steps, AdamW lr {cfg.lr:g}, seed {cfg.seed}", flush=True)
+    try:
+        results = launch(_parallel_worker, cfg.nproc, (cfg,), backend="gloo",
+                         timeout_s=cfg.timeout_s, collective_timeout_s=120.0)
+    except KeyboardInterrupt:  # the launcher has already stopped the ranks
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    par: RunResult = results[0]
+    spread = max(max(abs(a - b) for a, b in zip(r.losses, par.losses)) for r in results)
+    _summary("autopar", par, tokens_per_step)
+    if spread > 0:
+        print(f"ranks disagree on the loss by up to {spread:.2e}")
+    if not cfg.baseline:
+        return 0 if all(math.isfinite(v) for v in par.losses) else 1
+    print("\nthe same model on 1 process (same seed, weights and batches):", flush=True)
+    base, model = _baseline(cfg)
+    _summary("1 process", base, tokens_per_step)
+    print()
+    print(loss_report({f"autopar {cfg.mesh_text}": par.losses, "1 process": base.losses}))
+    print(_CHAOS_NOTE)
+    sample = _sample(model, cfg)
+    if sample:
+        print(f"\nthe trained 1-process model, sampled after {_PROMPT!r}: {sample!r}")
+    return 0 if all(math.isfinite(v) for v in par.losses) else 1
+
+
+def validate(args: argparse.Namespace) -> TrainConfig:
+    """The run's config, or :class:`TrainUsageError` naming the bad option and the fix."""
+    from autopar.cli import check_batch
+    from autopar.models import get_preset
+
+    preset = get_preset(args.model)  # UnknownPresetError is an AutoparError: one line
+    if preset.family not in LM_FAMILIES:
+        raise TrainUsageError(
+            f"autopar train trains language models; {args.model!r} is a {preset.family} model. "
+            "Pick a gpt2-*, llama3-* or moe-* preset")
+    mesh = Mesh.parse(args.mesh, "cpu")
+    nproc = mesh.size if args.nproc is None else args.nproc
+    if nproc != mesh.size:
+        raise TrainUsageError(
+            f"--nproc {nproc} does not match mesh {args.mesh} of {mesh.size} devices: "
+            f"use --nproc {mesh.size} or a mesh of {nproc} devices")
+    for name in ("steps", "batch", "seq"):
+        if getattr(args, name) < 1:
+            raise TrainUsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.seq < 2:
+        raise TrainUsageError("--seq must be at least 2 (the model predicts the next byte)")
+    if not args.lr > 0:
+        raise TrainUsageError(f"--lr must be positive, got {args.lr}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise TrainUsageError(f"--timeout must be positive, got {args.timeout}")
+    if not args.time_limit > 0:
+        raise TrainUsageError(f"--time-limit must be positive, got {args.time_limit}")
+    check_batch(mesh, args.batch)
+    if nproc > 4 * (os.cpu_count() or 1):
+        print(f"note: {nproc} processes on {os.cpu_count()} CPU cores will be slow",
+              file=sys.stderr)
+    return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
+                       args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
+                       args.timeout, args.time_limit)
+
+
+def build_model(cfg: TrainConfig) -> nn.Module:
+    """The preset, widened to the byte vocabulary and the sequence length, seeded weights."""
+    from autopar.models import get_preset
+
+    preset = get_preset(cfg.model)
+    c = preset.config
+    changes: dict[str, Any] = {}
+    if c.vocab_size < VOCAB_SIZE:
+        changes["vocab_size"] = VOCAB_SIZE
+    pos = "n_positions" if preset.family == "gpt2" else "max_seq_len"
+    if getattr(c, pos) < cfg.seq:
+        changes[pos] = cfg.seq
+    if changes:
+        preset = preset.replace(**changes)
+    torch.manual_seed(cfg.seed)
+    return preset.build("cpu")
+
+
+def _parallel_worker(cfg: TrainConfig) -> RunResult:
+    """One rank: build the same model as every other rank, parallelize it, train it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+
+    t0 = time.perf_counter()
+    rank = dist.get_rank()
+    if rank != 0:
+        warnings.simplefilter("ignore")  # one copy of each warning (rank 0's) is enough
+    sampler = BatchSampler(load_tokens(), cfg.batch, cfg.seq, cfg.seed)
+    model = build_model(cfg)
+    mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
+    pm = autopar.parallelize(model, mesh, example_inputs=sampler.batch(0),
+                             time_limit_s=cfg.time_limit_s)
+    if rank == 0:
+        plan = getattr(pm, "plan", None)
+        if plan is not None:
+            print(plan.table(), flush=True)
+        print(flush=True)
+    opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr)
+    setup_s = time.perf_counter() - t0
+    bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty) if rank == 0 \
+        else None
+    losses, times = _train(pm, opt, sampler, cfg.steps, bar)
+    return RunResult(losses, times, setup_s)
+
+
+def _baseline(cfg: TrainConfig) -> tuple[RunResult, nn.Module]:
+    torch.set_num_threads(os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    sampler = BatchSampler(load_tokens(), cfg.batch, cfg.seq, cfg.seed)
+    model = build_model(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    setup_s = time.perf_counter() - t0
+    bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="1 proc ", tty=cfg.tty)
+    losses, times = _train(model, opt, sampler, cfg.steps, bar)
+    return RunResult(losses, times, setup_s), model
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler, steps: int,
+           bar: Progress | None) -> tuple[list[float], list[float]]:
+    losses: list[float] = []
+    times: list[float] = []
+    for step in range(steps):
+        t = time.perf_counter()
+        tokens, targets = sampler.batch(step)
+        loss = model(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        value = _scalar(loss)
+        times.append(time.perf_counter() - t)
+        losses.append(value)
+        if bar is not None:
+            bar.update(step + 1, value)
+    if bar is not None:
+        bar.close()
+    return losses, times
+
+
+def _scalar(loss: torch.Tensor) -> float:
+    full = getattr(loss, "full_tensor", None)  # a DTensor loss is reduced before reading
+    return float((full() if full is not None else loss).detach())
+
+
+def _summary(name: str, r: RunResult, tokens_per_step: int) -> None:
+    # The first step pays one-off costs (allocations, first collectives): leave it out.
+    steady = r.step_times[1:] or r.step_times
+    med = sorted(steady)[len(steady) // 2]
+    print(f"{name}: {len(r.losses)} steps, loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}, "
+          f"{med * 1e3:.1f} ms/step (median), {format_rate(tokens_per_step / med)} tok/s, "
+          f"set-up {r.setup_s:.1f}s", flush=True)
+
+
+# Measured: nudging the 1-process run's weights by a relative 1e-7 moves its loss by ~1e-2 after
+# 20 steps and up to ~0.1 within 60 (Adam normalises tiny gradient differences into full-size
+# updates), so only the first steps can show agreement to rounding; after that the curves
+# should track each other, not coincide.
+_CHAOS_NOTE = (
+    "(the runs differ first by fp32 rounding, since the sums are split differently across ranks; "
+    "training amplifies\n such differences, so later steps agree in trend, not digit for digit)")
+
+_PROMPT = "It was the "
+
+
+@torch.no_grad()
+def _sample(model: nn.Module, cfg: TrainConfig, n: int = 80, temperature: float = 0.7) -> str:
+    """A seeded sampled continuation of a prompt by the one-process model: what "it learned"
+    looks like. Sampled, not greedy: a small greedy model falls into "the the the" at once."""
+    try:
+        g = torch.Generator().manual_seed(cfg.seed)
+        ids = torch.tensor([list(_PROMPT.encode())], dtype=torch.int64)
+        for _ in range(n):
+            logits = model(ids[:, -cfg.seq:])[:, -1] / temperature
+            nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)
+            ids = torch.cat([ids, nxt], dim=1)
+        return decode(ids[0, len(_PROMPT):])
+    except Exception:  # a model whose forward needs targets: the sample is only a nicety
+        return ""

@@ -1,0 +1,199 @@
+"""Shared by the runtime tests: train a model on one device and as an SPMD program, compare.
+
+The SPMD side runs every rank in this one process under ``LocalTensorMode`` on a fake process
+group (torch's own single-process simulation: each tensor holds one value per rank, collectives
+are computed across them) or, in ``test_gloo.py``, as real gloo processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import autopar
+from autopar.capture import capture
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.runtime._compat import reconcile
+
+AXES = {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "sp", "tp")}
+LR = 1e-3
+# Adam divides by sqrt(v) + eps: with the default eps a gradient element that is nearly zero
+# (a layer-norm bias, the attention key bias: 0 in exact arithmetic) has its rounding noise,
+# which differs with the reduction order, blown up to a full-size update, on one device as on
+# many, and the comparison would measure that noise (1e-5 relative at eps=1e-6, 1e-6 at 1e-4).
+EPS = 1e-4
+
+
+@contextlib.contextmanager
+def fake_world(size: int) -> Iterator[Any]:
+    """A fake process group of ``size`` ranks and LocalTensorMode over them."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
+    try:
+        with LocalTensorMode(size) as mode:
+            yield mode
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_for(shape: tuple[int, ...]) -> Mesh:
+    return Mesh(shape, AXES[len(shape)], "cpu")
+
+
+def train_single(model: nn.Module, inputs: tuple, steps: int) -> dict[str, Any]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], {}
+    for _ in range(steps):
+        loss = model(*inputs)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params}
+
+
+def train_parallel(pm: nn.Module, inputs: tuple, steps: int) -> dict[str, Any]:
+    """As :func:`train_single`, inside the fake world; results gathered to whole tensors."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    losses, grads, per_step = [], {}, []
+    for _ in range(steps):
+        pm.collectives.reset()
+        loss = pm(*inputs)
+        loss.backward()
+        per_step.append(list(pm.collectives.records))
+        grads = {n: _whole(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        losses.append(reconcile(loss.detach()))
+    params = {n: _whole(p) for n, p in pm.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "collectives": per_step}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return reconcile(t.detach().full_tensor()).clone()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative error (elementwise would divide rounding noise by zeros)."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / max(b.norm().item(), 1e-12))
+
+
+def assert_same_training(got: dict, want: dict, tol: float = 1e-5, what: str = "") -> None:
+    assert len(got["losses"]) == len(want["losses"])
+    for i, (g, w) in enumerate(zip(got["losses"], want["losses"])):
+        assert math.isclose(g.item(), w.item(), rel_tol=tol, abs_tol=1e-7), (
+            f"{what} step {i}: loss {g.item()} vs single device {w.item()}")
+    for key in ("grads", "params"):
+        assert got[key].keys() == want[key].keys(), f"{what} {key}: different names"
+        for name in want[key]:
+            err = rel_err(got[key][name], want[key][name])
+            assert err < tol, f"{what} {key[:-1]} {name}: relative error {err:.2e}"
+
+
+def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs: tuple,
+                   time_limit_s: float = 5.0) -> Plan | None:
+    """A hand-written layout (params and inputs pinned) completed by the solver; ``None`` where
+    it does not apply to the mesh or cannot be expressed on this graph."""
+    from autopar.api import complete_plan
+    from autopar.errors import PlanError
+    from autopar.models.reference_plans import REFERENCE_PLANS
+
+    ref = REFERENCE_PLANS[name](model, mesh.shape, mesh.axes, family,
+                                batch_size=inputs[0].shape[0])
+    if ref is None:
+        return None
+    graph = capture(model, inputs)
+    try:
+        return complete_plan(graph, mesh, ref.params, ref.inputs, time_limit_s=time_limit_s)
+    except PlanError:
+        return None
+
+
+def run_case(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...],
+             plan: Plan | str | None = None, steps: int = 3, time_limit_s: float = 5.0
+             ) -> tuple[dict, dict, nn.Module]:
+    """Train a copy on one device and the model on the simulated mesh; return both results."""
+    want = train_single(copy.deepcopy(model), inputs, steps)
+    mesh = mesh_for(mesh_shape)
+    with fake_world(mesh.size):
+        pm = autopar.parallelize(model, mesh, inputs, plan=plan, time_limit_s=time_limit_s)
+        got = train_parallel(pm, inputs, steps)
+    return got, want, pm
+
+
+def collective_totals(records: list, by_reason: bool = True) -> dict[tuple, tuple[int, float]]:
+    out: dict[tuple, list] = {}
+    for r in records:
+        key = (r.kind, r.axis, r.reason) if by_reason else (r.kind, r.axis)
+        slot = out.setdefault(key, [0, 0.0])
+        slot[0] += 1
+        slot[1] += r.bytes
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float]], bool]:
+    """What the lowered program should issue per step, priced by ``route_collectives``, and
+    whether any reshard leaves the cost model's ascending axis order (nested shards)."""
+    from autopar.placements import local_shape
+    from autopar.runtime.reshard_route import route, route_collectives
+
+    lowered = pm._active[1]
+    mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    out: dict[tuple[str, str], list] = {}
+    deviates = False
+    syncs = [(m, a, b) for _, m, a, b in zip(*lowered.grad_moves()) if a is not None and a != b]
+    edges = [(m, a, b) for m, a, b, why in lowered.edges() if why != "gradient sync"]
+    if lowered.bucketed:  # bucketed syncs: one all-reduce per bucket and axis, as grad_sync runs
+        from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
+        from autopar.placements import num_shards
+
+        moves = [GradSync(i, *g) for i, g in enumerate(syncs)]
+        buckets = gradient_buckets(moves, mesh.shape)
+        for bucket in buckets:
+            nbytes = sum(g.meta.nbytes / num_shards(g.src, mesh.shape) for g in bucket)
+            for ax in reduce_axes(bucket[0].src, bucket[0].dst) or ():
+                slot = out.setdefault(("all_reduce", mesh.axes[ax]), [0, 0.0])
+                slot[0] += 1
+                slot[1] += nbytes
+        taken = {g.index for b in buckets for g in b}
+        syncs = [g for i, g in enumerate(syncs) if i not in taken]
+    for meta, src, dst in edges + syncs:
+        if src == dst or meta is None:
+            continue
+        steps, _ = route(src, dst, local_shape(meta.shape, src, mesh.shape), mesh.shape)
+        deviates |= steps != [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
+        for c in route_collectives(meta, src, dst, mesh):
+            slot = out.setdefault((c.kind, c.axis), [0, 0.0])
+            slot[0] += 1
+            slot[1] += c.bytes
+    return {k: (v[0], v[1]) for k, v in out.items()}, deviates
+
+
+def planned_totals(plan: Plan) -> dict[tuple[str, str, str], tuple[int, float]]:
+    return {(c.kind, c.axis, c.reason): (c.count, c.bytes) for c in plan.collectives}
+
+
+def check_collectives(records: list, pm: nn.Module, what: str = "") -> None:
+    """Executed == the plan's prediction (kind, axis, reason, count, bytes) wherever every
+    reshard runs in the cost model's order; where a nested-shard transition cannot, executed ==
+    what ``route_collectives`` prices for the route that runs (see ``reshard_route``)."""
+    routed, deviates = routed_totals(pm)
+    assert collective_totals(records, by_reason=False) == routed, what
+    if not deviates:
+        assert collective_totals(records) == planned_totals(pm.plan), what

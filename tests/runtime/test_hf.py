@@ -1,0 +1,89 @@
+"""Hugging Face causal LMs built from small configs, parallelized unmodified (simulated mesh).
+
+The model is called with keyword inputs (``input_ids=..., labels=...``) and returns an output
+object with ``.loss``; autopar traces that as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from spmd_harness import EPS, LR, _whole, fake_world, mesh_for, reconcile, rel_err
+
+import autopar
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _mixtral():
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=16,
+                                     num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _check(build, mesh_shape) -> None:
+    torch.manual_seed(0)
+    model = build().train()
+    ids = torch.randint(0, 64, (4, 8))
+    kw = {"input_ids": ids, "labels": ids}
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    want = []
+    for _ in range(3):
+        loss = ref(**kw).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    mesh = mesh_for(mesh_shape)
+    with fake_world(mesh.size):
+        pm = autopar.parallelize(model, mesh, example_kwargs=kw, time_limit_s=2.0)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        got = []
+        for _ in range(3):
+            loss = pm(**kw)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(reconcile(loss.detach()).item())
+        params = {n: _whole(p) for n, p in pm.named_parameters()}
+    assert got == pytest.approx(want, rel=1e-5)
+    for n, p in ref.named_parameters():
+        assert rel_err(params[n], p.detach()) < 1e-5, n
+
+
+def test_hf_gpt2_on_2x2() -> None:
+    _check(_gpt2, (2, 2))
+
+
+def test_hf_llama_on_2() -> None:
+    _check(_llama, (2,))
+
+
+@pytest.mark.slow
+def test_hf_llama_on_2x2() -> None:
+    _check(_llama, (2, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(reason="capture: HF Mixtral's expert kernels need bf16 (grouped_mm) or route "
+                   "tokens with nonzero (eager), neither traces on fake fp32 tensors", strict=True)
+def test_hf_mixtral_on_2() -> None:
+    _check(_mixtral, (2,))

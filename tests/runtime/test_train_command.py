@@ -1,0 +1,140 @@
+"""``autopar train``: option errors, the corpus loader, the progress output, one short real run."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autopar.cli import main
+from autopar.runtime.corpus import VOCAB_SIZE, BatchSampler, decode, encode, load_text, load_tokens
+from autopar.runtime.progress import Progress, loss_report, sparkline
+
+# --- option errors: one line on stderr, exit 2, before any process starts ---------------------
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--mesh", "dp=2,tp=2", "--nproc", "3"], "--nproc 3 does not match mesh dp=2,tp=2"),
+    (["--mesh", "dp=4", "--batch", "6"], "multiple of 4"),
+    (["--mesh", "dp=2,tp=2", "--batch", "5"], "multiple of 2"),
+    (["--model", "gpt2-tinyy"], "unknown model preset 'gpt2-tinyy'"),
+    (["--model", "mlp-tiny"], "trains language models"),
+    (["--mesh", "dp:2"], "cannot read mesh"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--seq", "1"], "--seq must be at least 2"),
+    (["--lr", "0"], "--lr must be positive"),
+])
+def test_bad_options_are_one_line_and_exit_2(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", *argv]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
+    assert needle in lines[0]
+    assert "Traceback" not in out + err
+
+
+def test_bad_option_through_the_console_script() -> None:
+    r = subprocess.run([sys.executable, "-m", "autopar.cli", "train", "--nproc", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "autopar: error: --nproc 3 does not match mesh dp=2,tp=2 of 4 devices: use --nproc 4 "
+        "or a mesh of 3 devices"]
+
+
+# --- corpus -------------------------------------------------------------------------------------
+
+
+def test_corpus_ships_with_the_package() -> None:
+    text = load_text()
+    assert 100_000 <= len(text.encode()) <= 300_000
+    assert "Call me Ishmael" in text
+    tokens = load_tokens()
+    assert tokens.dtype == torch.int64 and int(tokens.max()) < VOCAB_SIZE
+    assert decode(encode("naïve café")) == "naïve café"
+
+
+def test_batches_are_deterministic_and_shifted() -> None:
+    a = BatchSampler.from_corpus(batch_size=4, seq_len=32, seed=7)
+    b = BatchSampler.from_corpus(batch_size=4, seq_len=32, seed=7)
+    for step in (0, 1, 123):
+        ta, ya = a.batch(step)
+        tb, yb = b.batch(step)
+        assert ta.shape == ya.shape == (4, 32) and ta.dtype == ya.dtype == torch.int64
+        assert torch.equal(ta, tb) and torch.equal(ya, yb)
+        assert torch.equal(ta[:, 1:], ya[:, :-1])  # targets are the next byte
+    # any order of calls gives the same batch for a step: ranks never need to agree on history
+    assert torch.equal(a.batch(5)[0], BatchSampler.from_corpus(4, 32, 7).batch(5)[0])
+    assert not torch.equal(a.batch(0)[0], a.batch(1)[0])
+    assert not torch.equal(a.batch(1)[0], BatchSampler.from_corpus(4, 32, 8).batch(1)[0])
+    assert not torch.equal(BatchSampler.from_corpus(4, 32, 0).batch(1)[0],
+                           BatchSampler.from_corpus(4, 32, 1).batch(0)[0])
+
+
+def test_sampler_rejects_impossible_shapes() -> None:
+    with pytest.raises(ValueError, match="too short"):
+        BatchSampler(torch.arange(10), 2, 64)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        BatchSampler(torch.arange(100), 0, 8)
+
+
+# --- progress output ------------------------------------------------------------------------
+
+
+def test_progress_prints_lines_when_not_a_terminal() -> None:
+    buf = io.StringIO()
+    bar = Progress(20, tokens_per_step=128, stream=buf, tty=False, every=5)
+    for s in range(1, 21):
+        bar.update(s, 5.0 - s * 0.1)
+    bar.close()
+    lines = buf.getvalue().splitlines()
+    assert "\r" not in buf.getvalue()
+    assert [ln.split("]")[1].split()[0] for ln in lines] == ["1/20", "5/20", "10/20", "15/20",
+                                                             "20/20"]
+    assert "loss 3.0000" in lines[-1] and "tok/s" in lines[-1]
+
+
+def test_progress_redraws_one_line_on_a_terminal() -> None:
+    buf = io.StringIO()
+    bar = Progress(3, tokens_per_step=128, stream=buf, tty=True)
+    for s in range(1, 4):
+        bar.update(s, 1.0)
+    bar.close()
+    text = buf.getvalue()
+    assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1
+    assert "3/3" in text
+
+
+def test_sparkline_and_report() -> None:
+    assert sparkline([3, 2, 1], lo=1, hi=3) == "█▅▁"
+    assert sparkline([3, 2, 1], lo=1, hi=3, ascii_only=True) == "@=_"
+    assert len(sparkline(list(range(500)), width=40)) == 40
+    rep = loss_report({"a": [3.0, 2.0, 1.0], "b": [3.0, 2.0, 1.5]}, points=3, early=2)
+    assert "max |a - b|: 0.000e+00 over steps 1-2, 5.000e-01 over all 3 steps" in rep
+    assert rep.splitlines()[4].split() == ["3", "1.000000", "1.500000", "5.00e-01"]
+
+
+# --- one short real run ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_short_run_end_to_end() -> None:
+    """The main command, 2 processes, 3 steps; ~30-60 s on a 2-core machine (spawning,
+    planning, and the one-process baseline). Excluded from the default run: `-m slow`."""
+    cmd = [sys.executable, "-m", "autopar.cli", "train", "--steps", "3", "--nproc", "2",
+           "--mesh", "dp=2", "--seq", "32", "--batch", "4", "--time-limit", "5"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert out.count("autopar plan:") == 1  # rank 0 only
+    assert "3/3" in out and "tok/s" in out
+    assert "1 process" in out and "max |autopar dp=2 - 1 process|" in out
+    early = float(out.split("max |autopar dp=2 - 1 process|: ")[1].split()[0])
+    assert early < 1e-4  # same seed, weights and batches: equal up to fp32 rounding
