@@ -75,7 +75,7 @@ def make_plan(
     assert sp.problem is not None
     refs_cost: dict[str, PlanCost] = {}
     ref_choices: dict[str, list[int]] = {}
-    ref_assign: dict[str, tuple[int, ...]] = {}
+    ref_assign: dict[str, tuple[int, ...] | None] = {}
     t_refs = time.perf_counter()
     for name, ref in (references or {}).items():
         got = score_reference(sp, pg, ref, time_limit_s)
@@ -84,8 +84,8 @@ def make_plan(
     t_refs = time.perf_counter() - t_refs
     # the best reference layout that fits seeds the search: the solver starts from it and can
     # only improve on it (a portfolio start, as MIP solvers take from heuristics)
-    fitting = [n for n, c in refs_cost.items()
-               if memory_budget is None or c.mem_bytes <= memory_budget]
+    fitting = [n for n, c in refs_cost.items() if ref_assign[n] is not None
+               and (memory_budget is None or c.mem_bytes <= memory_budget)]
     hint = ref_assign[min(fitting, key=lambda n: refs_cost[n].step_s)] if fitting else None
     t2 = time.perf_counter()
     sol = _solve_within_budget(sp, memory_budget, time_limit_s, hint)
@@ -172,17 +172,36 @@ def _gib(x: float | None) -> str:
 
 def score_reference(
     sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float
-) -> tuple[PlanCost, list[int], tuple[int, ...]] | None:
-    """Best completion of a reference layout (its params and inputs pinned), or None if it
-    cannot be expressed on this graph (e.g. a placement no strategy of the node offers)."""
+) -> tuple[PlanCost, list[int], tuple[int, ...] | None] | None:
+    """Best completion of a reference layout (its params and inputs pinned): its cost, the
+    strategy of every node, and the solver assignment (None when it had to be solved without
+    shared layer variables). None if a pinned placement is one no strategy offers."""
+    got = _pinned_solve(sp, pg, ref, time_limit_s)
+    if got is not _CONFLICT:
+        return got  # type: ignore[return-value]
+    # the layout places repeated layers differently (an MLP alternating column and row
+    # layers): plan it without shared layer variables
+    assert sp.problem is not None
+    flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False)
+    got = _pinned_solve(flat, pg, ref, time_limit_s)
+    if got is None or got is _CONFLICT:
+        return None
+    cost, choice, _ = got  # type: ignore[misc]
+    return cost, choice, None
+
+
+_CONFLICT = object()
+
+
+def _pinned_solve(sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float):
     assert sp.problem is not None and sp.var_of is not None
     pins: dict[int, Spec] = {}
     index = {n.name: i for i, n in enumerate(sp.nodes)}
+    params = {n.meta["autopar"].param_name: i for i, n in enumerate(sp.nodes)
+              if n.op == "placeholder" and n.meta["autopar"].role == "param"}
     for pname, spec in ref.params.items():
-        try:
-            pins[index[pg.param_node(pname).name]] = tuple(spec)
-        except KeyError:
-            continue
+        if pname in params:
+            pins[params[pname]] = tuple(spec)
     for n in sp.nodes:
         f = n.meta["autopar"]
         if f.role == "input" and f.input_index in ref.inputs:
@@ -197,7 +216,7 @@ def score_reference(
             return None
         allowed[v] = allowed[v] & ok if v in allowed else ok
         if not allowed[v]:
-            return None
+            return _CONFLICT
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
     sol = planner_solve(sp, sub, time_limit_s, domains=maps)
     if not sol.feasible:

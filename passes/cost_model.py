@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.graph import TensorMeta
@@ -70,10 +71,8 @@ def reshard_collectives(
     out: list[Collective] = []
     cur = list(src)
     full = float(meta.nbytes)
-    for ax in range(mesh.ndim):
-        a, b = cur[ax], dst[ax]
-        if a == b:
-            continue
+    for ax, b in _steps(meta, src, dst, mesh.shape):
+        a = cur[ax]
         n = mesh.shape[ax]
         # the buffer this axis works on: the tensor as sharded by the other axes
         others = tuple(p if i != ax else Replicate() for i, p in enumerate(cur))
@@ -88,6 +87,27 @@ def reshard_collectives(
             out.append(Collective(kind, mesh.axes[ax], local, t))
         cur[ax] = b
     return out
+
+
+def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) -> list:
+    """``(axis, new placement)`` in the order the runtime runs them: ascending axes, unless
+    nested shards (two axes splitting one dim) need another order (``passes.reshard_route``)."""
+    nested = any(
+        sum(isinstance(p, Shard) and p.dim % max(len(meta.shape), 1) == d for p in spec) > 1
+        for spec in (src, dst) for d in range(len(meta.shape))
+    )
+    if not nested:
+        return [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
+    from autopar.passes.reshard_route import route
+
+    nd = len(meta.shape)
+    src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in src)
+    dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in dst)
+    local = tuple(
+        meta.shape[d] // math.prod(n for p, n in zip(src, mesh_shape) if p == Shard(d))
+        for d in range(nd)
+    )
+    return route(src, dst, local, mesh_shape)[0]
 
 
 def _transition(a, b) -> str | None:

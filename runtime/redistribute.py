@@ -15,7 +15,7 @@ each transition one collective of the kind the cost model predicts, with the sam
 ``S(d) -> P``   all-gather, then as ``R -> P``
 ==============  ============================================================================
 
-Nested shards (two mesh axes splitting one dim) are routed by :mod:`.reshard_route`.
+Nested shards (two mesh axes splitting one dim) are routed by :mod:`autopar.passes.reshard_route`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from autopar.passes.reshard_route import route
 from autopar.placements import Partial, Placement, Replicate, Shard, Spec
 from autopar.runtime import _compat
-from autopar.runtime.reshard_route import route
 
 _REDUCE_OPS = {"sum": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min",
                "avg": "avg", "mean": "avg"}

@@ -112,3 +112,23 @@ def test_explain_lists_the_alternatives():
     assert "chosen" in text and "<- chosen" in text
     with pytest.raises(KeyError):
         planned.explain("no.such.node")
+
+
+def test_a_reference_that_places_repeated_layers_differently_is_still_scored():
+    # Megatron on an MLP alternates column and row layers: their shared solver variable cannot
+    # hold both, so the reference is completed without shared layer variables
+    from autopar.models import REFERENCE_PLANS
+
+    preset = get_preset("mlp-tiny")
+    model = preset.build("meta")
+    mesh = Mesh((2,), ("tp",))
+    ref = REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp")
+    planned = make_plan(model, mesh, preset.example_inputs(8, 1), time_limit_s=5,
+                        references={"megatron_tp": ref})
+    assert "megatron_tp" in planned.plan.references
+    choice = planned.reference_choices["megatron_tp"]
+    for name, spec in ref.params.items():
+        node = planned.graph.param_node(name)
+        i = [n.name for n in planned.problem.nodes].index(node.name)
+        assert planned.problem.strategies[i][choice[i]].outs[0] == spec
+    assert planned.plan.cost.step_s <= planned.plan.references["megatron_tp"].step_s * (1 + 1e-9)

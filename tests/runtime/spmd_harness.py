@@ -150,8 +150,8 @@ def collective_totals(records: list, by_reason: bool = True) -> dict[tuple, tupl
 def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float]], bool]:
     """What the lowered program should issue per step, priced by ``route_collectives``, and
     whether any reshard leaves the cost model's ascending axis order (nested shards)."""
+    from autopar.passes.reshard_route import route, route_collectives
     from autopar.placements import local_shape
-    from autopar.runtime.reshard_route import route, route_collectives
 
     lowered = pm._active[1]
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")

@@ -22,7 +22,7 @@ import math
 from functools import lru_cache
 from typing import Any
 
-from autopar.placements import Partial, Placement, Replicate, Shard, Spec, num_shards
+from autopar.placements import Partial, Placement, Replicate, Shard, Spec
 
 Steps = list[tuple[int, Placement]]
 Perms = dict[int, list[int]]
@@ -172,29 +172,11 @@ def step_kind(a: Placement, b: Placement) -> str | None:
 
 
 def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any) -> list:
-    """The collectives :func:`route` issues for a tensor ``meta`` (a ``TensorMeta``) on ``mesh``
-    (an abstract ``Mesh``): a drop-in for ``cost_model.reshard_collectives`` that also prices
-    nested-shard transitions the way they actually run."""
-    from autopar.passes.cost_model import Collective, collective_time
+    """The collectives :func:`route` issues (``cost_model.reshard_collectives`` prices every
+    reshard by its route, so the two are one function)."""
+    from autopar.passes.cost_model import reshard_collectives
 
-    if src == dst:
-        return []
-    nd = len(meta.shape)
-    src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in src)
-    dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in dst)
-    local = tuple(meta.shape[d] // _factor(src, d, mesh.shape) for d in range(nd))
-    steps, _ = route(src, dst, local, mesh.shape)
-    out, cur = [], list(src)
-    for ax, b in steps:
-        kind = step_kind(cur[ax], b)
-        if kind is not None:
-            n = mesh.shape[ax]
-            local_bytes = float(meta.nbytes) / num_shards(tuple(cur), mesh.shape)
-            buf = local_bytes * n if kind in ("all_gather", "all_to_all") else local_bytes
-            t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax])
-            out.append(Collective(kind, mesh.axes[ax], local_bytes, t))
-        cur[ax] = b
-    return out
+    return reshard_collectives(meta, src, dst, mesh)
 
 
 def _factor(spec: Spec, d: int, mesh_shape: tuple[int, ...]) -> int:
