@@ -90,13 +90,10 @@ def reshard_collectives(
 
 
 def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) -> list:
-    """``(axis, new placement)`` in the order the runtime runs them: ascending axes, unless
-    nested shards (two axes splitting one dim) need another order (``passes.reshard_route``)."""
-    nested = any(
-        sum(isinstance(p, Shard) and p.dim % max(len(meta.shape), 1) == d for p in spec) > 1
-        for spec in (src, dst) for d in range(len(meta.shape))
-    )
-    if not nested:
+    """``(axis, new placement)`` in the order the runtime runs them: ascending axes where that
+    order is valid, another where nested shards (two axes splitting one dim, before, during or
+    after the move) need it (``passes.reshard_route``)."""
+    if not any(isinstance(p, Shard) for p in src + dst):
         return [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
     from autopar.passes.reshard_route import route
 
