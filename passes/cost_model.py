@@ -93,8 +93,11 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
     """``(axis, new placement)`` in the order the runtime runs them: ascending axes where that
     order is valid, another where nested shards (two axes splitting one dim, before, during or
     after the move) need it (``passes.reshard_route``)."""
-    if not any(isinstance(p, Shard) for p in src + dst):
-        return [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
+    ascending = [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
+    # without two axes splitting one dim at any point of the ascending walk, it is valid as is
+    states = [tuple(dst[:k]) + tuple(src[k:]) for k in range(len(src) + 1)]
+    if not any(_nested(s, len(meta.shape)) for s in states):
+        return ascending
     from autopar.passes.reshard_route import route
 
     nd = len(meta.shape)
@@ -105,6 +108,11 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
         for d in range(nd)
     )
     return route(src, dst, local, mesh_shape)[0]
+
+
+def _nested(spec: Spec, ndim: int) -> bool:
+    dims = [p.dim % max(ndim, 1) for p in spec if isinstance(p, Shard)]
+    return len(dims) != len(set(dims))
 
 
 def _transition(a, b) -> str | None:

@@ -32,7 +32,17 @@ def route(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, .
           ) -> tuple[Steps, Perms]:
     """The ``(axis, new placement)`` steps from ``src`` to ``dst`` for a local piece of shape
     ``local``, and the block permutation to apply per dim afterwards."""
-    return _cached(tuple(src), tuple(dst), tuple(local), tuple(mesh_shape))
+    # only divisibility by the mesh's shard counts matters to the route: fold every dim to its
+    # gcd with the mesh size so tensors of many shapes share one cache entry
+    size = math.prod(mesh_shape)
+    factor = [1] * len(local)
+    for p, n in zip(src, mesh_shape):
+        if isinstance(p, Shard):
+            factor[p.dim] *= n
+    moved = {p.dim for p in (*src, *dst) if isinstance(p, Shard)}
+    canon = tuple(math.gcd(n * f, size) // f if d in moved else 1
+                  for d, (n, f) in enumerate(zip(local, factor)))
+    return _cached(tuple(src), tuple(dst), canon, tuple(mesh_shape))
 
 
 @lru_cache(maxsize=4096)
