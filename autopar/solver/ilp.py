@@ -33,6 +33,13 @@ largest load of everything else (fixed nodes, free nodes at their smallest usage
 ``\underline m_i``) within the segment. Segments whose row is implied by a neighbour's
 (a subset live set with no less capacity) or that can never overflow are dropped.
 
+Rigid groups are contracted first (``contract.py``): nodes tied by edges whose allowed pairs
+form a permutation share one set of ``x`` variables, indexed by their root's strategy, so a
+group of thousands of nodes costs the model a handful of variables; costs inside a group
+become one cost per choice, edges between two groups are summed into one matrix, and a
+memory row sums the usages of a group's members live in its segment (the rows are built
+incrementally in time order, so their cost is the number of changes, not of entries).
+
 Costs are scaled by a power of two and rounded to integers so that the objective stays
 below 2^48; for integer costs of moderate size the scale is 1 and the model is exact. The
 true float cost of the answer is always recomputed with ``evaluate``. Usages are scaled the
@@ -48,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from autopar.solver.contract import contract
 from autopar.solver.problem import Problem, Solution, evaluate, usage_profile
 from autopar.solver.reduce import FORBIDDEN, reduce_problem
 
@@ -152,19 +160,23 @@ def build(
             node_c[pos[u]] = node_c[pos[u]] + mat[:, assign[v]]
         elif fv:
             node_c[pos[v]] = node_c[pos[v]] + mat[assign[u], :]
+    # rigid groups (nodes tied by permutation edges) become one set of variables each; with
+    # ``lex`` forbidden pairs are allowed at a weight, so nothing is tied
+    units = contract(node_c, inner, forbid, enabled=not lex)
+    unit_c, unit_e = units.costs, units.edges
     los = []
     upper = 0.0
-    for c in node_c:
+    for c in unit_c:
         ok = c < forbid
         if not ok.any():
             ok = np.ones_like(ok)
         los.append(float(c[ok].min()))
         upper += float(c[ok].max()) - los[-1]
     offset = float(sum(los))
-    for _, _, mat in inner:
+    for _, _, mat in unit_e:
         ok = mat < forbid
         upper += float(mat[ok].max()) if ok.any() else 0.0
-    finite = [c[c < forbid] for c in node_c] + [mt[mt < forbid] for _, _, mt in inner]
+    finite = [c[c < forbid] for c in unit_c] + [mt[mt < forbid] for _, _, mt in unit_e]
     scale = _scale_for(upper, finite, 2.0**30 if lex else _OBJ_MAX)
     big = int(upper * scale) + 1
 
@@ -173,19 +185,26 @@ def build(
             return big * max(1, int(val // forbid))
         return int(round((val - lo) * scale))
 
-    xs = _add_nodes(m, node_c, forbid, lex)
+    xu = _add_nodes(m, unit_c, forbid, lex)
     obj: list = [m.NewConstant(0)]
     coefs: list[int] = [0]
-    for k, c in enumerate(node_c):
-        for s, x in enumerate(xs[k]):
+    for k, c in enumerate(unit_c):
+        for s, x in enumerate(xu[k]):
             if x is not None:
                 w = weight(c[s], los[k])
                 if w:
                     obj.append(x)
                     coefs.append(w)
-    _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex)
+    _add_edges(m, xu, unit_e, weight, obj, coefs, forbid, lex)
+    xs: list[list] = []
+    for k, c in enumerate(node_c):
+        row: list = [None] * len(c)
+        for t, x in enumerate(xu[int(units.unit_of[k])]):
+            if x is not None:
+                row[int(units.maps[k][t])] = x
+        xs.append(row)
     if cap is not None:
-        _add_memory(m, q, free, pos, xs, memory_rows(q, free, cap))
+        _add_memory(m, q, free, xs, memory_rows(q, free, cap))
     m.Minimize(cp_model.LinearExpr.WeightedSum(obj, coefs))
     return SubModel(m, free, xs, scale, offset)
 
@@ -234,7 +253,7 @@ def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> None:
                     m.Add(x == 0)
 
 
-def _add_memory(m, q: Problem, free, pos, xs, rows) -> None:
+def _add_memory(m, q: Problem, free, xs, rows) -> None:
     if not rows:
         return
     allu = np.concatenate([q.usages[i] - q.usages[i].min() for i in free])
@@ -242,18 +261,40 @@ def _add_memory(m, q: Problem, free, pos, xs, rows) -> None:
     big = float(allu.max()) if len(allu) else 1.0
     # Integer usages stay exact; others are scaled to ~2^30 and rounded on the safe side.
     us = 1.0 if integral and big < 2**53 else 2.0 ** math.floor(math.log2(2**30 / max(big, 1e-300)))
+    # tied nodes share variables, so a row sums their coefficients; rows come in time order
+    # and differ by a few nodes, so each is the previous one's vector plus/minus those
+    vid: dict[int, int] = {}
+    flat: list = []
+    per: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for k, i in enumerate(free.tolist()):
+        ext = q.usages[i] - q.usages[i].min()
+        ids, ws = [], []
+        for s, x in enumerate(xs[k]):
+            if x is not None and ext[s] > 0:
+                j = vid.setdefault(x.Index(), len(flat))
+                if j == len(flat):
+                    flat.append(x)
+                ids.append(j)
+                ws.append(int(math.ceil(ext[s] * us)))
+        per[i] = (np.array(ids, dtype=np.int64), np.array(ws, dtype=np.int64))
+    vec = np.zeros(len(flat), dtype=np.int64)
+    prev = np.zeros(0, dtype=np.int64)
+    on = np.zeros(q.num_nodes, dtype=bool)  # the previous row's nodes
     for nodes, capk in rows:
         if capk < 0:
             m.AddBoolOr([])  # nothing fits: infeasible
             return
-        vars_, ws = [], []
-        for i in nodes.tolist():
-            ext = q.usages[i] - q.usages[i].min()
-            for s, x in enumerate(xs[pos[i]]):
-                if x is not None and ext[s] > 0:
-                    vars_.append(x)
-                    ws.append(int(math.ceil(ext[s] * us)))
-        m.Add(cp_model.LinearExpr.WeightedSum(vars_, ws) <= int(math.floor(capk * us)))
+        add = nodes[~on[nodes]]
+        on[prev] = False
+        on[nodes] = True
+        for i in add.tolist():
+            vec[per[i][0]] += per[i][1]
+        for i in prev[~on[prev]].tolist():
+            vec[per[i][0]] -= per[i][1]
+        prev = nodes
+        nz = np.flatnonzero(vec)
+        terms = [flat[j] for j in nz.tolist()]
+        m.Add(cp_model.LinearExpr.WeightedSum(terms, vec[nz].tolist()) <= math.floor(capk * us))
 
 
 def capacity_profile(q: Problem, free: np.ndarray, assign: np.ndarray) -> np.ndarray | None:
@@ -271,9 +312,11 @@ def solve_sub(
 ) -> tuple[int, np.ndarray | None, float | None]:
     """Solve; returns (cp status, chosen strategy per free node or None, objective bound)."""
     if hint is not None:
+        done: set[int] = set()  # tied nodes share variables: hint each once
         for k, i in enumerate(sm.free):
             for s, x in enumerate(sm.xs[k]):
-                if x is not None:
+                if x is not None and x.Index() not in done:
+                    done.add(x.Index())
                     sm.model.AddHint(x, int(s == hint[i]))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
@@ -299,7 +342,7 @@ def solve_ilp(
     """Presolve, then solve the whole problem with CP-SAT within ``timeout_s``."""
     t0 = time.monotonic()
     red = reduce_problem(problem, hard_forbid=True)
-    soft = red is None
+    soft = red is None or red.infeasible
     if soft:
         red = reduce_problem(problem, hard_forbid=False)
     n = problem.num_nodes

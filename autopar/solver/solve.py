@@ -8,25 +8,35 @@ import time
 import numpy as np
 
 from autopar.solver import ilp
+from autopar.solver.contract import contract
 from autopar.solver.heuristic import run_heuristic
 from autopar.solver.problem import Problem, Solution, check_assignment, evaluate
 from autopar.solver.reduce import FORBIDDEN, Reduction, reduce_problem
 
-# Above this many model variables (strategies + allowed edge pairs) CP-SAT on the whole
-# problem rarely proves anything within a contest timeout, so "auto" runs LNS only.
+# Above this many model variables (strategies + allowed edge pairs, rigid groups contracted)
+# CP-SAT on the whole problem rarely proves anything within a contest timeout, so "auto"
+# runs LNS only. Contest instance A contracts to 48k (from 2M), S to 2.8M.
 _EXACT_MAX_VARS = 150_000
 METHODS = ("auto", "ilp", "heuristic")
 
 
-def _model_size(q: Problem) -> int:
-    n = int(q.index.n_strat.sum())
-    return n + sum(int((m < FORBIDDEN).sum()) for m in q.edge_costs)
+def _model_size(q: Problem, forbid: float) -> int:
+    """Variables of the CP-SAT model of the whole problem, rigid groups contracted."""
+    free = np.nonzero(q.index.n_strat > 1)[0]
+    pos = {int(i): k for k, i in enumerate(free)}
+    inner = [
+        (pos[u], pos[v], m) for (u, v), m in zip(q.edges, q.edge_costs) if u in pos and v in pos
+    ]
+    units = contract([q.costs[i] for i in free], inner, forbid, enabled=forbid < math.inf)
+    n = sum(len(c) for c in units.costs)
+    return n + sum(int((m < forbid).sum()) for _, _, m in units.edges)
 
 
 def _presolve(problem: Problem) -> tuple[Reduction, bool]:
     red = reduce_problem(problem, hard_forbid=True)
-    if red is not None:
+    if red is not None and not red.infeasible:
         return red, False
+    # forbidding 1e18 choices may be what leaves memory no room: only the soft form proves it
     return reduce_problem(problem, hard_forbid=False), True
 
 
@@ -58,8 +68,8 @@ def solve(
         return Solution((), math.inf, False, "infeasible", time.monotonic() - t0, method)
     q = red.problem
     rh = red.restrict(h) if h is not None else None
-    small = method == "auto" and _model_size(q) <= _EXACT_MAX_VARS
     forbid = math.inf if soft else FORBIDDEN
+    small = method == "auto" and _model_size(q, forbid) <= _EXACT_MAX_VARS
     # CP-SAT's own portfolio beats our LNS whenever the whole model fits, so a small problem
     # gets only a short heuristic run, for a warm-start hint, before the exact solve; a big
     # one keeps a margin for expanding and scoring the answer.
@@ -70,16 +80,48 @@ def solve(
     a, optimal = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid)
     best = _finish(problem, red, a, "optimal" if optimal else "feasible", t0, f"{method}/lns")
     if small and not optimal and time.monotonic() < deadline - 0.5:
-        # a hint that uses a forbidden pair misleads CP-SAT more than no hint at all
-        h2 = best.assignment if best.cost < FORBIDDEN else None
-        sub = ilp.solve_ilp(problem, deadline - time.monotonic() - 0.3, h2, workers, seed)
-        if sub.assignment and sub.feasible and (sub.cost <= best.cost or not best.feasible):
-            best = Solution(
-                sub.assignment, sub.cost, True, sub.status, time.monotonic() - t0,
-                "auto/ilp", sub.lower_bound, sub.peak_usage,
-            )  # fmt: skip
+        best = _exact(problem, red, a, best, forbid, deadline, workers, seed, t0)
     if soft and best.status == "optimal":
         best = _relabel(best, "feasible")  # forbidden costs were not pruned: nothing proven
+    return best
+
+
+def _exact(
+    problem: Problem,
+    red: Reduction,
+    a: np.ndarray,
+    best: Solution,
+    forbid: float,
+    deadline: float,
+    workers: int,
+    seed: int,
+    t0: float,
+) -> Solution:
+    """CP-SAT on the whole presolved problem (rigid groups contracted), warm-started."""
+    q = red.problem
+    free = np.nonzero(q.index.n_strat > 1)[0]
+    sm = ilp.build(q, free, a, ilp.capacity_profile(q, free, a), forbid=forbid)
+    # a hint that uses a forbidden pair misleads CP-SAT more than no hint at all
+    hint = a if best.feasible and best.cost < FORBIDDEN else None
+    left = deadline - time.monotonic() - 0.3
+    if left <= 0.05:
+        return best
+    st, sub, bound = ilp.solve_sub(sm, left, workers, seed, hint)
+    if sub is None:
+        return best
+    b = a.copy()
+    b[free] = sub
+    optimal = st == ilp.cp_model.OPTIMAL and bool(np.isfinite(forbid))
+    sol = _finish(problem, red, b, "optimal" if optimal else "feasible", t0, "auto/ilp")
+    if sol.status == "optimal" and sol.cost >= FORBIDDEN:
+        sol = _relabel(sol, "feasible")  # proven only among plans without forbidden costs
+    if sol.feasible and (sol.cost <= best.cost or not best.feasible):
+        if sol.status != "optimal" and bound is not None:
+            sol = Solution(
+                sol.assignment, sol.cost, True, sol.status, sol.time_s, sol.method, bound,
+                sol.peak_usage,
+            )  # fmt: skip
+        return sol
     return best
 
 
