@@ -103,11 +103,18 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
     nd = len(meta.shape)
     src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in src)
     dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in dst)
+    if math.prod(mesh_shape) > _ROUTE_SIM_DEVICES:
+        # the route simulates every device; on a mesh this large (planned, not run here) the
+        # ascending order prices nested moves approximately, which is kept for planning time
+        return ascending
     local = tuple(
         meta.shape[d] // math.prod(n for p, n in zip(src, mesh_shape) if p == Shard(d))
         for d in range(nd)
     )
     return route(src, dst, local, mesh_shape)[0]
+
+
+_ROUTE_SIM_DEVICES = 64
 
 
 def _nested(spec: Spec, ndim: int) -> bool:

@@ -45,7 +45,7 @@ def route(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, .
     return _cached(tuple(src), tuple(dst), canon, tuple(mesh_shape))
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=1 << 18)
 def _cached(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, ...]
             ) -> tuple[Steps, Perms]:
     return _route_uncached(src, dst, local, mesh_shape)
