@@ -43,6 +43,23 @@ def annotate(tags: dict[str, Any]) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def annotation_scope() -> Iterator[None]:
+    """Whatever happens inside (a trace that raises halfway through a tagged block), the
+    tracing annotations are as they were on entry: no tag leaks into the next trace."""
+    import torch.fx.traceback as fxt
+
+    had = "custom" in fxt.current_meta
+    saved = dict(fxt.current_meta["custom"]) if had else None
+    try:
+        yield
+    finally:
+        if had:
+            fxt.current_meta["custom"] = saved
+        else:
+            fxt.current_meta.pop("custom", None)
+
+
 def flop_registry() -> dict:
     """torch's per-op FLOP formulas (``torch.utils.flop_counter``), keyed by op packet."""
     from torch.utils.flop_counter import flop_registry as reg

@@ -90,13 +90,20 @@ def _capture(model, example_inputs, example_kwargs, loss_fn) -> PlanGraph:
             grads = torch.autograd.grad(loss, list(params_in.values()), allow_unused=True)
         return loss, grads
 
-    hooks = _tag_repeated_blocks(model)
+    hooks, open_tags = _tag_repeated_blocks(model)
     try:
-        with fake_mode, compat.preserve_node_meta(), warnings.catch_warnings():
+        with fake_mode, compat.preserve_node_meta(), compat.annotation_scope(), \
+                warnings.catch_warnings():
             # the layer-tagging backward hooks fire on blocks whose input needs no gradient
             # (an MLP's first layer); torch warns about it, harmlessly
             warnings.filterwarnings("ignore", message=".*Full backward hook.*")
-            gm = make_fx(step, tracing_mode="real")(params, buffers, args, kwargs)
+            try:
+                gm = make_fx(step, tracing_mode="real")(params, buffers, args, kwargs)
+            finally:
+                # a trace that raised inside a block left its tag open: close it here, before
+                # the annotation scope restores, not whenever the garbage collector does
+                while open_tags:
+                    open_tags.pop().__exit__(None, None, None)
     except CaptureError:
         raise
     except Exception as e:  # the user's model failed under tracing: say where, keep the cause
@@ -176,7 +183,7 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def _tag_repeated_blocks(model: nn.Module) -> list[Any]:
+def _tag_repeated_blocks(model: nn.Module) -> tuple[list[Any], list[Any]]:
     handles, stack = [], []
 
     def enter(i: int) -> None:
@@ -193,7 +200,7 @@ def _tag_repeated_blocks(model: nn.Module) -> list[Any]:
         handles.append(block.register_forward_hook(lambda m, a, o: leave()))
         handles.append(block.register_full_backward_pre_hook(lambda m, g, i=i: enter(i)))
         handles.append(block.register_full_backward_hook(lambda m, gi, go: leave()))
-    return handles
+    return handles, stack
 
 
 def _metas(val: Any) -> tuple[TensorMeta | None, ...]:
