@@ -406,24 +406,24 @@ def notes(res: dict[str, Any], overhead: float) -> str:
   have been scheduled, and each costs a fixed price on top of its bytes (all-reduce, median
   ms: {"; ".join(f"{k} {v:.2f}" for k, v in lat.items())}). DDP reduces the gradients in
   {n("torch DP")} bucketed all-reduces (its 1 MiB first bucket, then the rest), overlapped with
-  the backward; autopar's DP plan issues {n("autopar DP")} (one all-reduce per parameter gradient, plus
-  the loss), after the backward. torch TP issues {n("torch TP (tp=4)")}; the megatron_tp layout
-  as the solver completes it issues {n("autopar TP (tp=4)")} (a reduce-scatter and an all-gather
-  where torch all-reduces: the same bytes to the cost model, twice the rounds). FSDP:
-  {n("torch FSDP")} vs {n("autopar FSDP")} (ratio {fsdp:.2f}).
+  the backward; autopar's DP plan issues {n("autopar DP")} (its gradients in DDP-style buckets, plus
+  the loss), after the backward, not overlapped with it. torch TP issues {n("torch TP (tp=4)")}; the
+  megatron_tp layout as the solver completes it issues {n("autopar TP (tp=4)")} (some all-reduces split
+  into a reduce-scatter and an all-gather around sequence-sharded ops). FSDP:
+  {n("torch FSDP")} vs {n("autopar FSDP")} (ratio {fsdp:.2f}): autopar gathers and reduce-scatters
+  parameter by parameter, where fully_shard groups them per module.
 - **Execution overhead.** With no communication at all, autopar's step costs {overhead:.2f}x
   the plain module's: the lowered ATen graph runs op by op from Python, eagerly, uncompiled.
-- **The solver's own plan** is chosen by the cost model of the `cpu` device profile, which
-  prices a collective at 50 us plus bytes at 2 GB/s; gloo here shows {tiny:.2f} ms for a tiny
-  all-reduce and about {gbps:.2f} GB/s for the gradient buffer. So the solver prefers a layout
-  with fewer bytes and more collectives over DDP-style data parallelism, which is the faster
-  one here.
+- **The solver's own plan** is priced by the `cpu` device profile (200 us per ring step, 1 ms
+  per collective, 0.5 GB/s); gloo here shows {tiny:.2f} ms for a tiny all-reduce and about
+  {gbps:.2f} GB/s for the gradient buffer.
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
 
-What would bring the ratios to 1 or below: bucket gradient all-reduces into one and overlap them
-with the backward (runtime); price a per-collective latency that matches gloo in the `cpu`
-profile (cost model); compile the local graph instead of interpreting it (runtime)."""
+What would bring the ratios to 1 or below: overlap the gradient all-reduces with the backward
+and group FSDP's gathers per layer (runtime); compile the local graph instead of interpreting
+it (runtime); for TP, price sequence-sharded layouts with gloo's per-call cost in mind
+(cost model)."""
 
 
 if __name__ == "__main__":
