@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.solver._unionfind import UnionFind
+
 
 @dataclass(frozen=True, slots=True)
 class Units:
@@ -42,14 +44,7 @@ def contract(
 ) -> Units:
     """Units of the model nodes (costs ``node_c``, edges ``inner`` by position)."""
     n = len(node_c)
-    parent = list(range(n))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    sets = UnionFind(n)
     adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
     if enabled:
         for a, b, mat in inner:
@@ -57,8 +52,8 @@ def contract(
                 perm = np.argmax(mat < forbid, axis=1)  # a's strategy -> b's
                 adj[a].append((b, perm))
                 adj[b].append((a, np.argsort(perm)))
-                parent[find(a)] = find(b)
-    root = np.array([find(i) for i in range(n)], dtype=np.int64)
+                sets.union(a, b)
+    root = sets.roots()
     maps: list[np.ndarray] = [np.arange(len(c)) for c in node_c]
     members: dict[int, list[int]] = {}
     for i in range(n):

@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from autopar.solver._unionfind import UnionFind
+
 
 class Groups:
     def __init__(self, ls) -> None:
         q = ls.q
         n = q.num_nodes
-        parent = list(range(n))
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
+        sets = UnionFind(n)
         self.bij = np.zeros(q.num_edges, dtype=bool)
         for e, m in enumerate(q.edge_costs):
             ok = m < ls.forbid
             if (ok.sum(1) <= 1).all() and (ok.sum(0) <= 1).all() and ok.any():
                 self.bij[e] = True
-                a, b = find(q.edges[e][0]), find(q.edges[e][1])
-                if a != b:
-                    parent[a] = b
-        roots = np.array([find(i) for i in range(n)])
+                sets.union(q.edges[e][0], q.edges[e][1])
+        roots = sets.roots()
         order = np.argsort(roots, kind="stable")
         cuts = np.nonzero(np.diff(roots[order]))[0] + 1
         self.members = [g for g in np.split(order, cuts) if len(g) > 1]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from brute import brute_force
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,15 +43,6 @@ def random_problem(seed: int, n: int, k: int = 4, limit_frac: float | None = 0.5
         edge_costs=[rng.integers(0, 100, ks[u] * ks[v]) for u, v in edges],
         usage_limit=limit,
     )
-
-
-def brute_force(p: Problem) -> float:
-    best = math.inf
-    for a in itertools.product(*[range(len(c)) for c in p.costs]):
-        cost, ok, _ = evaluate(p, a)
-        if ok:
-            best = min(best, cost)
-    return best
 
 
 @settings(max_examples=25, deadline=None)

@@ -6,6 +6,7 @@ import itertools
 import math
 
 import numpy as np
+from brute import brute_force
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,15 +42,6 @@ def problems(draw, max_nodes: int = 5, floats: bool = False, forbidden: bool = F
         ecosts.append(vals)
     limit = draw(st.one_of(st.none(), st.integers(0, 24)))
     return make_problem(costs, usages, intervals, edges, ecosts, limit)
-
-
-def brute_force(p: Problem) -> float:
-    best = math.inf
-    for a in itertools.product(*[range(len(c)) for c in p.costs]):
-        cost, ok, _ = evaluate(p, a)
-        if ok:
-            best = min(best, cost)
-    return best
 
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
