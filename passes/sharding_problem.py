@@ -21,7 +21,6 @@ import torch.fx as fx
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
-from autopar.passes.edge_costs import edge_matrix
 from autopar.passes.memory import live_intervals, peak_memory
 from autopar.passes.problem_reduction import (
     assign_variables,
@@ -65,12 +64,6 @@ class ShardingProblem:
     var_root: list[int] = field(default_factory=list)  # variable -> its template root node
     problem: Problem | None = None
     shared_layers: int = 0
-
-    def index(self) -> dict[str, int]:
-        return {n.name: i for i, n in enumerate(self.nodes)}
-
-    def edge_matrix(self, e: Edge) -> np.ndarray:
-        return edge_matrix(self, e)
 
     def expand(self, assignment: tuple[int, ...] | list[int]) -> list[int]:
         """Strategy index of every node from one strategy per solver variable."""
