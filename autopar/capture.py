@@ -7,6 +7,9 @@ real ones) become fake tensors, so a 70B model is traced without allocating its 
 Repeated blocks (the children of an ``nn.ModuleList`` that share a type) are tagged with
 their index, forward and backward alike, by module hooks that annotate the nodes being traced.
 The solver uses those tags to give every layer one shared set of variables.
+
+Hugging Face MoE layers whose experts implementation cannot be traced are traced with one that
+can (:mod:`autopar.hf_experts`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from autopar import _torch_compat as compat
 from autopar.depth_proxy import truncated
 from autopar.errors import CaptureError
 from autopar.graph import NodeFacts, PlanGraph, TensorMeta
+from autopar.hf_experts import traceable_experts
 
 
 def capture(
@@ -43,7 +47,7 @@ def capture(
     a deeper model is traced as a proxy of that many layers (see :mod:`autopar.depth_proxy`).
     """
     all_names = [n for n, p in model.named_parameters() if p.requires_grad]
-    with truncated(model, max_layers) as proxy:
+    with truncated(model, max_layers) as proxy, traceable_experts(model):
         pg = _capture(model, example_inputs, example_kwargs, loss_fn)
     pg.proxy = proxy
     pg.all_param_names = all_names

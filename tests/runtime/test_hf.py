@@ -38,11 +38,15 @@ def _mixtral():
     return transformers.MixtralForCausalLM(cfg)
 
 
+def _kw() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 64, (4, 8))
+    return {"input_ids": ids, "labels": ids}
+
+
 def _check(build, mesh_shape) -> None:
     torch.manual_seed(0)
     model = build().train()
-    ids = torch.randint(0, 64, (4, 8))
-    kw = {"input_ids": ids, "labels": ids}
+    kw = _kw()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     want = []
@@ -82,8 +86,14 @@ def test_hf_llama_on_2x2() -> None:
     _check(_llama, (2, 2))
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(reason="capture: HF Mixtral's expert kernels need bf16 (grouped_mm) or route "
-                   "tokens with nonzero (eager), neither traces on fake fp32 tensors", strict=True)
 def test_hf_mixtral_on_2() -> None:
-    _check(_mixtral, (2,))
+    """The model as built, default experts implementation (grouped_mm, fp32): autopar traces
+    the experts as batched_mm and says so once; the reference runs HF's own fp32 path."""
+    with pytest.warns(UserWarning, match="experts_implementation='batched_mm'"):
+        _check(_mixtral, (2,))
+    # the user's model keeps its own implementation
+    model = _mixtral()
+    impl, kw = model.config._experts_implementation, _kw()
+    with pytest.warns(UserWarning), fake_world(2):
+        autopar.parallelize(model, mesh_for((2,)), example_kwargs=kw, time_limit_s=1.0)
+    assert model.config._experts_implementation == impl
