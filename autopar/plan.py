@@ -51,6 +51,7 @@ class NodePlacement:
     ins: tuple[Spec, ...]
     outs: tuple[Spec, ...]
     impls: tuple[str | None, ...] = ()
+    raw_outs: tuple[Spec, ...] = ()  # the op's own outputs, all-reduced into ``outs`` in the op
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,8 @@ class Plan:
             "references": {k: v.to_json() for k, v in self.references.items()},
             "nodes": {
                 k: {"in": [format_spec(s) for s in v.ins], "out": [format_spec(s) for s in v.outs],
-                    **({"impl": list(v.impls)} if v.impls else {})}
+                    **({"impl": list(v.impls)} if v.impls else {}),
+                    **({"raw_out": [format_spec(s) for s in v.raw_outs]} if v.raw_outs else {})}
                 for k, v in self.nodes.items()
             },
         }
@@ -127,7 +129,8 @@ class Plan:
                 nodes={
                     k: NodePlacement(tuple(parse_spec(s) for s in v["in"]),
                                      tuple(parse_spec(s) for s in v["out"]),
-                                     tuple(v.get("impl", ())))
+                                     tuple(v.get("impl", ())),
+                                     tuple(parse_spec(s) for s in v.get("raw_out", ())))
                     for k, v in d.get("nodes", {}).items()
                 },
                 collectives=tuple(CollectiveUse(**c) for c in d.get("collectives", [])),

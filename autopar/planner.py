@@ -252,7 +252,7 @@ def assemble_plan(
     for i, n in enumerate(sp.nodes):
         s = sp.strategies[i][choice[i]]
         f = n.meta["autopar"]
-        nodes[n.name] = NodePlacement(s.ins, s.outs, s.impls)
+        nodes[n.name] = NodePlacement(s.ins, s.outs, s.impls, s.raw_outs)
         if f.role == "param":
             params[f.param_name] = s.outs[0]
         elif f.role == "input" and f.input_index is not None and f.out is not None:

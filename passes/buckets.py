@@ -2,9 +2,12 @@
 
 A gradient whose move into its parameter's layout is only all-reduces (``P -> R`` on some mesh
 axes, every other axis unchanged) can share one flat buffer with others of the same dtype that
-reduce over the same axes. Buckets fill in parameter order up to ``BUCKET_BYTES`` of local
-data. The scorer lists one collective per bucket and the runtime issues exactly that, so the
-collectives executed still match the plan's.
+reduce over the same axes. As in DDP, buckets fill in reverse parameter order (roughly the
+order the backward produces the gradients), each closed once it holds ``FIRST_BUCKET_BYTES``
+of local data (the first, so its all-reduce starts early in the backward) or ``BUCKET_BYTES``. The
+scorer lists one collective per bucket and the runtime issues exactly that, each as soon as
+its last gradient is computed (:mod:`autopar.runtime.grad_sync`), so the collectives executed
+still match the plan's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from dataclasses import dataclass
 from autopar.graph import TensorMeta
 from autopar.passes.cost_model import BUCKET_BYTES
 from autopar.placements import Partial, Replicate, Spec, num_shards
+
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, so communication starts early
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,23 +44,29 @@ def reduce_axes(src: Spec, dst: Spec) -> tuple[int, ...] | None:
 
 
 def gradient_buckets(
-    syncs: list[GradSync], mesh_shape: tuple[int, ...], bucket_bytes: float = BUCKET_BYTES
+    syncs: list[GradSync], mesh_shape: tuple[int, ...], bucket_bytes: float = BUCKET_BYTES,
+    first_bucket_bytes: float = FIRST_BUCKET_BYTES,
 ) -> list[list[GradSync]]:
-    """Groups of gradients reduced in one flat buffer; a gradient that cannot join any is
-    left out (it is moved on its own)."""
+    """Groups of gradients reduced in one flat buffer, filled from the last of ``syncs`` (in
+    parameter order) to the first; a gradient that cannot join any is left out (it is moved
+    on its own)."""
     open_: dict[tuple, list[GradSync]] = {}
     sizes: dict[tuple, float] = {}
+    closed: dict[tuple, int] = {}  # buckets closed so far per key: the first one is smaller
     done: list[list[GradSync]] = []
-    for g in syncs:
+    for g in reversed(syncs):
         axes = reduce_axes(g.src, g.dst)
         if axes is None:
             continue
         key = (axes, g.meta.dtype)
         local = g.weight * g.meta.nbytes / num_shards(g.dst, mesh_shape)
-        if key in open_ and sizes[key] + local > bucket_bytes:
-            done.append(open_.pop(key))
         if key not in open_:
             open_[key], sizes[key] = [], 0.0
         open_[key].append(g)
         sizes[key] += local
+        # as DDP: a bucket closes once it holds at least its size
+        cap = bucket_bytes if closed.get(key, 0) else min(first_bucket_bytes, bucket_bytes)
+        if sizes[key] >= cap:
+            done.append(open_.pop(key))
+            closed[key] = closed.get(key, 0) + 1
     return done + list(open_.values())

@@ -13,7 +13,7 @@ from autopar.passes import cost_model as cm
 from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
 from autopar.passes.edge_costs import is_bucketed
 from autopar.passes.memory import peak_memory
-from autopar.passes.sharding_problem import Edge, ShardingProblem
+from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
 from autopar.placements import Replicate
 from autopar.plan import CollectiveUse, PlanCost
 
@@ -89,6 +89,11 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         else:
             add(colls, edge_reason(sp, e), float(weight[e.dst]))
     _add_gradient_syncs(sp, syncs, per_edge, agg)
+    for i, s in enumerate(choice):  # all-reduces inside an op: priced in its node cost
+        colls = in_op_collectives(sp.nodes[i].meta["autopar"], sp.strategies[i][s], sp.mesh)
+        if colls:
+            add(colls, "resharding", float(weight[i]))
+            compute -= sum(c.time_s for c in colls) * float(weight[i])
     loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
     loss_meta = sp.nodes[loss_i].meta["autopar"].out
     add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],

@@ -194,8 +194,21 @@ def _node_costs(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarra
         return np.zeros(len(strategies))
     out = np.empty(len(strategies))
     for k, s in enumerate(strategies):
-        out[k] = cm.compute_time(facts.op, facts.flops, in_metas, facts.outputs, s.ins, s.outs, mesh)
+        out[k] = cm.compute_time(facts.op, facts.flops, in_metas, facts.outputs, s.ins,
+                                 s.op_outs, mesh) + in_op_reduction_time(facts, s, mesh)
     return out
+
+
+def in_op_collectives(facts: NodeFacts, s: Strategy, mesh: Mesh) -> list[cm.Collective]:
+    """The all-reduces a strategy runs inside its op (see ``registry._reduced_in_op``)."""
+    if not s.raw_outs:
+        return []
+    return [c for meta, a, b in zip(facts.outputs, s.raw_outs, s.outs) if meta is not None
+            for c in cm.reshard_collectives(meta, a, b, mesh)]
+
+
+def in_op_reduction_time(facts: NodeFacts, s: Strategy, mesh: Mesh) -> float:
+    return sum(c.time_s for c in in_op_collectives(facts, s, mesh))
 
 
 def _usage(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:

@@ -19,29 +19,38 @@ _all_gather = getattr(_fc, "all_gather_single", None) or _fc.all_gather_tensor
 _reduce_scatter = getattr(_fc, "reduce_scatter_single", None) or _fc.reduce_scatter_tensor
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    # AsyncCollectiveTensor waits lazily on first use; the runtime hands results straight to
-    # kernels and into saved state, so it waits here and keeps plain tensors everywhere.
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The plain result of a collective issued with ``sync=False`` (identity on others)."""
     if isinstance(t, _fc.AsyncCollectiveTensor):
         return t.wait()
     return t
 
 
-def all_gather(t: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    return _wait(_all_gather(t.contiguous(), dim, group))
+# Each collective returns an AsyncCollectiveTensor, which waits lazily on first use. By default
+# the runtime waits at once, since it hands results straight to kernels and into saved state
+# and keeps plain tensors everywhere; ``sync=False`` leaves the collective running (gradient
+# syncs overlapped with the backward) and the result to :func:`wait`, or to the first op on it.
 
 
-def all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
-    return _wait(_fc.all_reduce(t.contiguous(), op, group))
+def all_gather(t: torch.Tensor, dim: int, group: Any, sync: bool = True) -> torch.Tensor:
+    out = _all_gather(t.contiguous(), dim, group)
+    return wait(out) if sync else out
 
 
-def reduce_scatter(t: torch.Tensor, op: str, dim: int, group: Any) -> torch.Tensor:
-    return _wait(_reduce_scatter(t.contiguous(), op, dim, group))
+def all_reduce(t: torch.Tensor, op: str, group: Any, sync: bool = True) -> torch.Tensor:
+    out = _fc.all_reduce(t.contiguous(), op, group)
+    return wait(out) if sync else out
+
+
+def reduce_scatter(t: torch.Tensor, op: str, dim: int, group: Any,
+                   sync: bool = True) -> torch.Tensor:
+    out = _reduce_scatter(t.contiguous(), op, dim, group)
+    return wait(out) if sync else out
 
 
 def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
     """Equal split along dim 0: row block ``j`` goes to rank ``j`` of the group."""
-    return _wait(_fc.all_to_all_single(t.contiguous(), None, None, group))
+    return wait(_fc.all_to_all_single(t.contiguous(), None, None, group))
 
 
 def local_tensor_mode_active() -> bool:

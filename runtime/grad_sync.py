@@ -1,44 +1,115 @@
-"""Gradient synchronisation in buckets: one flat all-reduce for many gradients.
+"""Gradient synchronisation, started in the backward as soon as each gradient exists.
 
-The plan lists gradient syncs grouped by :func:`autopar.passes.buckets.gradient_buckets`; this
-module issues exactly those collectives. Gradients in a bucket are flattened into one buffer,
-reduced over the bucket's mesh axes, and cut back into their shapes. A gradient no bucket takes
-(its move is not a pure all-reduce) is redistributed on its own.
+The plan prices every gradient's move into its parameter's layout, pure all-reduces grouped
+into DDP-style buckets (:func:`autopar.passes.buckets.gradient_buckets`) when it priced them
+so. :class:`GradSyncSchedule` works out, once per program, after which backward step each of
+those moves can start: a bucket when its last gradient is computed, any other move when its
+gradient is. During the backward, :class:`GradSyncRun` starts each one there without waiting
+for it (gloo and NCCL progress it in the background while the backward goes on, as DDP
+overlaps its buckets); :meth:`GradSyncRun.finish` waits for all of them at the end.
+
+A bucket's gradients are flattened into one buffer, all-reduced over the bucket's mesh axes
+and handed back as views of it. The collectives are exactly the ones the plan lists.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from autopar.graph import TensorMeta
 from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
 from autopar.placements import Partial, Replicate, Spec
+from autopar.runtime import _compat
 from autopar.runtime.redistribute import Comm, redistribute
 
 
-def sync_gradients(
-    grads: list[torch.Tensor | None], metas: list[TensorMeta | None], srcs: list[Spec | None],
-    dsts: list[Spec | None], comm: Comm,
-) -> list[torch.Tensor | None]:
-    """Each local gradient moved from ``srcs[i]`` to ``dsts[i]`` (its parameter's spec)."""
-    out: list[torch.Tensor | None] = list(grads)
-    syncs = [GradSync(i, metas[i], srcs[i], dsts[i])  # type: ignore[arg-type]
-             for i, g in enumerate(grads) if g is not None and srcs[i] != dsts[i]]
-    buckets = gradient_buckets(syncs, comm.shape)
-    done = set()
-    for bucket in buckets:
-        axes = reduce_axes(bucket[0].src, bucket[0].dst) or ()
-        flat = torch.cat([grads[g.index].reshape(-1) for g in bucket])  # type: ignore[union-attr]
-        src = tuple(Partial() if k in axes else Replicate() for k in range(len(comm.shape)))
-        flat = redistribute(flat, src, (Replicate(),) * len(comm.shape), comm, "gradient sync")
-        offset = 0
-        for g in bucket:
-            t = grads[g.index]
-            assert t is not None
-            out[g.index] = flat[offset: offset + t.numel()].view(t.shape)
-            offset += t.numel()
-            done.add(g.index)
-    for g in syncs:
-        if g.index not in done:
-            out[g.index] = redistribute(grads[g.index], g.src, g.dst, comm, "gradient sync")
-    return out
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    grads: tuple[int, ...]  # indices (parameter order) of the gradients it moves
+    bucket_axes: tuple[int, ...] | None  # a bucket's all-reduce axes; None: a lone move
+    after: int  # the backward step after which all its gradients exist (-1: before the first)
+    release: bool  # no later backward step reads its gradients: drop them once flattened
+
+
+class GradSyncSchedule:
+    """Where in the backward each gradient move starts; built once per lowered program."""
+
+    def __init__(self, bwd_steps: list[str], reads: dict[str, int], grad_names: list[str | None],
+                 metas: list[TensorMeta], srcs: list[Spec | None], dsts: list[Spec],
+                 mesh_shape: tuple[int, ...], bucketed: bool) -> None:
+        """``reads``: value name -> the last backward step that reads it."""
+        self.grad_names, self.srcs, self.dsts = grad_names, srcs, dsts
+        self.mesh_shape = mesh_shape
+        step_of = {name: i for i, name in enumerate(bwd_steps)}
+        moves = [GradSync(i, metas[i], src, dsts[i]) for i, src in enumerate(srcs)
+                 if src is not None and src != dsts[i]]
+        groups: list[tuple[list[int], tuple[int, ...] | None]] = []
+        if bucketed:
+            for bucket in gradient_buckets(moves, mesh_shape):
+                groups.append(([g.index for g in bucket], reduce_axes(bucket[0].src, bucket[0].dst)))
+        in_bucket = {i for ids, _ in groups for i in ids}
+        groups += [([g.index], None) for g in moves if g.index not in in_bucket]
+        self.by_step: dict[int, list[_Launch]] = {}
+        for ids, axes in groups:
+            names = [grad_names[i] for i in ids]
+            after = max(step_of.get(n, -1) for n in names)  # type: ignore[arg-type]
+            release = all(reads.get(n, -1) <= after for n in names)  # type: ignore[arg-type]
+            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), axes, after, release))
+
+    def start(self, comm: Comm, env: dict[str, Any]) -> GradSyncRun:
+        return GradSyncRun(self, comm, env)
+
+
+class GradSyncRun:
+    """One backward's gradient moves: started step by step, waited for at the end."""
+
+    def __init__(self, schedule: GradSyncSchedule, comm: Comm, env: dict[str, Any]) -> None:
+        self.s, self.comm, self.env = schedule, comm, env
+        self.in_flight: list[tuple[_Launch, torch.Tensor, list[tuple[int, torch.Size]]]] = []
+        self.step_done(-1)
+
+    def step_done(self, i: int) -> None:
+        """Start the moves whose gradients all exist once backward step ``i`` has run."""
+        for launch in self.s.by_step.get(i, ()):
+            self._start(launch)
+
+    def _start(self, launch: _Launch) -> None:
+        s, env = self.s, self.env
+        names = [s.grad_names[i] for i in launch.grads]
+        grads = [env[n] for n in names]
+        with self.comm.deferred():  # issue the collectives, do not wait for them here
+            if launch.bucket_axes is None:
+                (i,) = launch.grads
+                out = redistribute(grads[0], s.srcs[i], s.dsts[i], self.comm, "gradient sync")
+            else:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                nd = len(s.mesh_shape)
+                src = tuple(Partial() if k in launch.bucket_axes else Replicate()
+                            for k in range(nd))
+                out = redistribute(flat, src, (Replicate(),) * nd, self.comm, "gradient sync")
+        if launch.release:
+            for n in names:
+                env.pop(n, None)
+        self.in_flight.append((launch, out, [(i, g.shape) for i, g in zip(launch.grads, grads)]))
+
+    def finish(self, n_params: int) -> list[torch.Tensor | None]:
+        """Every gradient in its parameter's layout (``None`` where there is none)."""
+        s, env = self.s, self.env
+        out: list[torch.Tensor | None] = [None if n is None else env.get(n)
+                                          for n in s.grad_names]
+        for launch, t, shapes in self.in_flight:
+            t = _compat.wait(t)
+            if launch.bucket_axes is None:
+                out[launch.grads[0]] = t
+                continue
+            offset = 0
+            for i, shape in shapes:
+                numel = shape.numel()
+                out[i] = t[offset: offset + numel].view(shape)
+                offset += numel
+        self.in_flight.clear()
+        assert len(out) == n_params
+        return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import pickle
 import shutil
@@ -196,6 +197,7 @@ def _child(
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     torch.set_num_threads(threads)
+    faulthandler.enable()  # a crash in native code (abort, segfault) prints where it happened
     phase = "init"
     try:
         init_from_env(backend, collective_timeout_s)
@@ -205,13 +207,18 @@ def _child(
         cleanup()
         phase = "returning the result"
         _write(Path(run_dir) / f"result{rank}.pkl", result)
+        code = 0
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         _write(Path(run_dir) / f"error{rank}.pkl", _ErrorRecord.of(e, rank, phase))
         # Exit without tearing the group down: a collective teardown would wait for peers
         # that may be stuck, and the parent kills them anyway.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's own exit: once the result is written, native destructors of
+    # torch.distributed's background threads can abort at exit (gloo, seen about once in six
+    # benchmark runs: "terminate called without an active exception"), failing a finished run.
+    os._exit(code)
 
 
 @dataclass

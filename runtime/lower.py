@@ -20,6 +20,7 @@ given plan that has one, naming the node.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ from autopar.passes.strategies.localize import LocalContext, local_call
 from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
 from autopar.placements import Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
+from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.plan_check import grad_sync_mode
 from autopar.runtime.redistribute import Comm, redistribute
 
@@ -92,8 +94,13 @@ class LoweredGraph:
         self.bwd = self._steps(calls[n_fwd:], keep={g for g in self.grads if g})
         self.param_specs = {pg.param_node(p).name: self.spec(pg.param_node(p).name)
                             for p in pg.param_names}
-        # gradients go in DDP-style buckets when the plan priced them so (see grad_sync)
+        # gradients go in DDP-style buckets when the plan priced them so, each move started
+        # as soon as its gradients exist (see grad_sync)
         self.bucketed = grad_sync_mode(self)
+        reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
+        _, metas, srcs, dsts = self.grad_moves()
+        self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads, metas,
+                                          srcs, dsts, self.mesh_shape, self.bucketed)
 
     # --- building -----------------------------------------------------------------------------
 
@@ -120,7 +127,7 @@ class LoweredGraph:
             place = self.plan.nodes[n.name]
             get = n.target is operator.getitem
             steps.append(_Step(n, n.name, get, self._inputs(n),
-                               Strategy(place.ins, place.outs, place.impls),
+                               Strategy(place.ins, place.outs, place.impls, place.raw_outs),
                                None if get else op_info(n), [], _flat_slots(n)))
         last: dict[str, int] = {}
         for i, s in enumerate(steps):
@@ -137,6 +144,9 @@ class LoweredGraph:
                  if "autopar" in n.meta}
         out = [(metas[i.producer][i.item or 0], i.src, i.dst, i.reason)
                for s in self.fwd + self.bwd for i in s.inputs]
+        for s in self.fwd + self.bwd:  # all-reduces inside an op (a planned partial result)
+            out += [(m, a, b, "resharding") for m, a, b in
+                    zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
         rep = (Replicate(),) * len(self.mesh_shape)
         out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
         for pname, g in zip(self.pg.param_names, self.grads):
@@ -165,29 +175,24 @@ class LoweredGraph:
                  comm: Comm) -> list[torch.Tensor | None]:
         """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec."""
         env = dict(saved)
-        self._run(self.bwd, env, comm, grad_loss)
-        grads, metas, srcs, dsts = self.grad_moves(env)
-        if self.bucketed:
-            from autopar.runtime.grad_sync import sync_gradients
+        syncs = self.grad_sync.start(comm, env)
+        self._run(self.bwd, env, comm, grad_loss, syncs.step_done)
+        return syncs.finish(len(self.grads))
 
-            return sync_gradients(grads, metas, srcs, dsts, comm)
-        return [None if g is None else redistribute(g, a, b, comm, "gradient sync")
-                for g, a, b in zip(grads, srcs, dsts)]
-
-    def grad_moves(self, env: dict[str, Any] | None = None) -> tuple[list, list, list, list]:
-        """Per parameter: its local gradient (from ``env``), tensor meta, spec, target spec."""
-        grads, metas, srcs, dsts = [], [], [], []
+    def grad_moves(self) -> tuple[list, list, list, list]:
+        """Per parameter: its gradient's node name, tensor meta, spec, target spec."""
+        metas, srcs, dsts = [], [], []
         for pname, g in zip(self.pg.param_names, self.grads):
             node = self.pg.param_node(pname)
-            grads.append(None if g is None or env is None else env[g])
             metas.append(node.meta["autopar"].out)
             srcs.append(None if g is None else self.spec(g))
             dsts.append(self.param_specs[node.name])
-        return grads, metas, srcs, dsts
+        return list(self.grads), metas, srcs, dsts
 
     def _run(self, steps: list[_Step], env: dict[str, Any], comm: Comm,
-             grad_loss: torch.Tensor | None = None) -> None:
-        for s in steps:
+             grad_loss: torch.Tensor | None = None,
+             step_done: Callable[[int], None] | None = None) -> None:
+        for k, s in enumerate(steps):
             vals = []
             for inp in s.inputs:
                 v = env[inp.producer]
@@ -207,11 +212,15 @@ class LoweredGraph:
                 assert s.info is not None
                 ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
                 out = _call(s.node.target, args, kwargs, ctx)
+                if s.strategy.raw_outs:
+                    out = _reduce_in_op(out, s.strategy, comm)
                 if s.name == self.seed and grad_loss is not None:
                     out = out * grad_loss.to(out.dtype)
                 env[s.name] = out
             for name in s.free_after:
                 env.pop(name, None)
+            if step_done is not None:
+                step_done(k)
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
@@ -226,6 +235,14 @@ def _call(target: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:
         if target not in _VIEWS or args[0].is_contiguous():
             raise
         return local_call(target, (args[0].contiguous(), *args[1:]), kwargs, ctx)
+
+
+def _reduce_in_op(out: Any, strategy: Strategy, comm: Comm) -> Any:
+    """The op's partial outputs all-reduced into the layouts its consumers read."""
+    if isinstance(out, torch.Tensor):
+        return redistribute(out, strategy.raw_outs[0], strategy.outs[0], comm)
+    return type(out)(redistribute(t, a, b, comm) if isinstance(t, torch.Tensor) else t
+                     for t, a, b in zip(out, strategy.raw_outs, strategy.outs))
 
 
 def _flat_slots(n: fx.Node) -> list[int] | None:

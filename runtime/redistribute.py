@@ -20,7 +20,9 @@ Nested shards (two mesh axes splitting one dim) are routed by :mod:`autopar.pass
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +77,17 @@ class Comm:
         self.shape = shape
         self.coord = coord  # ints on a real rank; SymInts under LocalTensorMode
         self.counter = counter
+        self._sync = True  # False inside deferred(): collectives are issued, not waited for
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Within the block, gathers, all-reduces and reduce-scatters return without waiting
+        (an op on the result, or ``_compat.wait``, waits for it)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def _group(self, ax: int) -> Any:
         return (self.device_mesh, ax)
@@ -85,16 +98,16 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor, dim: int, ax: int, reason: str) -> torch.Tensor:
         self._record("all_gather", ax, t, reason)
-        return _compat.all_gather(t, dim, self._group(ax))
+        return _compat.all_gather(t, dim, self._group(ax), self._sync)
 
     def all_reduce(self, t: torch.Tensor, op: str, ax: int, reason: str) -> torch.Tensor:
         self._record("all_reduce", ax, t, reason)
-        return _compat.all_reduce(t, _reduce_op(op), self._group(ax))
+        return _compat.all_reduce(t, _reduce_op(op), self._group(ax), self._sync)
 
     def reduce_scatter(self, t: torch.Tensor, op: str, dim: int, ax: int,
                        reason: str) -> torch.Tensor:
         self._record("reduce_scatter", ax, t, reason)
-        return _compat.reduce_scatter(t, _reduce_op(op), dim, self._group(ax))
+        return _compat.reduce_scatter(t, _reduce_op(op), dim, self._group(ax), self._sync)
 
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, ax: int,
                    reason: str) -> torch.Tensor:

@@ -44,12 +44,21 @@ class Strategy:
     ins: tuple[Spec, ...]
     outs: tuple[Spec, ...]
     impls: tuple[str | None, ...] = ()
+    # the op's own output specs when the strategy all-reduces a partial result inside the op
+    # (``outs`` is then what consumers see); empty when the op's outputs are ``outs``
+    raw_outs: tuple[Spec, ...] = ()
+
+    @property
+    def op_outs(self) -> tuple[Spec, ...]:
+        """What the local kernel returns, before any in-op all-reduce."""
+        return self.raw_outs or self.outs
 
     def __repr__(self) -> str:
         def fmt(specs):
             return ", ".join("(" + ",".join(repr(p) for p in s) + ")" for s in specs)
 
-        return f"[{fmt(self.ins)}] -> [{fmt(self.outs)}]"
+        reduced = f" (all-reduced from [{fmt(self.raw_outs)}])" if self.raw_outs else ""
+        return f"[{fmt(self.ins)}] -> [{fmt(self.outs)}]{reduced}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +257,25 @@ def expand(info: OpInfo, rules: Iterable[Rule], mesh_shape: tuple[int, ...]) -> 
         seen.add(key)
         impls = tuple(r.impl for r in combo)
         out.append(Strategy(ins, outs, impls if any(impls) else ()))
-    return out
+    return out + _reduced_in_op(out, seen)
+
+
+def _reduced_in_op(strategies: list[Strategy], seen: set) -> list[Strategy]:
+    """For each strategy whose op makes a partial result (an output partial on a mesh axis
+    where an input is sharded: a contraction split over that axis), the same op followed by
+    its all-reduce, priced with the op. Every consumer that needs the whole value then shares that
+    one reduction (Megatron's row-parallel linear), where reduction on the edges would pay it
+    once per consumer, e.g. again for the copy the backward reads."""
+    extra = []
+    for s in strategies:
+        made = [k for k in range(len(s.outs[0]) if s.outs else 0)
+                if any(isinstance(i[k], Shard) for i in s.ins)]
+        outs = tuple(tuple(R if k in made and isinstance(p, Partial) else p
+                           for k, p in enumerate(spec)) for spec in s.outs)
+        if outs == s.outs or (s.ins, outs) in seen:
+            continue  # nothing to reduce, or the op gives that layout without a collective
+        extra.append(Strategy(s.ins, outs, s.impls, raw_outs=s.outs))
+    return extra
 
 
 def _divides(metas, specs, mesh_shape) -> bool:

@@ -142,7 +142,7 @@ def run_sharded(
         ctx = LocalContext(info, strategy, mesh_shape, c)
         per_rank[c] = local_call(target, args, kwargs, ctx)
     outs = []
-    for j, spec in enumerate(strategy.outs):
+    for j, spec in enumerate(strategy.op_outs):  # an in-op all-reduce: unshard its input
         vals = {c: _nth(o, j) for c, o in per_rank.items()}
         if not isinstance(next(iter(vals.values())), torch.Tensor):
             outs.append(None)

@@ -32,7 +32,6 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import capture
-from autopar.errors import CaptureError
 from autopar.graph import PlanGraph
 from autopar.passes.strategies import simulate
 from autopar.passes.strategies.registry import (
@@ -202,12 +201,17 @@ def test_hf_mixtral_grouped_mm_expert_parallel():
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
-def test_hf_mixtral_eager_experts_are_data_dependent():
-    """The reason the tests pick ``batched_mm``: the eager loop cannot be traced."""
+def test_hf_mixtral_eager_experts_are_traced_as_batched_mm():
+    """The eager loop cannot be traced (``nonzero``): capture traces the static ``batched_mm``
+    instead, says so, and leaves the model's own setting as it was."""
     model = _hf_model("mixtral", "sdpa", experts="eager")
     ids = torch.randint(0, VOCAB, (2, 16), device="meta")
-    with pytest.raises(CaptureError, match="nonzero"):
-        capture(model, (), {"input_ids": ids, "labels": ids})
+    with pytest.warns(UserWarning, match="batched_mm.*instead of 'eager'"):
+        pg = capture(model, (), {"input_ids": ids, "labels": ids})
+    assert model.config._experts_implementation == "eager"
+    ops = {n.target for n in pg.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.bmm.default in ops
+    assert torch.ops.aten.nonzero.default not in ops
 
 
 # --- rules validated on the real graphs' arguments -------------------------------------------
