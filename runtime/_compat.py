@@ -53,6 +53,28 @@ def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
     return wait(_fc.all_to_all_single(t.contiguous(), None, None, group))
 
 
+def local_of(d: Any) -> torch.Tensor:
+    """A DTensor's local piece, without ``to_local``'s autograd node and checks (the runtime
+    reads every parameter on every call; its own autograd Function carries the gradients)."""
+    local = getattr(d, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else d.to_local()
+
+
+def dtensor_like(ref: Any, local: torch.Tensor) -> Any:
+    """A DTensor placed as ``ref`` (same mesh, placements, global shape and stride) holding
+    ``local``, without ``from_local``'s autograd node and a new spec for every gradient."""
+    from torch.distributed.tensor import DTensor
+
+    spec = getattr(ref, "_spec", None)
+    if spec is not None:
+        try:
+            return DTensor(local, spec, requires_grad=False)
+        except TypeError:  # pragma: no cover - a torch whose constructor differs
+            pass
+    return DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
+                              shape=ref.shape, stride=ref.stride())
+
+
 def local_tensor_mode_active() -> bool:
     """True inside ``LocalTensorMode`` (single-process simulation of all ranks)."""
     try:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph, TensorMeta
-from autopar.passes.strategies.localize import LocalContext, local_call
+from autopar.passes.strategies.localize import LocalContext, local_call, localizer_for
 from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
 from autopar.placements import Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
@@ -46,6 +46,7 @@ class _Input:
     src: Spec
     dst: Spec
     reason: str
+    moves: bool = True  # src != dst, worked out once
 
 
 @dataclass(slots=True)
@@ -59,6 +60,8 @@ class _Step:
     free_after: list[str]  # values no later step of this phase (nor the backward) reads
     # flat args (the common case): positions of the tensor inputs in ``node.args``, else None
     flat: list[int] | None = None
+    # the op runs on local shards as it is: no rank-aware kernel, no global sizes to rewrite
+    direct: bool = False
 
 
 class LoweredGraph:
@@ -126,9 +129,13 @@ class LoweredGraph:
         for n in nodes:
             place = self.plan.nodes[n.name]
             get = n.target is operator.getitem
-            steps.append(_Step(n, n.name, get, self._inputs(n),
+            inputs = self._inputs(n)
+            for i in inputs:
+                i.moves = i.src != i.dst
+            direct = not get and not any(place.impls) and localizer_for(n.target) is None
+            steps.append(_Step(n, n.name, get, inputs,
                                Strategy(place.ins, place.outs, place.impls, place.raw_outs),
-                               None if get else op_info(n), [], _flat_slots(n)))
+                               None if get else op_info(n), [], _flat_slots(n), direct))
         last: dict[str, int] = {}
         for i, s in enumerate(steps):
             for inp in s.inputs:
@@ -198,7 +205,8 @@ class LoweredGraph:
                 v = env[inp.producer]
                 if inp.item is not None:
                     v = v[inp.item]
-                vals.append(redistribute(v, inp.src, inp.dst, comm, inp.reason))
+                vals.append(redistribute(v, inp.src, inp.dst, comm, inp.reason)
+                            if inp.moves else v)
             if s.is_getitem:
                 env[s.name] = vals[0]
             else:
@@ -209,9 +217,12 @@ class LoweredGraph:
                     args, kwargs = tuple(args_list), dict(s.node.kwargs)
                 else:
                     args, kwargs = _substitute(s.node, iter(vals), env)
-                assert s.info is not None
-                ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
-                out = _call(s.node.target, args, kwargs, ctx)
+                if s.direct:
+                    out = s.node.target(*args, **kwargs)
+                else:
+                    assert s.info is not None
+                    ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
+                    out = _call(s.node.target, args, kwargs, ctx)
                 if s.strategy.raw_outs:
                     out = _reduce_in_op(out, s.strategy, comm)
                 if s.name == self.seed and grad_loss is not None:

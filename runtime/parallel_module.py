@@ -77,8 +77,7 @@ class _Call:
             if g is None:
                 out.append(None)
                 continue
-            out.append(DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
-                                          shape=p.shape, stride=p.stride()))
+            out.append(_compat.dtensor_like(p, g))
         return out
 
 
@@ -146,9 +145,9 @@ class ParallelModule(nn.Module):
         for name, value in lowered.constants.items():
             env[name] = here(value)
         for node, p in zip(by_role["param"], self._param_list):
-            env[node.name] = p.to_local()
+            env[node.name] = _compat.local_of(p)
         for node, b in zip(by_role["buffer"], self._buffer_list):
-            env[node.name] = b.to_local() if isinstance(b, DTensor) else b
+            env[node.name] = _compat.local_of(b) if isinstance(b, DTensor) else b
         return env
 
     def _program_for(self, args: tuple, kwargs: dict) -> tuple[PlanGraph, LoweredGraph]:

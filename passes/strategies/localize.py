@@ -56,6 +56,9 @@ def register_impl(name: str) -> Callable[[SpecialImpl], SpecialImpl]:
 
 
 def localizer_for(target: Any) -> Localizer | None:
+    from autopar.passes.strategies.registry import _load_rule_modules
+
+    _load_rule_modules()  # the rule modules register the localizers
     fn = _LOCALIZERS.get(target)
     if fn is None and hasattr(target, "overloadpacket"):
         fn = _LOCALIZERS.get(target.overloadpacket)
