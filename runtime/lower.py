@@ -4,13 +4,17 @@ Every rank walks the same node list. Before a node runs, each tensor input is mo
 producer's output spec to the spec the node's strategy needs (:mod:`.redistribute`, one
 reshard per producer->consumer edge, exactly the edges the scorer priced, so the collectives
 executed are the ones :attr:`Plan.collectives` predicted); then the op runs on local shards
-through :func:`localize.local_call`, the same entry point the rule validator uses.
+through :func:`localize.local_call`, the same entry point the rule validator uses (or, for the
+many ops with no rank-aware kernel and no global sizes in their arguments, directly). A
+strategy that all-reduces its partial result inside the op (``Strategy.raw_outs``, Megatron's
+row-parallel linear) runs that all-reduce right after the kernel, once for all its consumers.
 
 The graph is split where capture tagged it: forward nodes (phase ``"fwd"``) come first and run
 in the module's forward; the values the backward nodes read are kept; the backward nodes run
 from ``autograd.Function.backward`` with the graph's ``ones_like(loss)`` seed scaled by the
 incoming gradient. Gradients leave in their parameter's spec (in DDP-style buckets when the
-plan priced them so, :mod:`.grad_sync`), the loss replicated.
+plan priced them so, each started as soon as its gradients exist and overlapped with the rest
+of the backward, :mod:`.grad_sync`), the loss replicated.
 
 Only even shards execute: the planner never emits others (``registry.expand`` filters them, so
 a dim the mesh does not divide is simply not split on that axis) and :func:`validate` rejects a

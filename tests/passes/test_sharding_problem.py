@@ -49,3 +49,28 @@ def test_every_node_has_the_replicated_strategy_first():
     for strategies in sp.strategies:
         s = strategies[0]
         assert all(repr(p) == "R" for spec in s.ins + s.outs for p in spec)
+
+
+def test_a_split_contraction_may_all_reduce_inside_the_op():
+    """Row-parallel matmul: the partial sum can be all-reduced in the op (priced there, once)
+    so every consumer reads the whole value, instead of each edge reducing it again."""
+    import torch
+
+    from autopar.passes import cost_model as cm
+    from autopar.placements import Partial, Replicate
+
+    pg, sp = _problem("gpt2-tiny", Mesh((4,), ("tp",)))
+    mesh = sp.mesh
+    i = next(k for k, n in enumerate(sp.nodes) if n.target is torch.ops.aten.mm.default)
+    strategies = sp.strategies[i]
+    reduced = [k for k, s in enumerate(strategies) if s.raw_outs]
+    assert reduced, "an mm split over its contraction offers the in-op all-reduce"
+    for k in reduced:
+        s = strategies[k]
+        assert isinstance(s.raw_outs[0][0], Partial) and isinstance(s.outs[0][0], Replicate)
+        raw = next(j for j, t in enumerate(strategies)
+                   if not t.raw_outs and t.ins == s.ins and t.outs == s.raw_outs)
+        meta = sp.nodes[i].meta["autopar"].out
+        ar = cm.reshard_time(meta, s.raw_outs[0], s.outs[0], mesh)
+        assert ar > 0
+        assert sp.node_cost[i][k] - sp.node_cost[i][raw] == pytest.approx(ar * sp.weight[i])

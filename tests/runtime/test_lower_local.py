@@ -121,3 +121,23 @@ def test_mlp_tiny_on_2x2x2() -> None:
     torch.manual_seed(0)
     model = preset.build(device="cpu")
     _check(model, "mlp", preset.example_inputs(8, 0, device="cpu"), (2, 2, 2), "solver")
+
+
+def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
+    """The row-parallel layers of megatron_tp, as the solver completes them, all-reduce their
+    partial sums inside the op (one collective per layer, which forward and backward share);
+    training equals one device and the collectives run are the plan's, across a JSON trip."""
+    from autopar.plan import Plan
+
+    cfg = MLPConfig(in_dim=8, hidden=(16, 8, 16), out_dim=8)
+    torch.manual_seed(0)
+    model = MLP(cfg)
+    inputs = (torch.randn(8, 8), torch.randn(8, 8))
+    plan = reference_plan(model, "mlp", "megatron_tp", mesh_for((4,)), inputs)
+    assert plan is not None
+    plan = Plan.from_json(plan.to_json())
+    reduced = [name for name, p in plan.nodes.items() if p.raw_outs]
+    assert reduced, "megatron_tp's row-parallel outputs are reduced in the op"
+    got, want, pm = run_case(model, inputs, (4,), plan)
+    assert_same_training(got, want, what="megatron_tp with in-op all-reduces")
+    check_collectives(got["collectives"][-1], pm, "megatron_tp with in-op all-reduces")

@@ -14,7 +14,8 @@ the ``autopar.models`` presets. Each is captured on the meta device (nothing all
 
 HF Mixtral: transformers 5.x picks the experts implementation by ``experts_implementation``.
 Its ``"eager"`` loop calls ``nonzero()`` and iterates over the experts that were hit (a
-data-dependent shape and Python control flow on values): it cannot be traced on fake tensors.
+data-dependent shape and Python control flow on values): it cannot be traced on fake tensors,
+so capture traces ``batched_mm`` in its place (``autopar.hf_experts``).
 ``"batched_mm"`` gathers each token's expert weights with ``w[expert_ids]`` and runs ``bmm``:
 static shapes, traced here in fp32. ``"grouped_mm"`` (the default) sorts tokens by expert and
 calls ``torch._grouped_mm``, whose fake-tensor kernel accepts bf16 only: traced here in bf16.
