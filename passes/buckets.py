@@ -1,8 +1,11 @@
-"""Gradient buckets: which gradient all-reduces travel together, as DDP batches them.
+"""Gradient buckets: which gradient reductions travel together, as DDP and FSDP batch them.
 
 A gradient whose move into its parameter's layout is only all-reduces (``P -> R`` on some mesh
 axes, every other axis unchanged) can share one flat buffer with others of the same dtype that
-reduce over the same axes. As in DDP, buckets fill in reverse parameter order (roughly the
+reduce over the same axes (DDP). So can one whose move is a single reduce-scatter (``P ->
+S(d)`` on one axis, no other axis splitting ``d``) with others reduce-scattered over the same
+axis (FSDP): each is laid out in the buffer as its ``n`` row blocks, so that one
+reduce-scatter of the buffer hands every rank all of its shards. As in DDP, buckets fill in reverse parameter order (roughly the
 order the backward produces the gradients), each closed once it holds ``FIRST_BUCKET_BYTES``
 of local data (the first, so its all-reduce starts early in the backward) or ``BUCKET_BYTES``. The
 scorer lists one collective per bucket and the runtime issues exactly that, each as soon as
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from autopar.graph import TensorMeta
 from autopar.passes.cost_model import BUCKET_BYTES
-from autopar.placements import Partial, Replicate, Spec, num_shards
+from autopar.placements import Partial, Replicate, Shard, Spec, num_shards
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, so communication starts early
 
@@ -43,6 +46,39 @@ def reduce_axes(src: Spec, dst: Spec) -> tuple[int, ...] | None:
     return tuple(axes) or None
 
 
+@dataclass(frozen=True, slots=True)
+class BucketKind:
+    kind: str  # "all_reduce" | "reduce_scatter"
+    axes: tuple[int, ...]  # the mesh axes it reduces over (one for a reduce-scatter)
+    dim: int | None = None  # the tensor dim a reduce-scatter shards
+
+
+def bucket_kind(src: Spec, dst: Spec) -> BucketKind | None:
+    """How a gradient move joins a bucket, or None if it must run on its own."""
+    axes = reduce_axes(src, dst)
+    if axes is not None:
+        return BucketKind("all_reduce", axes)
+    changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    k = changed[0]
+    a, b = src[k], dst[k]
+    if not (isinstance(a, Partial) and a.reduce == "sum" and isinstance(b, Shard)):
+        return None
+    if any(isinstance(p, Shard) and p.dim == b.dim for j, p in enumerate(src) if j != k):
+        return None  # a nested shard: its blocks are not this simple layout
+    return BucketKind("reduce_scatter", (k,), b.dim)
+
+
+def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...]
+                       ) -> list[tuple[str, int, float]]:
+    """``(kind, mesh axis, bytes each rank hands in)`` of the collectives one bucket runs."""
+    kind = bucket_kind(bucket[0].src, bucket[0].dst)
+    assert kind is not None
+    nbytes = sum(g.weight * g.meta.nbytes / num_shards(g.src, mesh_shape) for g in bucket)
+    return [(kind.kind, ax, nbytes) for ax in kind.axes]
+
+
 def gradient_buckets(
     syncs: list[GradSync], mesh_shape: tuple[int, ...], bucket_bytes: float = BUCKET_BYTES,
     first_bucket_bytes: float = FIRST_BUCKET_BYTES,
@@ -55,11 +91,11 @@ def gradient_buckets(
     closed: dict[tuple, int] = {}  # buckets closed so far per key: the first one is smaller
     done: list[list[GradSync]] = []
     for g in reversed(syncs):
-        axes = reduce_axes(g.src, g.dst)
-        if axes is None:
+        kind = bucket_kind(g.src, g.dst)
+        if kind is None:
             continue
-        key = (axes, g.meta.dtype)
-        local = g.weight * g.meta.nbytes / num_shards(g.dst, mesh_shape)
+        key = (kind.kind, kind.axes, g.meta.dtype)
+        local = g.weight * g.meta.nbytes / num_shards(g.src, mesh_shape)
         if key not in open_:
             open_[key], sizes[key] = [], 0.0
         open_[key].append(g)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.passes import cost_model as cm
-from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
+from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
 from autopar.passes.edge_costs import is_bucketed
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
@@ -37,15 +37,15 @@ def _add_gradient_syncs(
     sp: ShardingProblem, syncs: list[GradSync], per_edge: dict[int, list[cm.Collective]],
     agg: dict[tuple[str, str, str], list[float]],
 ) -> None:
-    """Gradient syncs that are pure all-reduces go out in buckets (one all-reduce per bucket
-    and axis, as the runtime issues them); the others one by one."""
+    """Gradient syncs that are pure all-reduces or single reduce-scatters go out in buckets
+    (one collective per bucket and axis, as the runtime issues them); the others one by one."""
     bucketed = gradient_buckets(syncs, sp.mesh.shape)
     in_bucket = {g.index for b in bucketed for g in b}
     for bucket in bucketed:
-        for ax in reduce_axes(bucket[0].src, bucket[0].dst) or ():
+        for kind, ax, _ in bucket_collectives(bucket, sp.mesh.shape):
             name = sp.mesh.axes[ax]
             mine = [(c, g.weight) for g in bucket for c in per_edge[g.index] if c.axis == name]
-            slot = agg.setdefault(("all_reduce", name, "gradient sync"), [0, 0.0, 0.0])
+            slot = agg.setdefault((kind, name, "gradient sync"), [0, 0.0, 0.0])
             slot[0] += 1
             slot[1] += sum(c.bytes * w for c, w in mine)
             slot[2] += sum(c.time_s * w for c, w in mine)

@@ -9,7 +9,9 @@ for it (gloo and NCCL progress it in the background while the backward goes on, 
 overlaps its buckets); :meth:`GradSyncRun.finish` waits for all of them at the end.
 
 A bucket's gradients are flattened into one buffer, all-reduced over the bucket's mesh axes
-and handed back as views of it. The collectives are exactly the ones the plan lists.
+(or reduce-scattered over its axis, each gradient laid out as its row blocks so that every
+rank gets all its shards) and handed back as views of the result. The collectives are exactly
+the ones the plan lists.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from autopar.graph import TensorMeta
-from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
+from autopar.passes.buckets import BucketKind, GradSync, bucket_kind, gradient_buckets
 from autopar.placements import Partial, Replicate, Spec
 from autopar.runtime import _compat
 from autopar.runtime.redistribute import Comm, redistribute
@@ -29,7 +31,7 @@ from autopar.runtime.redistribute import Comm, redistribute
 @dataclass(frozen=True, slots=True)
 class _Launch:
     grads: tuple[int, ...]  # indices (parameter order) of the gradients it moves
-    bucket_axes: tuple[int, ...] | None  # a bucket's all-reduce axes; None: a lone move
+    bucket: BucketKind | None  # how a bucket reduces; None: a lone move
     after: int  # the backward step after which all its gradients exist (-1: before the first)
     release: bool  # no later backward step reads its gradients: drop them once flattened
 
@@ -46,18 +48,18 @@ class GradSyncSchedule:
         step_of = {name: i for i, name in enumerate(bwd_steps)}
         moves = [GradSync(i, metas[i], src, dsts[i]) for i, src in enumerate(srcs)
                  if src is not None and src != dsts[i]]
-        groups: list[tuple[list[int], tuple[int, ...] | None]] = []
+        groups: list[tuple[list[int], BucketKind | None]] = []
         if bucketed:
             for bucket in gradient_buckets(moves, mesh_shape):
-                groups.append(([g.index for g in bucket], reduce_axes(bucket[0].src, bucket[0].dst)))
+                groups.append(([g.index for g in bucket], bucket_kind(bucket[0].src, bucket[0].dst)))
         in_bucket = {i for ids, _ in groups for i in ids}
         groups += [([g.index], None) for g in moves if g.index not in in_bucket]
         self.by_step: dict[int, list[_Launch]] = {}
-        for ids, axes in groups:
+        for ids, kind in groups:
             names = [grad_names[i] for i in ids]
             after = max(step_of.get(n, -1) for n in names)  # type: ignore[arg-type]
             release = all(reads.get(n, -1) <= after for n in names)  # type: ignore[arg-type]
-            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), axes, after, release))
+            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), kind, after, release))
 
     def start(self, comm: Comm, env: dict[str, Any]) -> GradSyncRun:
         return GradSyncRun(self, comm, env)
@@ -80,20 +82,28 @@ class GradSyncRun:
         s, env = self.s, self.env
         names = [s.grad_names[i] for i in launch.grads]
         grads = [env[n] for n in names]
+        kind = launch.bucket
         with self.comm.deferred():  # issue the collectives, do not wait for them here
-            if launch.bucket_axes is None:
+            if kind is None:
                 (i,) = launch.grads
                 out = redistribute(grads[0], s.srcs[i], s.dsts[i], self.comm, "gradient sync")
-            else:
+            elif kind.kind == "all_reduce":
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 nd = len(s.mesh_shape)
-                src = tuple(Partial() if k in launch.bucket_axes else Replicate()
-                            for k in range(nd))
+                src = tuple(Partial() if k in kind.axes else Replicate() for k in range(nd))
                 out = redistribute(flat, src, (Replicate(),) * nd, self.comm, "gradient sync")
+            else:  # reduce-scatter: rank r's block of every gradient lands in row r
+                (ax,) = kind.axes
+                n = s.mesh_shape[ax]
+                rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, kind.dim)])
+                                  for g in grads], dim=1)
+                out = self.comm.reduce_scatter(rows, "sum", 0, ax, "gradient sync")
         if launch.release:
             for n in names:
                 env.pop(n, None)
-        self.in_flight.append((launch, out, [(i, g.shape) for i, g in zip(launch.grads, grads)]))
+        shapes = [(i, _block_shape(g.shape, kind, s.mesh_shape))
+                  for i, g in zip(launch.grads, grads)]
+        self.in_flight.append((launch, out, shapes))
 
     def finish(self, n_params: int) -> list[torch.Tensor | None]:
         """Every gradient in its parameter's layout (``None`` where there is none)."""
@@ -102,9 +112,10 @@ class GradSyncRun:
                                           for n in s.grad_names]
         for launch, t, shapes in self.in_flight:
             t = _compat.wait(t)
-            if launch.bucket_axes is None:
+            if launch.bucket is None:
                 out[launch.grads[0]] = t
                 continue
+            t = t.reshape(-1)
             offset = 0
             for i, shape in shapes:
                 numel = shape.numel()
@@ -113,3 +124,14 @@ class GradSyncRun:
         self.in_flight.clear()
         assert len(out) == n_params
         return out
+
+
+def _block_shape(shape: torch.Size, kind: BucketKind | None,
+                 mesh_shape: tuple[int, ...]) -> torch.Size:
+    """The shape a gradient has on each rank once its bucket is reduced."""
+    if kind is None or kind.kind == "all_reduce":
+        return shape
+    assert kind.dim is not None
+    out = list(shape)
+    out[kind.dim] //= mesh_shape[kind.axes[0]]
+    return torch.Size(out)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
-from autopar.placements import num_shards
 
 if TYPE_CHECKING:
     from autopar.runtime.lower import LoweredGraph
@@ -37,7 +36,7 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
 
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
-    from autopar.passes.buckets import GradSync, gradient_buckets
+    from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
     from autopar.passes.cost_model import reshard_collectives
 
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
@@ -57,12 +56,9 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
              if srcs[i] is not None and srcs[i] != dsts[i]]
     done: set[int] = set()
     if bucketed:
-        from autopar.passes.buckets import reduce_axes
-
         for bucket in gradient_buckets(moves, mesh.shape):
-            nbytes = sum(g.meta.nbytes / num_shards(g.src, mesh.shape) for g in bucket)
-            for ax in reduce_axes(bucket[0].src, bucket[0].dst) or ():
-                add("all_reduce", mesh.axes[ax], "gradient sync", nbytes)
+            for kind, ax, nbytes in bucket_collectives(bucket, mesh.shape):
+                add(kind, mesh.axes[ax], "gradient sync", nbytes)
             done |= {g.index for g in bucket}
     for g in moves:
         if g.index not in done:

@@ -159,16 +159,14 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     deviates = False
     syncs = [(m, a, b) for _, m, a, b in zip(*lowered.grad_moves()) if a is not None and a != b]
     edges = [(m, a, b) for m, a, b, why in lowered.edges() if why != "gradient sync"]
-    if lowered.bucketed:  # bucketed syncs: one all-reduce per bucket and axis, as grad_sync runs
-        from autopar.passes.buckets import GradSync, gradient_buckets, reduce_axes
-        from autopar.placements import num_shards
+    if lowered.bucketed:  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
+        from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
 
         moves = [GradSync(i, *g) for i, g in enumerate(syncs)]
         buckets = gradient_buckets(moves, mesh.shape)
         for bucket in buckets:
-            nbytes = sum(g.meta.nbytes / num_shards(g.src, mesh.shape) for g in bucket)
-            for ax in reduce_axes(bucket[0].src, bucket[0].dst) or ():
-                slot = out.setdefault(("all_reduce", mesh.axes[ax]), [0, 0.0])
+            for kind, ax, nbytes in bucket_collectives(bucket, mesh.shape):
+                slot = out.setdefault((kind, mesh.axes[ax]), [0, 0.0])
                 slot[0] += 1
                 slot[1] += nbytes
         taken = {g.index for b in buckets for g in b}

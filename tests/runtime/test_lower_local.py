@@ -26,6 +26,7 @@ from spmd_harness import (
 
 from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
+from autopar.placements import Shard
 
 EXAMPLES = int(os.environ.get("AUTOPAR_EXAMPLES", "8"))
 PLANS = ["solver", "data_parallel", "fsdp", "megatron_tp", "dp_tp_2d"]
@@ -141,3 +142,21 @@ def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
     got, want, pm = run_case(model, inputs, (4,), plan)
     assert_same_training(got, want, what="megatron_tp with in-op all-reduces")
     check_collectives(got["collectives"][-1], pm, "megatron_tp with in-op all-reduces")
+
+
+def test_fsdp_gradients_reduce_scatter_in_buckets() -> None:
+    """FSDP's gradients are reduce-scattered in DDP-style buckets (each gradient laid out as
+    its row blocks), not one collective per parameter; training equals one device."""
+    cfg = MLPConfig(in_dim=8, hidden=(16, 8, 16), out_dim=8)
+    torch.manual_seed(0)
+    model = MLP(cfg)
+    inputs = (torch.randn(8, 8), torch.randn(8, 8))
+    plan = reference_plan(model, "mlp", "fsdp", mesh_for((4,)), inputs)
+    assert plan is not None
+    got, want, pm = run_case(model, inputs, (4,), plan)
+    assert_same_training(got, want, what="fsdp with bucketed reduce-scatters")
+    check_collectives(got["collectives"][-1], pm, "fsdp with bucketed reduce-scatters")
+    scattered = [r for r in got["collectives"][-1]
+                 if r.kind == "reduce_scatter" and r.reason == "gradient sync"]
+    sharded = [p for p in plan.params.values() if any(isinstance(x, Shard) for x in p)]
+    assert 0 < len(scattered) < len(sharded)
