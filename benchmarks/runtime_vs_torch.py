@@ -422,10 +422,12 @@ def notes(res: dict[str, Any], overhead: float) -> str:
   FSDP: {n("torch FSDP")} vs {n("autopar FSDP")} (ratio {fsdp:.2f}): autopar gathers and
   reduce-scatters parameter by parameter, where fully_shard groups them per module; its
   reduce-scatters start in the backward as soon as each gradient exists.
-- **The solver's own plan** is priced by the `cpu` device profile (200 us per ring step, 1 ms
-  per collective, 0.5 GB/s); gloo here shows {tiny:.2f} ms for a tiny all-reduce and about
-  {gbps:.2f} GB/s for the gradient buffer. It adds a small all-gather to the DP layout that the
-  profile prices as a gain; on this oversubscribed machine the extra synchronisation costs more.
+- **The solver's own plan** is the layout the `cpu` device profile prices cheapest (200 us per
+  ring step, 1 ms per collective, 0.5 GB/s); gloo here shows {tiny:.2f} ms for a tiny
+  all-reduce and about {gbps:.2f} GB/s for the gradient buffer. The profile credits no overlap
+  of gradient syncs with the backward and prices a synchronisation point below what it costs
+  4 ranks sharing 2 cores, so it picks a layout with {n("autopar solver")} collectives in the
+  critical path over DP's few overlapped ones.
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
 
