@@ -23,6 +23,7 @@ from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import sharding_problem
 from autopar.passes.axis_search import solve_axiswise
+from autopar.passes.problem_reduction import refine_followers
 from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import Spec
@@ -97,7 +98,11 @@ def make_plan(
             f"{mesh.describe()}: the leanest layout needs about {_gib(need)}. Raise "
             "--memory-budget, use a larger mesh, or a smaller batch"
         )
-    choice = sp.expand(sol.assignment)
+    # followers re-chosen with their whole neighbourhood; a reference's completion, refined
+    # the same way, still bounds the plan from above
+    solved = sp.expand(sol.assignment)
+    choice = _cheapest(sp, [refine_followers(sp, solved), solved]
+                       + [ref_choices[n] for n in fitting], memory_budget)
     t_total = time.perf_counter() - t0
     plan = assemble_plan(
         pg, sp, choice, model_name, mesh,
@@ -108,6 +113,13 @@ def make_plan(
         refs_cost, memory_budget,
     )
     return Planned(plan, pg, sp, sol, choice, ref_choices)
+
+
+def _cheapest(sp: ShardingProblem, choices: list[list[int]], budget: float | None) -> list[int]:
+    """The choice that scores fastest within the memory budget (the first if none fits)."""
+    scored = [(score_assignment(sp, c).cost, k) for k, c in enumerate(choices)]
+    fits = [(c.step_s, k) for c, k in scored if budget is None or c.mem_bytes <= budget * (1 + 1e-9)]
+    return choices[min(fits)[1] if fits else 0]
 
 
 def planner_solve(
@@ -223,6 +235,7 @@ def _pinned_solve(sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: fl
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
     choice = sp.expand(full_assign)
+    choice = refine_followers(sp, choice)  # placeholders (the pins) are never followers
     return score_assignment(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
 
 

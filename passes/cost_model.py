@@ -63,9 +63,9 @@ def reshard_collectives(
 ) -> list[Collective]:
     """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis.
 
-    ``bucketed``: gradient syncs and parameter gathers are batched into buckets of
-    ``BUCKET_BYTES`` (as DDP and FSDP do), so a small tensor pays only its share of a
-    collective's latency."""
+    ``bucketed``: a gradient reduction the runtime batches with others into a bucket of up
+    to ``BUCKET_BYTES`` (as DDP and FSDP do; :mod:`autopar.passes.buckets`), so a small
+    tensor pays only its share of a collective's latency."""
     if src == dst:
         return []
     out: list[Collective] = []

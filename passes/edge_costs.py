@@ -12,12 +12,14 @@ import numpy as np
 
 from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
+from autopar.passes.buckets import bucket_kind
 
 if TYPE_CHECKING:
     from autopar.passes.sharding_problem import Edge, ShardingProblem
 
 
-def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, bucketed: bool) -> float:
+def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, grad_sync: bool) -> float:
+    bucketed = grad_sync and bucket_kind(src, dst) is not None
     key = (meta.shape, meta.dtype, src, dst, bucketed)
     t = sp.reshard_cache.get(key)
     if t is None:
@@ -25,9 +27,15 @@ def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, bucketed: bool) ->
     return t
 
 
-def is_bucketed(sp: ShardingProblem, e: Edge) -> bool:
-    """Gradient syncs and parameter gathers go in buckets (see ``cost_model.BUCKET_BYTES``)."""
-    return e.in_idx < 0 or sp.nodes[e.src].meta["autopar"].role == "param"
+def is_grad_sync(e: Edge) -> bool:
+    """A gradient's move into its parameter's layout. Those that are all-reduces or single
+    reduce-scatters go in buckets (:mod:`autopar.passes.buckets`) and pay only their share of
+    a bucket's latency; every other move, parameter gathers included, runs on its own."""
+    return e.in_idx < 0
+
+
+def is_bucketed(e: Edge, src, dst) -> bool:
+    return is_grad_sync(e) and bucket_kind(src, dst) is not None
 
 
 def edge_specs(sp: ShardingProblem, e: Edge):
@@ -48,14 +56,14 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
     ``rows``, only those producer strategies, in that order."""
     meta = edge_meta(sp, e)
     src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
-    bucketed = is_bucketed(sp, e)
-    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, bucketed)
+    grad_sync = is_grad_sync(e)
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, grad_sync)
     mat = sp.matrix_cache.get(key)
     if mat is None:
         src_specs, dst_specs = edge_specs(sp, e)
         uniq_src = list(dict.fromkeys(src_specs))
         uniq_dst = list(dict.fromkeys(dst_specs))
-        table = np.array([[_reshard(sp, meta, a, b, bucketed) for b in uniq_dst]
+        table = np.array([[_reshard(sp, meta, a, b, grad_sync) for b in uniq_dst]
                           for a in uniq_src])
         pos_src = {s: i for i, s in enumerate(uniq_src)}
         pos_dst = {s: i for i, s in enumerate(uniq_dst)}

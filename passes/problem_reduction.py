@@ -8,8 +8,10 @@
    time does not grow with depth.
 
 Both are exact for the costs: the reduced objective of any assignment equals the full graph's
-score of its expansion (``ShardingProblem.expand``). Memory is constrained at one instant, the
-peak of the all-replicated plan.
+score of its expansion (``ShardingProblem.expand``). Merging narrows the search, though: a
+follower's layout is fixed by its producer's before its consumers are seen, so
+:func:`refine_followers` re-chooses the followers of a solved plan with their whole
+neighbourhood. Memory is constrained at one instant, the peak of the all-replicated plan.
 """
 
 from __future__ import annotations
@@ -155,3 +157,60 @@ def reduced_problem(sp: ShardingProblem, memory_budget: float | None) -> Problem
         usage_limit=memory_budget,
         names=[sp.nodes[r].name for r in sp.var_root],
     )
+
+
+# --- after solving: followers re-chosen with their whole neighbourhood ----------------------
+
+
+def refine_followers(sp: ShardingProblem, choice: list[int]) -> list[int]:
+    """``choice`` with every follower group re-optimised exactly, its root and every node
+    outside the group held fixed.
+
+    Merging picks a follower's strategy for each strategy of its producer from the follower's
+    own cost and its input edge only: it cannot see what the follower's output costs further
+    on (a bias gradient summed in a sharded layout, then gathered for its replicated
+    parameter). Here each group, a tree of followers under its root, is solved by dynamic
+    programming over that tree with the edges leaving it priced against the current choice.
+    The result never scores worse than ``choice`` (groups are re-solved one at a time, each
+    exactly, so every step can only lower the cost)."""
+    assert sp.group_of is not None
+    n = len(sp.nodes)
+    group = sp.group_of
+    choice = list(choice)
+    weight = sp.weight if sp.weight is not None else np.ones(n)
+    feed: list[Edge | None] = [None] * n  # a follower's input edge, from inside its group
+    kids: list[list[Edge]] = [[] for _ in range(n)]
+    for e in sp.edges:
+        if e.in_idx >= 0 and group[e.dst] != e.dst and group[e.src] == group[e.dst]:
+            feed[e.dst] = e
+            kids[e.src].append(e)
+    touching: list[list[Edge]] = [[] for _ in range(n)]  # the other edges of each follower
+    for e in sp.edges:
+        for v in (e.src, e.dst):
+            if feed[v] is not None and e is not feed[v] and e not in kids[v]:
+                touching[v].append(e)
+    members: dict[int, list[int]] = {}
+    for v in range(n):
+        if feed[v] is not None:
+            members.setdefault(int(group[v]), []).append(v)
+    for root, vs in members.items():
+        best: dict[int, np.ndarray] = {}  # follower -> cost of its subtree per own strategy
+        pick: dict[int, list[np.ndarray]] = {}  # follower -> per child: best child strategy
+        for v in reversed(vs):  # children have larger indices than their parents
+            total = sp.node_cost[v] + (sp.unary[v] if v in sp.unary else 0.0)
+            for e in touching[v]:
+                mat = edge_matrix(sp, e) * weight[e.dst]
+                total = total + (mat[:, choice[e.dst]] if e.src == v else mat[choice[e.src], :])
+            pick[v] = []
+            for e in kids[v]:
+                sub = edge_matrix(sp, e) * weight[e.dst] + best[e.dst][None, :]
+                total = total + sub.min(axis=1)
+                pick[v].append(sub.argmin(axis=1))
+            best[v] = np.asarray(total)
+        for e in kids[root]:
+            sub = edge_matrix(sp, e)[choice[root]] * weight[e.dst] + best[e.dst]
+            choice[e.dst] = int(np.argmin(sub))
+        for v in vs:  # parents first: each child follows its parent's new strategy
+            for e, p in zip(kids[v], pick[v]):
+                choice[e.dst] = int(p[choice[v]])
+    return choice

@@ -80,7 +80,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         if src == dst:
             continue
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
-        colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(sp, e))
+        colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(e, src, dst))
         if not colls:
             continue
         per_edge[k] = colls

@@ -74,3 +74,60 @@ def test_a_split_contraction_may_all_reduce_inside_the_op():
         ar = cm.reshard_time(meta, s.raw_outs[0], s.outs[0], mesh)
         assert ar > 0
         assert sp.node_cost[i][k] - sp.node_cost[i][raw] == pytest.approx(ar * sp.weight[i])
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama3-tiny"])
+def test_refining_followers_never_costs_more_and_moves_only_followers(name):
+    from autopar.passes.problem_reduction import refine_followers
+
+    _, sp = _problem(name, Mesh((2, 2), ("dp", "tp")))
+    rng = np.random.default_rng(1)
+    p = sp.problem
+    improved = 0
+    for _ in range(5):
+        choice = sp.expand([int(rng.integers(len(c))) for c in p.costs])
+        before = score_assignment(sp, choice).cost.step_s
+        refined = refine_followers(sp, choice)
+        after = score_assignment(sp, refined).cost.step_s
+        assert after <= before * (1 + 1e-12)
+        improved += after < before * (1 - 1e-9)
+        for i, (a, b) in enumerate(zip(choice, refined)):
+            if a != b:
+                assert sp.group_of[i] != i, f"{sp.nodes[i].name} is a root, it must not move"
+    assert improved, "a random plan's followers can always be placed better"
+
+
+def test_refining_followers_sees_past_the_follower_to_its_consumers():
+    """Megatron's row-parallel bias, replicated: merging alone sums its gradient in a sharded
+    layout (cheapest for the sum) and then gathers it for the parameter; refined, the sum runs
+    where the gradient is needed and the gather is gone."""
+    import torch
+
+    from autopar.models import MLP, REFERENCE_PLANS, MLPConfig
+    from autopar.planner import make_plan
+
+    with torch.device("meta"):
+        model = MLP(MLPConfig(in_dim=256, hidden=(1024, 256, 1024), out_dim=256))
+    x = torch.empty(256, 256, device="meta")
+    mesh = Mesh((4,), ("tp",), "cpu")
+    refs = {"megatron_tp": REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp",
+                                                          batch_size=256)}
+    planned = make_plan(model, mesh, (x, torch.empty_like(x)), references=refs,
+                        time_limit_s=2.0)
+    from autopar.passes import sharding_problem as spm
+    from autopar.passes.problem_reduction import refine_followers
+
+    flat = spm.build(planned.graph, mesh, share_layers=False)
+    refined = planned.reference_choices["megatron_tp"]
+    unrefined = list(refined)
+    # undo the refinement by merging's own rule: each follower as its producer dictates
+    for i in range(len(flat.nodes)):
+        if flat.group_of[i] != i:
+            unrefined[i] = int(flat.follow[i][unrefined[int(flat.group_of[i])]])
+    gathers = [c for c in score_assignment(flat, unrefined).collectives
+               if c.kind == "all_gather" and c.reason == "gradient sync"]
+    assert gathers, "merging alone gathers the row-parallel bias gradients"
+    after = score_assignment(flat, refine_followers(flat, unrefined))
+    assert not [c for c in after.collectives
+                if c.kind == "all_gather" and c.reason == "gradient sync"]
+    assert after.cost.step_s < score_assignment(flat, unrefined).cost.step_s
