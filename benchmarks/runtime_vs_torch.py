@@ -398,6 +398,7 @@ def notes(res: dict[str, Any], overhead: float) -> str:
 
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     fsdp = med.get("autopar FSDP", float("nan")) / med.get("torch FSDP", float("nan"))
+    solver_vs_dp = med.get("autopar solver", float("nan")) / med.get("autopar DP", float("nan"))
     tiny = next(v for k, v in lat.items() if k.startswith("tiny"))
     flat_key = next(k for k in lat if " in 1" in k)
     flat_mib = float(flat_key.split("(")[1].split()[0])
@@ -405,35 +406,38 @@ def notes(res: dict[str, Any], overhead: float) -> str:
 
     return f"""What limits the ratios above 1 (figures from this run):
 
-- **Execution overhead.** With no communication at all, on one rank's share of the batch,
-  autopar's step costs {overhead:.2f}x the plain module's. The optimizer steps DTensor
-  parameters (as the issue asks, and as torch's TP and FSDP do), about 10 us of DTensor
-  dispatch per op where DDP steps plain tensors; the lowered ATen graph runs op by op from
-  Python, uncompiled. With 4 ranks on 2 cores every rank's CPU time counts about twice.
 - **Synchronisation points.** The 4 ranks share 2 cores, so a collective ends only when all 4
   have been scheduled, and each costs a fixed price on top of its bytes (all-reduce, median
   ms: {"; ".join(f"{k} {v:.2f}" for k, v in lat.items())}). DDP issues {n("torch DP")}
-  bucketed all-reduces overlapped with the backward; autopar's DP plan issues
-  {n("autopar DP")}: the same DDP-style buckets, also started in the backward as soon as they
-  are full, plus the loss, which autopar returns whole on every rank (DDP returns each rank's
-  own). torch TP issues {n("torch TP (tp=4)")}; the megatron_tp layout as the solver
-  completes it issues {n("autopar TP (tp=4)")} (its row-parallel layers all-reduce inside
-  the op, once; it also gathers two batch-sharded activations and two bias gradients).
-  FSDP: {n("torch FSDP")} vs {n("autopar FSDP")} (ratio {fsdp:.2f}): autopar gathers and
-  reduce-scatters parameter by parameter, where fully_shard groups them per module; its
-  reduce-scatters start in the backward as soon as each gradient exists.
-- **The solver's own plan** is the layout the `cpu` device profile prices cheapest (200 us per
-  ring step, 1 ms per collective, 0.5 GB/s); gloo here shows {tiny:.2f} ms for a tiny
-  all-reduce and about {gbps:.2f} GB/s for the gradient buffer. The profile credits no overlap
-  of gradient syncs with the backward and prices a synchronisation point below what it costs
-  4 ranks sharing 2 cores, so it picks a layout with {n("autopar solver")} collectives in the
-  critical path over DP's few overlapped ones.
+  bucketed all-reduces, overlapped with the backward. autopar's DP plan issues
+  {n("autopar DP")}: the same DDP-style buckets, also started in the backward as soon as
+  each is full, plus the loss, which autopar returns whole on every rank where DDP returns
+  each rank's own. That all-reduce is a synchronisation point DDP does not have: in a probe
+  that skipped it, autopar's forward took 2.3 ms per rank instead of about 8.5 (DDP's: 2.1),
+  though part of the wait moved into the backward.
+- **Execution overhead** is small now: with no communication, on one rank's share of the
+  batch, autopar's step costs {overhead:.2f}x the plain module's (the optimizer steps DTensor
+  parameters, as the issue asks and as torch's TP and FSDP do).
+- **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}: the
+  row-parallel layers all-reduce their outputs inside the op, once for forward and backward,
+  as Megatron does, plus one bucketed all-reduce of the row-parallel biases' gradients
+  (2 KiB), which torch computes from the replicated output gradient with no collective.
+- **FSDP** runs faster than `fully_shard` ({fsdp:.2f}x): the solver completes the FSDP
+  layout (every parameter sharded over the ranks) by keeping the weights sharded and moving
+  activations instead ({n("autopar FSDP")} collectives, no parameter gathers), where
+  fully_shard gathers every weight forward and backward ({n("torch FSDP")} collectives).
+- **The solver's own plan** is the DP layout with the output all-gathered (the loss computed
+  whole) instead of the scalar loss all-reduced, which the `cpu` profile (200 us per ring
+  step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce, about
+  {gbps:.2f} GB/s for the gradient buffer) prices 0.4% faster; measured, its step is
+  {solver_vs_dp:.2f}x the DP layout's: the gather is dearer here than the profile says.
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
 
-What would bring the ratios to 1 or below: group FSDP's gathers and reduce-scatters per layer;
-defer the loss all-reduce until the loss is read; compile the local graph instead of
-interpreting it; calibrate the `cpu` profile's per-collective price to oversubscribed ranks."""
+What would bring the ratios to 1 or below: a loss whose all-reduce waits until the loss is
+read (DP); computing a replicated bias's gradient from the replicated output gradient when
+the cost model prices the bucket at its real latency (TP); a `cpu` profile calibrated to
+oversubscribed ranks."""
 
 
 if __name__ == "__main__":
