@@ -124,18 +124,23 @@ def test_mlp_tiny_on_2x2x2() -> None:
     _check(model, "mlp", preset.example_inputs(8, 0, device="cpu"), (2, 2, 2), "solver")
 
 
+def _mlp_with_reference(name: str, mesh_shape: tuple[int, ...]):
+    """A small column/row MLP, a batch, and the reference layout ``name`` completed on it."""
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_dim=8, hidden=(16, 8, 16), out_dim=8))
+    inputs = (torch.randn(8, 8), torch.randn(8, 8))
+    plan = reference_plan(model, "mlp", name, mesh_for(mesh_shape), inputs)
+    assert plan is not None
+    return model, inputs, plan
+
+
 def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
     """The row-parallel layers of megatron_tp, as the solver completes them, all-reduce their
     partial sums inside the op (one collective per layer, which forward and backward share);
     training equals one device and the collectives run are the plan's, across a JSON trip."""
     from autopar.plan import Plan
 
-    cfg = MLPConfig(in_dim=8, hidden=(16, 8, 16), out_dim=8)
-    torch.manual_seed(0)
-    model = MLP(cfg)
-    inputs = (torch.randn(8, 8), torch.randn(8, 8))
-    plan = reference_plan(model, "mlp", "megatron_tp", mesh_for((4,)), inputs)
-    assert plan is not None
+    model, inputs, plan = _mlp_with_reference("megatron_tp", (4,))
     plan = Plan.from_json(plan.to_json())
     reduced = [name for name, p in plan.nodes.items() if p.raw_outs]
     assert reduced, "megatron_tp's row-parallel outputs are reduced in the op"
@@ -147,12 +152,7 @@ def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
 def test_fsdp_gradients_reduce_scatter_in_buckets() -> None:
     """FSDP's gradients are reduce-scattered in DDP-style buckets (each gradient laid out as
     its row blocks), not one collective per parameter; training equals one device."""
-    cfg = MLPConfig(in_dim=8, hidden=(16, 8, 16), out_dim=8)
-    torch.manual_seed(0)
-    model = MLP(cfg)
-    inputs = (torch.randn(8, 8), torch.randn(8, 8))
-    plan = reference_plan(model, "mlp", "fsdp", mesh_for((4,)), inputs)
-    assert plan is not None
+    model, inputs, plan = _mlp_with_reference("fsdp", (4,))
     got, want, pm = run_case(model, inputs, (4,), plan)
     assert_same_training(got, want, what="fsdp with bucketed reduce-scatters")
     check_collectives(got["collectives"][-1], pm, "fsdp with bucketed reduce-scatters")
