@@ -106,3 +106,48 @@ def gradient_buckets(
             done.append(open_.pop(key))
             closed[key] = closed.get(key, 0) + 1
     return done + list(open_.values())
+
+
+# --- parameter gathers, grouped per layer as FSDP gathers a module's parameters ---------------
+
+
+@dataclass(frozen=True, slots=True)
+class ParamGather:
+    index: int  # position among the caller's gathers
+    unit: tuple  # (phase, layer) of the op that reads the parameter
+    meta: TensorMeta
+    src: Spec
+    dst: Spec
+    weight: float = 1.0  # real gathers it stands for (depth proxy)
+
+
+def gather_move(src: Spec, dst: Spec) -> tuple[int, int] | None:
+    """``(mesh axis, tensor dim)`` when a move is one plain all-gather (``S(d) -> R`` on one
+    axis, no other axis splitting ``d``), else None."""
+    changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]
+    if len(changed) != 1:
+        return None
+    k = changed[0]
+    a, b = src[k], dst[k]
+    if not (isinstance(a, Shard) and isinstance(b, Replicate)):
+        return None
+    if any(isinstance(p, Shard) and p.dim == a.dim for j, p in enumerate(src) if j != k):
+        return None
+    return k, a.dim
+
+
+def gather_groups(gathers: list[ParamGather]) -> list[list[ParamGather]]:
+    """Parameter gathers issued as one all-gather: those of one layer's ops in one phase
+    (forward or backward) over the same mesh axis and of one dtype, as FSDP gathers a wrapped
+    module's parameters at once. A move that is not one plain all-gather runs on its own."""
+    groups: dict[tuple, list[ParamGather]] = {}
+    for g in gathers:
+        move = gather_move(g.src, g.dst)
+        if move is not None:
+            groups.setdefault((g.unit, move[0], g.meta.dtype), []).append(g)
+    return list(groups.values())
+
+
+def gather_group_bytes(group: list[ParamGather], mesh_shape: tuple[int, ...]) -> float:
+    """What each rank hands to the group's all-gather: its shards of every parameter."""
+    return sum(g.meta.nbytes / num_shards(g.src, mesh_shape) for g in group)

@@ -63,9 +63,10 @@ def reshard_collectives(
 ) -> list[Collective]:
     """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis.
 
-    ``bucketed``: a gradient reduction the runtime batches with others into a bucket of up
-    to ``BUCKET_BYTES`` (as DDP and FSDP do; :mod:`autopar.passes.buckets`), so a small
-    tensor pays only its share of a collective's latency."""
+    ``bucketed``: a move the runtime batches with others (gradient reductions in buckets of
+    up to ``BUCKET_BYTES``, parameter gathers per layer, as DDP and FSDP do;
+    :mod:`autopar.passes.buckets`), so a small tensor pays only its share of a collective's
+    latency."""
     if src == dst:
         return []
     out: list[Collective] = []

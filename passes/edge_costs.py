@@ -12,14 +12,16 @@ import numpy as np
 
 from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
-from autopar.passes.buckets import bucket_kind
+from autopar.passes.buckets import bucket_kind, gather_move
 
 if TYPE_CHECKING:
+    import torch.fx as fx
+
     from autopar.passes.sharding_problem import Edge, ShardingProblem
 
 
-def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, grad_sync: bool) -> float:
-    bucketed = grad_sync and bucket_kind(src, dst) is not None
+def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, kind: str | None) -> float:
+    bucketed = _batched(kind, src, dst)
     key = (meta.shape, meta.dtype, src, dst, bucketed)
     t = sp.reshard_cache.get(key)
     if t is None:
@@ -27,15 +29,34 @@ def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, grad_sync: bool) -
     return t
 
 
-def is_grad_sync(e: Edge) -> bool:
-    """A gradient's move into its parameter's layout. Those that are all-reduces or single
-    reduce-scatters go in buckets (:mod:`autopar.passes.buckets`) and pay only their share of
-    a bucket's latency; every other move, parameter gathers included, runs on its own."""
-    return e.in_idx < 0
+def is_param_gather(sp: ShardingProblem, e: Edge) -> bool:
+    return e.in_idx >= 0 and sp.nodes[e.src].meta["autopar"].role == "param"
 
 
-def is_bucketed(e: Edge, src, dst) -> bool:
-    return is_grad_sync(e) and bucket_kind(src, dst) is not None
+def gather_unit(consumer: fx.Node) -> tuple:
+    """The (phase, layer) whose parameter gathers go out together."""
+    from autopar.passes.problem_reduction import node_layer
+
+    return (consumer.meta["autopar"].phase, node_layer(consumer))
+
+
+def _kind(sp: ShardingProblem, e: Edge) -> str | None:
+    if e.in_idx < 0:
+        return "grad"
+    return "param" if is_param_gather(sp, e) else None
+
+
+def _batched(kind: str | None, src, dst) -> bool:
+    """Moves the runtime batches with others (:mod:`autopar.passes.buckets`): gradient
+    all-reduces and single reduce-scatters in buckets, single all-gathers of parameters per
+    layer. They pay only their share of a bucket's latency; every other move runs alone."""
+    if kind == "grad":
+        return bucket_kind(src, dst) is not None
+    return kind == "param" and gather_move(src, dst) is not None
+
+
+def is_bucketed(sp: ShardingProblem, e: Edge, src, dst) -> bool:
+    return _batched(_kind(sp, e), src, dst)
 
 
 def edge_specs(sp: ShardingProblem, e: Edge):
@@ -56,14 +77,14 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
     ``rows``, only those producer strategies, in that order."""
     meta = edge_meta(sp, e)
     src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
-    grad_sync = is_grad_sync(e)
-    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, grad_sync)
+    kind = _kind(sp, e)
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, kind)
     mat = sp.matrix_cache.get(key)
     if mat is None:
         src_specs, dst_specs = edge_specs(sp, e)
         uniq_src = list(dict.fromkeys(src_specs))
         uniq_dst = list(dict.fromkeys(dst_specs))
-        table = np.array([[_reshard(sp, meta, a, b, grad_sync) for b in uniq_dst]
+        table = np.array([[_reshard(sp, meta, a, b, kind) for b in uniq_dst]
                           for a in uniq_src])
         pos_src = {s: i for i, s in enumerate(uniq_src)}
         pos_dst = {s: i for i, s in enumerate(uniq_dst)}

@@ -10,8 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autopar.passes import cost_model as cm
-from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
-from autopar.passes.edge_costs import is_bucketed
+from autopar.passes.buckets import (
+    GradSync,
+    ParamGather,
+    bucket_collectives,
+    gather_groups,
+    gather_move,
+    gradient_buckets,
+)
+from autopar.passes.edge_costs import gather_unit, is_bucketed, is_param_gather
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
 from autopar.placements import Replicate
@@ -58,6 +65,20 @@ def _add_gradient_syncs(
                 slot[2] += c.time_s * g.weight
 
 
+def _add_param_gathers(
+    sp: ShardingProblem, gathers: list[ParamGather], per_edge: dict[int, list[cm.Collective]],
+    agg: dict[tuple[str, str, str], list[float]],
+) -> None:
+    """Parameter gathers go out one all-gather per layer, phase and axis, as the runtime
+    issues them (:func:`autopar.passes.buckets.gather_groups`)."""
+    for group in gather_groups(gathers):
+        (c0,) = per_edge[group[0].index]
+        slot = agg.setdefault(("all_gather", c0.axis, "parameter gather"), [0, 0.0, 0.0])
+        slot[0] += group[0].weight  # a traced layer's group stands for its untraced copies
+        slot[1] += sum(per_edge[g.index][0].bytes * g.weight for g in group)
+        slot[2] += sum(per_edge[g.index][0].time_s * g.weight for g in group)
+
+
 def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     compute = float(sum(sp.node_cost[i][s] for i, s in enumerate(choice)))
     per_edge: dict[int, list[cm.Collective]] = {}
@@ -73,6 +94,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
             slot[2] += c.time_s * w
 
     syncs: list[GradSync] = []
+    gathers: list[ParamGather] = []
     for k, e in enumerate(sp.edges):
         src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
         dst_s = sp.strategies[e.dst][choice[e.dst]]
@@ -80,15 +102,19 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         if src == dst:
             continue
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
-        colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(e, src, dst))
+        colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(sp, e, src, dst))
         if not colls:
             continue
         per_edge[k] = colls
         if e.in_idx < 0:
             syncs.append(GradSync(k, meta, src, dst, float(weight[e.dst])))
+        elif is_param_gather(sp, e) and gather_move(src, dst) is not None:
+            gathers.append(ParamGather(k, gather_unit(sp.nodes[e.dst]), meta, src, dst,
+                                       float(weight[e.dst])))
         else:
             add(colls, edge_reason(sp, e), float(weight[e.dst]))
     _add_gradient_syncs(sp, syncs, per_edge, agg)
+    _add_param_gathers(sp, gathers, per_edge, agg)
     for i, s in enumerate(choice):  # all-reduces inside an op: priced in its node cost
         colls = in_op_collectives(sp.nodes[i].meta["autopar"], sp.strategies[i][s], sp.mesh)
         if colls:

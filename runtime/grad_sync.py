@@ -61,6 +61,12 @@ class GradSyncSchedule:
             release = all(reads.get(n, -1) <= after for n in names)  # type: ignore[arg-type]
             self.by_step.setdefault(after, []).append(_Launch(tuple(ids), kind, after, release))
 
+    def dim_of(self, i: int) -> int:
+        """The dim gradient ``i`` is reduce-scattered along (a bucket mixes dims)."""
+        kind = bucket_kind(self.srcs[i], self.dsts[i])  # type: ignore[arg-type]
+        assert kind is not None and kind.dim is not None
+        return kind.dim
+
     def start(self, comm: Comm, env: dict[str, Any]) -> GradSyncRun:
         return GradSyncRun(self, comm, env)
 
@@ -95,13 +101,14 @@ class GradSyncRun:
             else:  # reduce-scatter: rank r's block of every gradient lands in row r
                 (ax,) = kind.axes
                 n = s.mesh_shape[ax]
-                rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, kind.dim)])
-                                  for g in grads], dim=1)
+                rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, s.dim_of(i))])
+                                  for i, g in zip(launch.grads, grads)], dim=1)
                 out = self.comm.reduce_scatter(rows, "sum", 0, ax, "gradient sync")
         if launch.release:
             for n in names:
                 env.pop(n, None)
-        shapes = [(i, _block_shape(g.shape, kind, s.mesh_shape))
+        shapes = [(i, g.shape if kind is None or kind.kind == "all_reduce"
+                   else _split(g.shape, s.dim_of(i), s.mesh_shape[kind.axes[0]]))
                   for i, g in zip(launch.grads, grads)]
         self.in_flight.append((launch, out, shapes))
 
@@ -126,12 +133,8 @@ class GradSyncRun:
         return out
 
 
-def _block_shape(shape: torch.Size, kind: BucketKind | None,
-                 mesh_shape: tuple[int, ...]) -> torch.Size:
-    """The shape a gradient has on each rank once its bucket is reduced."""
-    if kind is None or kind.kind == "all_reduce":
-        return shape
-    assert kind.dim is not None
+def _split(shape: torch.Size, dim: int, n: int) -> torch.Size:
+    """A gradient's shape on each rank once reduce-scattered ``n`` ways along ``dim``."""
     out = list(shape)
-    out[kind.dim] //= mesh_shape[kind.axes[0]]
+    out[dim] //= n
     return torch.Size(out)

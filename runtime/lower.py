@@ -34,11 +34,13 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph, TensorMeta
+from autopar.passes.edge_costs import gather_unit
 from autopar.passes.strategies.localize import LocalContext, local_call, localizer_for
 from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
 from autopar.placements import Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
 from autopar.runtime.grad_sync import GradSyncSchedule
+from autopar.runtime.param_gather import GatherGroup, group_gathers
 from autopar.runtime.plan_check import grad_sync_mode
 from autopar.runtime.redistribute import Comm, redistribute
 
@@ -51,6 +53,8 @@ class _Input:
     dst: Spec
     reason: str
     moves: bool = True  # src != dst, worked out once
+    group: int | None = None  # a parameter gather batched with its layer's (param_gather)
+    slot: int = 0  # its place in that group
 
 
 @dataclass(slots=True)
@@ -99,6 +103,10 @@ class LoweredGraph:
         self.saved = sorted((bwd_reads - {n.name for n in calls[n_fwd:]}) | {self.loss})
         self.fwd = self._steps(calls[:n_fwd], keep=set(self.saved))
         self.bwd = self._steps(calls[n_fwd:], keep={g for g in self.grads if g})
+        # parameter gathers, one all-gather per layer and phase (see param_gather)
+        metas = {n.name: n.meta["autopar"].out for n in self.placeholders}
+        self.fwd_gathers = group_gathers(self.fwd, gather_unit, metas, self.mesh_shape)
+        self.bwd_gathers = group_gathers(self.bwd, gather_unit, metas, self.mesh_shape)
         self.param_specs = {pg.param_node(p).name: self.spec(pg.param_node(p).name)
                             for p in pg.param_names}
         # gradients go in DDP-style buckets when the plan priced them so, each move started
@@ -154,7 +162,7 @@ class LoweredGraph:
         metas = {n.name: n.meta["autopar"].outputs for n in self.pg.graph.nodes
                  if "autopar" in n.meta}
         out = [(metas[i.producer][i.item or 0], i.src, i.dst, i.reason)
-               for s in self.fwd + self.bwd for i in s.inputs]
+               for s in self.fwd + self.bwd for i in s.inputs if i.group is None]
         for s in self.fwd + self.bwd:  # all-reduces inside an op (a planned partial result)
             out += [(m, a, b, "resharding") for m, a, b in
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
@@ -165,6 +173,10 @@ class LoweredGraph:
                 dst = self.param_specs[self.pg.param_node(pname).name]
                 out.append((metas[g][0], self.spec(g), dst, "gradient sync"))
         return out
+
+    def gather_collectives(self) -> list[tuple[int, float]]:
+        """``(mesh axis, bytes each rank hands in)`` of every batched parameter gather."""
+        return [(g.axis, g.nbytes) for g in self.fwd_gathers + self.bwd_gathers]
 
     # --- running ------------------------------------------------------------------------------
 
@@ -177,7 +189,7 @@ class LoweredGraph:
         """Run the forward nodes on ``env`` (placeholder name -> local tensor).
 
         Returns the loss, whole on every rank, and the values the backward needs."""
-        self._run(self.fwd, env, comm)
+        self._run(self.fwd, self.fwd_gathers, env, comm)
         loss = redistribute(env[self.loss], self.spec(self.loss),
                             (Replicate(),) * len(self.mesh_shape), comm, "loss")
         return loss, {k: env[k] for k in self.saved}
@@ -187,7 +199,7 @@ class LoweredGraph:
         """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec."""
         env = dict(saved)
         syncs = self.grad_sync.start(comm, env)
-        self._run(self.bwd, env, comm, grad_loss, syncs.step_done)
+        self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         return syncs.finish(len(self.grads))
 
     def grad_moves(self) -> tuple[list, list, list, list]:
@@ -200,12 +212,21 @@ class LoweredGraph:
             dsts.append(self.param_specs[node.name])
         return list(self.grads), metas, srcs, dsts
 
-    def _run(self, steps: list[_Step], env: dict[str, Any], comm: Comm,
-             grad_loss: torch.Tensor | None = None,
+    def _run(self, steps: list[_Step], gathers: list[GatherGroup], env: dict[str, Any],
+             comm: Comm, grad_loss: torch.Tensor | None = None,
              step_done: Callable[[int], None] | None = None) -> None:
+        gathered: dict[int, list[torch.Tensor]] = {}
         for k, s in enumerate(steps):
             vals = []
             for inp in s.inputs:
+                if inp.group is not None:  # the whole layer's parameters at its first read
+                    g = gathered.get(inp.group)
+                    if g is None:
+                        group = gathers[inp.group]
+                        g = gathered[inp.group] = group.run(env, comm,
+                                                            self.mesh_shape[group.axis])
+                    vals.append(g[inp.slot])
+                    continue
                 v = env[inp.producer]
                 if inp.item is not None:
                     v = v[inp.item]
@@ -234,6 +255,8 @@ class LoweredGraph:
                 env[s.name] = out
             for name in s.free_after:
                 env.pop(name, None)
+            for gid in [gid for gid in gathered if gathers[gid].last == k]:
+                del gathered[gid]
             if step_done is not None:
                 step_done(k)
 

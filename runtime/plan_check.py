@@ -51,6 +51,8 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
         if src != dst and meta is not None and reason != "gradient sync":
             for c in reshard_collectives(meta, src, dst, mesh):
                 add(c.kind, c.axis, reason, c.bytes)
+    for ax, nbytes in lowered.gather_collectives():
+        add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
     _, metas, srcs, dsts = lowered.grad_moves()
     moves = [GradSync(i, metas[i], srcs[i], dsts[i]) for i in range(len(metas))
              if srcs[i] is not None and srcs[i] != dsts[i]]

@@ -171,6 +171,10 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
                 slot[1] += nbytes
         taken = {g.index for b in buckets for g in b}
         syncs = [g for i, g in enumerate(syncs) if i not in taken]
+    for ax, nbytes in lowered.gather_collectives():  # parameter gathers batched per layer
+        slot = out.setdefault(("all_gather", mesh.axes[ax]), [0, 0.0])
+        slot[0] += 1
+        slot[1] += nbytes
     for meta, src, dst in edges + syncs:
         if src == dst or meta is None:
             continue

@@ -126,9 +126,9 @@ def test_mlp_tiny_on_2x2x2() -> None:
 
 def _mlp_with_reference(name: str, mesh_shape: tuple[int, ...]):
     """A small column/row MLP, a batch, and the reference layout ``name`` completed on it."""
-    torch.manual_seed(0)
-    model = MLP(MLPConfig(in_dim=8, hidden=(16, 8, 16), out_dim=8))
-    inputs = (torch.randn(8, 8), torch.randn(8, 8))
+    torch.manual_seed(0)  # wide enough that moving activations beats gathering weights
+    model = MLP(MLPConfig(in_dim=32, hidden=(128, 32, 128), out_dim=32))
+    inputs = (torch.randn(32, 32), torch.randn(32, 32))
     plan = reference_plan(model, "mlp", name, mesh_for(mesh_shape), inputs)
     assert plan is not None
     return model, inputs, plan
@@ -160,3 +160,22 @@ def test_fsdp_gradients_reduce_scatter_in_buckets() -> None:
                  if r.kind == "reduce_scatter" and r.reason == "gradient sync"]
     sharded = [p for p in plan.params.values() if any(isinstance(x, Shard) for x in p)]
     assert 0 < len(scattered) < len(sharded)
+
+
+def test_fsdp_gathers_a_layers_parameters_at_once() -> None:
+    """FSDP on a transformer: the parameters each layer's ops need whole are gathered with
+    one all-gather per layer and phase, not one per parameter; training equals one device."""
+    preset = get_preset("llama3-tiny").replace(max_seq_len=16)
+    torch.manual_seed(0)
+    model = preset.build(device="cpu")
+    inputs = preset.example_inputs(4, 8, device="cpu")
+    plan = reference_plan(model, "llama3", "fsdp", mesh_for((2,)), inputs)
+    assert plan is not None
+    got, want, pm = run_case(model, inputs, (2,), plan)
+    assert_same_training(got, want, what="fsdp with parameter gathers per layer")
+    check_collectives(got["collectives"][-1], pm, "fsdp with parameter gathers per layer")
+    lowered = pm._active[1]
+    grouped = lowered.fwd_gathers + lowered.bwd_gathers
+    assert grouped and any(len(g.producers) > 1 for g in grouped)
+    gathers = [r for r in got["collectives"][-1] if r.reason == "parameter gather"]
+    assert len(gathers) == len(grouped) < sum(len(g.producers) for g in grouped)
