@@ -8,6 +8,8 @@ through :func:`localize.local_call`, the same entry point the rule validator use
 many ops with no rank-aware kernel and no global sizes in their arguments, directly). A
 strategy that all-reduces its partial result inside the op (``Strategy.raw_outs``, Megatron's
 row-parallel linear) runs that all-reduce right after the kernel, once for all its consumers.
+Parameter gathers are batched, one all-gather per layer and phase, at the layer's first read
+(:mod:`.param_gather`).
 
 The graph is split where capture tagged it: forward nodes (phase ``"fwd"``) come first and run
 in the module's forward; the values the backward nodes read are kept; the backward nodes run
