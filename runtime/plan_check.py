@@ -30,8 +30,9 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
             return bucketed
     raise PlanError(
         "the plan's collectives do not match this model's tensors (it was made for other "
-        "parameter or activation shapes, or edited by hand); make a new plan for this model "
-        "and these inputs (parallelize(..., plan=None))")
+        "parameter or activation shapes, by an older autopar that batched collectives "
+        "differently, or edited by hand); make a new plan for this model and these inputs "
+        "(parallelize(..., plan=None))")
 
 
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
