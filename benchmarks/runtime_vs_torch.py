@@ -398,6 +398,10 @@ def notes(res: dict[str, Any], overhead: float) -> str:
 
     med = {k: statistics.median(v) for k, v in res["times"].items()}
     fsdp = med.get("autopar FSDP", float("nan")) / med.get("torch FSDP", float("nan"))
+
+    def kinds(name: str) -> str:
+        return ", ".join(f"{c} {k}" for k, (c, _) in sorted(res["kinds"].get(name, {}).items()))
+
     solver_vs_dp = med.get("autopar solver", float("nan")) / med.get("autopar DP", float("nan"))
     tiny = next(v for k, v in lat.items() if k.startswith("tiny"))
     flat_key = next(k for k in lat if " in 1" in k)
@@ -422,10 +426,11 @@ def notes(res: dict[str, Any], overhead: float) -> str:
   row-parallel layers all-reduce their outputs inside the op, once for forward and backward,
   as Megatron does, plus one bucketed all-reduce of the row-parallel biases' gradients
   (2 KiB), which torch computes from the replicated output gradient with no collective.
-- **FSDP** runs faster than `fully_shard` ({fsdp:.2f}x): the solver completes the FSDP
-  layout (every parameter sharded over the ranks) by keeping the weights sharded and moving
-  activations instead ({n("autopar FSDP")} collectives, no parameter gathers), where
-  fully_shard gathers every weight forward and backward ({n("torch FSDP")} collectives).
+- **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
+  fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
+  all-gather per layer, gradient reduce-scatters in buckets started during the backward; as
+  the solver completes this layout, the gathered weights are kept for the backward where
+  fully_shard frees them and gathers again (more memory, fewer collectives).
 - **The solver's own plan** is the DP layout with the output all-gathered (the loss computed
   whole) instead of the scalar loss all-reduced, which the `cpu` profile (200 us per ring
   step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce, about
