@@ -32,6 +32,8 @@ from autopar.solver import Problem, Solution, solve
 
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
 POLISH_S = 2.0
+# the solver's own plan must beat the best reference layout by this fraction to replace it
+MIN_GAIN = 0.01
 
 
 @dataclass
@@ -61,11 +63,15 @@ def make_plan(
     model_name: str = "",
     graph: PlanGraph | None = None,
     max_layers: int | None = None,
+    min_gain: float = MIN_GAIN,
 ) -> Planned:
     """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
 
     ``max_layers``: trace a deeper model as a proxy of that many layers (planning time then
-    does not grow with depth; the plan's node placements cover the traced layers only)."""
+    does not grow with depth; the plan's node placements cover the traced layers only).
+    ``min_gain``: the solver's own plan replaces the best reference layout (as the solver
+    completes it) only when predicted at least this fraction faster: the cost model errs by
+    more than a fraction of a percent, and the hand-written layouts are the proven ones."""
     memory_budget = float(memory_budget) if memory_budget is not None else None
     t0 = time.perf_counter()
     pg = graph or capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers)
@@ -101,12 +107,20 @@ def make_plan(
     # followers re-chosen with their whole neighbourhood; a reference's completion, refined
     # the same way, still bounds the plan from above
     solved = sp.expand(sol.assignment)
-    choice = _cheapest(sp, [refine_followers(sp, solved), solved]
-                       + [ref_choices[n] for n in fitting], memory_budget)
+    choice = _cheapest(sp, [refine_followers(sp, solved), solved], memory_budget)
+    method = sol.method
+    if fitting:
+        best = min(fitting, key=lambda n: refs_cost[n].step_s)
+        own = score_assignment(sp, choice).cost.step_s
+        if own * (1 + min_gain) > refs_cost[best].step_s:
+            gain = refs_cost[best].step_s / own - 1 if own > 0 else 0.0
+            choice = ref_choices[best]
+            method = (f"kept {best}: the solver's own plan was {gain:.1%} faster, under the "
+                      f"{min_gain:.0%} margin")
     t_total = time.perf_counter() - t0
     plan = assemble_plan(
         pg, sp, choice, model_name, mesh,
-        SolverInfo(sol.status, round(sol.time_s, 4), sol.method, sp.problem.num_nodes,
+        SolverInfo(sol.status, round(sol.time_s, 4), method, sp.problem.num_nodes,
                    len(sp.nodes), sp.shared_layers, float(sol.cost)),
         {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "references_s": t_refs,
          "total_s": t_total},
