@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     text, slow = report(b, res)
     res["load"] = os.getloadavg()[0]
+    res["solver_method"] = info["solver plan"].solver.method
     plain_ms, one_ms = single_process_overhead(b)
     text += (f"\n\none process, one thread, no communication, batch {b.batch // NPROC} (one rank's "
              f"share): plain module {plain_ms:.2f} ms/step, autopar on a 1-device mesh "
@@ -403,6 +404,9 @@ def notes(res: dict[str, Any], overhead: float) -> str:
         return ", ".join(f"{c} {k}" for k, (c, _) in sorted(res["kinds"].get(name, {}).items()))
 
     solver_vs_dp = med.get("autopar solver", float("nan")) / med.get("autopar DP", float("nan"))
+    same = res["kinds"].get("autopar solver") == res["kinds"].get("autopar DP")
+    solver_plan = ("the data_parallel layout, with the same collectives as the DP run" if same
+                   else f"a layout of its own ({kinds('autopar solver')})")
     tiny = next(v for k, v in lat.items() if k.startswith("tiny"))
     flat_key = next(k for k in lat if " in 1" in k)
     flat_mib = float(flat_key.split("(")[1].split()[0])
@@ -431,11 +435,10 @@ def notes(res: dict[str, Any], overhead: float) -> str:
   all-gather per layer, gradient reduce-scatters in buckets started during the backward; as
   the solver completes this layout, the gathered weights are kept for the backward where
   fully_shard frees them and gathers again (more memory, fewer collectives).
-- **The solver's own plan** is the DP layout with the output all-gathered (the loss computed
-  whole) instead of the scalar loss all-reduced, which the `cpu` profile (200 us per ring
-  step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce, about
-  {gbps:.2f} GB/s for the gradient buffer) prices 0.4% faster; measured, its step is
-  {solver_vs_dp:.2f}x the DP layout's: the gather is dearer here than the profile says.
+- **The solver's own plan** here is {solver_plan}, priced by the `cpu` profile (200 us per
+  ring step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce,
+  about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",
+  "?")}". Measured, its step is {solver_vs_dp:.2f}x the DP run's, so it misses with DP.
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
 
