@@ -15,7 +15,9 @@ from typing import Any
 from autopar.errors import PlanError
 from autopar.placements import Spec, format_spec, parse_spec
 
-PLAN_VERSION = 1
+# 2: in-op all-reduces (``raw_out``), parameter gathers listed one per layer and phase, gradient
+# reduce-scatters in buckets; a version-1 plan's collectives would not match what now runs
+PLAN_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)

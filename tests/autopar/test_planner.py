@@ -87,7 +87,7 @@ def test_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "plan.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == 1
+    assert doc["version"] == 2
     assert doc["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"], "device": "h100"}
     assert set(doc["cost"]) >= {"step_s", "compute_s", "comm_s", "mem_bytes"}
     assert set(doc["solver"]) >= {"status", "time_s"}
@@ -104,6 +104,10 @@ def test_plan_json_errors_name_the_fix(tmp_path):
         Plan.load(bad)
     with pytest.raises(PlanError, match="does not exist"):
         Plan.load(tmp_path / "missing.json")
+    old = tmp_path / "old.json"  # a plan from before in-op reductions and grouped gathers
+    old.write_text(json.dumps({"version": 1}))
+    with pytest.raises(PlanError, match="version 1 is not supported.*make the plan again"):
+        Plan.load(old)
 
 
 def test_explain_lists_the_alternatives():
