@@ -1,16 +1,22 @@
-"""Gradient buckets: which gradient reductions travel together, as DDP and FSDP batch them.
+"""Which collectives the runtime batches: gradient buckets (DDP, FSDP) and parameter gathers
+per layer (FSDP).
 
-A gradient whose move into its parameter's layout is only all-reduces (``P -> R`` on some mesh
-axes, every other axis unchanged) can share one flat buffer with others of the same dtype that
-reduce over the same axes (DDP). So can one whose move is a single reduce-scatter (``P ->
-S(d)`` on one axis, no other axis splitting ``d``) with others reduce-scattered over the same
-axis (FSDP): each is laid out in the buffer as its ``n`` row blocks, so that one
-reduce-scatter of the buffer hands every rank all of its shards. As in DDP, buckets fill in reverse parameter order (roughly the
-order the backward produces the gradients), each closed once it holds ``FIRST_BUCKET_BYTES``
-of local data (the first, so its all-reduce starts early in the backward) or ``BUCKET_BYTES``. The
-scorer lists one collective per bucket and the runtime issues exactly that, each as soon as
-its last gradient is computed (:mod:`autopar.runtime.grad_sync`), so the collectives executed
-still match the plan's.
+**Gradient buckets.** A gradient whose move into its parameter's layout is only all-reduces
+(``P -> R`` on some mesh axes, every other axis unchanged) shares one flat buffer with others
+of the same dtype that reduce over the same axes (DDP). So does one whose move is a single
+reduce-scatter (``P -> S(d)`` on one axis, no other axis splitting ``d``) with others
+reduce-scattered over that axis (FSDP): each is laid out in the buffer as its ``n`` row
+blocks, so one reduce-scatter of the buffer hands every rank all of its shards. As in DDP,
+buckets fill in reverse parameter order (about the order the backward makes the gradients),
+each closed once it holds ``FIRST_BUCKET_BYTES`` of local data (the first, so its collective
+starts early in the backward) or ``BUCKET_BYTES`` (the others).
+
+**Parameter gathers.** The plain all-gathers of parameters that one layer's ops need in one
+phase go out as one all-gather (:func:`gather_groups`).
+
+The scorer lists one collective per bucket or group and the runtime issues exactly those
+(:mod:`autopar.runtime.grad_sync`, :mod:`autopar.runtime.param_gather`), so the collectives
+executed still match the plan's.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ class GradSyncSchedule:
         groups: list[tuple[list[int], BucketKind | None]] = []
         if bucketed:
             for bucket in gradient_buckets(moves, mesh_shape):
-                groups.append(([g.index for g in bucket], bucket_kind(bucket[0].src, bucket[0].dst)))
+                kind = bucket_kind(bucket[0].src, bucket[0].dst)
+                groups.append(([g.index for g in bucket], kind))
         in_bucket = {i for ids, _ in groups for i in ids}
         groups += [([g.index], None) for g in moves if g.index not in in_bucket]
         self.by_step: dict[int, list[_Launch]] = {}
