@@ -286,7 +286,7 @@ class LocalSearch:
         for k, i in enumerate(free.tolist()):
             self.set(i, int(sub[k]))
         after = self.cost()
-        ok = self.limit is None or fits(float(self.load.max()), self.limit)
+        ok = self.limit is None or fits(float(self.load.max(initial=0.0)), self.limit)
         if not ok or after > before:
             for k, i in enumerate(free.tolist()):
                 self.set(i, int(old[k]))
