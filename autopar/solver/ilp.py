@@ -239,18 +239,11 @@ def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> None:
                 coefs.append(w)
             by_row[s].append(y)
             by_col[t].append(y)
-        for s, x in enumerate(xa):
-            if x is not None:
-                if by_row[s]:
-                    m.Add(sum(by_row[s]) == x)
-                else:
-                    m.Add(x == 0)
-        for t, x in enumerate(xb):
-            if x is not None:
-                if by_col[t]:
-                    m.Add(sum(by_col[t]) == x)
-                else:
-                    m.Add(x == 0)
+        # each side's choice equals the sum of its pair variables (0 when it has none)
+        for side, pairs in ((xa, by_row), (xb, by_col)):
+            for x, ys in zip(side, pairs):
+                if x is not None:
+                    m.Add(sum(ys) == x if ys else x == 0)
 
 
 def _add_memory(m, q: Problem, free, xs, rows) -> None:
