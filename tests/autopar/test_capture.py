@@ -102,14 +102,39 @@ def test_non_scalar_output_is_a_clear_error():
         capture(model, (torch.randn(3, 4),))
 
 
+class _DataDependent(nn.Module):
+    """A block whose output shape depends on the values: it cannot be traced."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x[x > 0].sum() * self.w.sum() + x * self.w
+
+
 def test_data_dependent_shapes_are_a_clear_error():
-    class Bad(nn.Module):
+    with pytest.raises(CaptureError, match="data-dependent"):
+        capture(_DataDependent(), (torch.randn(4),))
+
+
+def test_a_trace_that_fails_inside_a_repeated_block_leaks_no_layer_tag():
+    import gc
+
+    import torch.fx.traceback as fxt
+
+    class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.ones(4))
+            self.blocks = nn.ModuleList([_DataDependent(), _DataDependent()])
 
         def forward(self, x):
-            return (x[x > 0] * self.w.sum()).sum()
+            for b in self.blocks:
+                x = b(x)
+            return x.sum()
 
-    with pytest.raises(CaptureError, match="data-dependent"):
-        capture(Bad(), (torch.randn(4),))
+    before = dict(fxt.current_meta)
+    with pytest.raises(CaptureError):
+        capture(Model(), (torch.randn(4),))
+    gc.collect()  # a tag left open would be closed here and restore a stale annotation
+    assert dict(fxt.current_meta) == before
