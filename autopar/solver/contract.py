@@ -24,7 +24,6 @@ from autopar.solver._unionfind import UnionFind
 
 @dataclass(frozen=True, slots=True)
 class Units:
-    root: np.ndarray  # [n] position of each node's unit root
     maps: list[np.ndarray]  # maps[k][t]: node k's strategy when its root takes strategy t
     roots: list[int]  # positions of the roots, in order; unit u is roots[u]
     unit_of: np.ndarray  # [n] unit index of each node
@@ -103,7 +102,7 @@ def contract(
             ua, ub, m = ub, ua, m.T
         merged[(ua, ub)] = merged[(ua, ub)] + m if (ua, ub) in merged else m
     edges = [(ua, ub, m) for (ua, ub), m in merged.items()]
-    return Units(root, maps, roots, unit_of, costs, edges)
+    return Units(maps, roots, unit_of, costs, edges)
 
 
 def _unit_cost(

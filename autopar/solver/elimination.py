@@ -120,13 +120,13 @@ def solve_by_elimination(
     """The optimum (or, under a memory limit, a Lagrangian solution that fits), or None when
     the problem is too wide for elimination or has per-node intervals that differ."""
     t0 = time.monotonic()
+    limit = p.usage_limit
+    if limit is not None and len(set(map(tuple, p.intervals))) > 1:
+        return None  # a timeline of different live ranges: not the one-instant form
     order = _order(p, max_entries)
     if order is None:
         return None
     base = [np.asarray(c, dtype=float) for c in p.costs]
-    limit = p.usage_limit
-    if limit is not None and len(set(map(tuple, p.intervals))) > 1:
-        return None  # a timeline of different live ranges: not the one-instant form
     a = _eliminate(p, order, base)
     cost, feasible, _ = evaluate(p, a)
     if feasible:

@@ -112,20 +112,16 @@ class LocalSearch:
                 self.load[self.st[i] : self.en[i]] += d
         self.a[i] = s
 
-    def greedy(self, order: np.ndarray | None = None, price: float = 0.0) -> None:
-        """Assign in ``order`` (default: index order, which follows the program), each node
+    def greedy(self) -> None:
+        """Assign in index order (which follows the program), each node
         taking its cheapest strategy that fits in memory, prefers allowed pairs with assigned
         neighbours, and leaves every unassigned neighbour an allowed strategy (forward
         checking: forbidden pairs make a myopic greedy paint itself into corners)."""
         q, n, f = self.q, self.q.num_nodes, self.forbid
         assigned = np.zeros(n, dtype=bool)
         dom = [np.ones(k, dtype=bool) for k in q.index.n_strat.tolist()]
-        span = (self.en - self.st).clip(0) if self.limit is not None else np.zeros(n)
-        for i in range(n) if order is None else order.tolist():
+        for i in range(n):
             c = self.local(i, assigned)
-            if price and span[i]:
-                # memory held longer costs more: leaves room for nodes that need it more
-                c = c + price * span[i] * (q.usages[i] - q.usages[i].min())
             c[~self.allowed(i)] = np.inf
             look = dom[i].copy()
             for e, side in self.inc[i]:
@@ -146,11 +142,11 @@ class LocalSearch:
                     if nd.any():
                         dom[j] = nd
 
-    def sweep(self, order: np.ndarray | None = None) -> int:
-        """One pass of best single-node moves; returns how many nodes changed."""
+    def sweep(self) -> int:
+        """One pass of best single-node moves, in random order; returns how many changed."""
         moved = 0
         n = self.q.num_nodes
-        for i in (self.rng.permutation(n) if order is None else order).tolist():
+        for i in self.rng.permutation(n).tolist():
             if len(self.q.costs[i]) == 1:
                 continue
             c = self.local(i)
@@ -202,7 +198,6 @@ class LocalSearch:
         could give memory back: a resharding forced by a full timeline is only fixed by
         shrinking nodes that share the time, which are rarely near it in the graph."""
         near = self.neighbourhood(max(1, size // 3))
-        seed = int(near[0]) if len(near) else self.pick_seed()
         if self.limit is None or not len(near):
             return near
         lo, hi = int(self.st[near].min()), int(self.en[near].max())
@@ -220,7 +215,6 @@ class LocalSearch:
         if len(cand) > want:
             p = slack[cand] / slack[cand].sum()
             cand = self.rng.choice(cand, size=want, replace=False, p=p)
-        del seed
         return np.union1d(near, cand)
 
     def window(self, size: int) -> np.ndarray:
@@ -276,18 +270,17 @@ class LocalSearch:
         if len(free) == 0:
             return False, True, 0
         cap = ilp.capacity_profile(q, free, self.a)
-        lex = self.cost() >= self.forbid
+        before = self.cost()
+        lex = before >= self.forbid
         sm = ilp.build(q, free, self.a, cap, edges_of=self.inc, forbid=self.forbid, lex=lex)
         st, sub, _ = ilp.solve_sub(sm, time_limit, workers, seed, self.a)
         if sub is None:
             return False, False, len(free)
         old = self.a[free].copy()
-        before = self.cost()
         for k, i in enumerate(free.tolist()):
             self.set(i, int(sub[k]))
         after = self.cost()
-        ok = self.limit is None or fits(float(self.load.max(initial=0.0)), self.limit)
-        if not ok or after > before:
+        if not self.fits() or after > before:
             for k, i in enumerate(free.tolist()):
                 self.set(i, int(old[k]))
             return False, st == ilp.cp_model.OPTIMAL, len(free)
@@ -318,8 +311,9 @@ def run_heuristic(
     ls = LocalSearch(q, seed, forbid)
     if hint is not None:
         h = np.asarray(hint, dtype=np.int64)
-        if fits(float(usage_profile(q, h).max(initial=0.0)), q.usage_limit):
-            ls.a, ls.load = h.copy(), usage_profile(q, h)
+        load = usage_profile(q, h)
+        if fits(float(load.max(initial=0.0)), q.usage_limit):
+            ls.a, ls.load = h.copy(), load
         else:
             hint = None
     if hint is None:

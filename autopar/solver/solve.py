@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -82,7 +83,7 @@ def solve(
     if small and not optimal and time.monotonic() < deadline - 0.5:
         best = _exact(problem, red, a, best, forbid, deadline, workers, seed, t0)
     if soft and best.status == "optimal":
-        best = _relabel(best, "feasible")  # forbidden costs were not pruned: nothing proven
+        best = replace(best, status="feasible")  # forbidden costs were not pruned: nothing proven
     return best
 
 
@@ -114,21 +115,12 @@ def _exact(
     optimal = st == ilp.cp_model.OPTIMAL and bool(np.isfinite(forbid))
     sol = _finish(problem, red, b, "optimal" if optimal else "feasible", t0, "auto/ilp")
     if sol.status == "optimal" and sol.cost >= FORBIDDEN:
-        sol = _relabel(sol, "feasible")  # proven only among plans without forbidden costs
+        sol = replace(sol, status="feasible")  # proven only among plans without forbidden costs
     if sol.feasible and (sol.cost <= best.cost or not best.feasible):
         if sol.status != "optimal" and bound is not None:
-            sol = Solution(
-                sol.assignment, sol.cost, True, sol.status, sol.time_s, sol.method, bound,
-                sol.peak_usage,
-            )  # fmt: skip
+            sol = replace(sol, lower_bound=bound)
         return sol
     return best
-
-
-def _relabel(s: Solution, status: str) -> Solution:
-    return Solution(
-        s.assignment, s.cost, s.feasible, status, s.time_s, s.method, s.lower_bound, s.peak_usage
-    )
 
 
 def _finish(
