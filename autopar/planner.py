@@ -93,7 +93,8 @@ def make_plan(
     # only improve on it (a portfolio start, as MIP solvers take from heuristics)
     fitting = [n for n, c in refs_cost.items() if ref_assign[n] is not None
                and (memory_budget is None or c.mem_bytes <= memory_budget)]
-    hint = ref_assign[min(fitting, key=lambda n: refs_cost[n].step_s)] if fitting else None
+    best = min(fitting, key=lambda n: refs_cost[n].step_s) if fitting else None
+    hint = ref_assign[best] if best is not None else None
     t2 = time.perf_counter()
     sol = _solve_within_budget(sp, memory_budget, time_limit_s, hint)
     t_solve = time.perf_counter() - t2
@@ -109,8 +110,7 @@ def make_plan(
     solved = sp.expand(sol.assignment)
     choice = _cheapest(sp, [refine_followers(sp, solved), solved], memory_budget)
     method = sol.method
-    if fitting:
-        best = min(fitting, key=lambda n: refs_cost[n].step_s)
+    if best is not None:
         own = score_assignment(sp, choice).cost.step_s
         if own * (1 + min_gain) > refs_cost[best].step_s:
             gain = refs_cost[best].step_s / own - 1 if own > 0 else 0.0
@@ -202,14 +202,14 @@ def score_reference(
     """Best completion of a reference layout (its params and inputs pinned): its cost, the
     strategy of every node, and the solver assignment (None when it had to be solved without
     shared layer variables). None if a pinned placement is one no strategy offers."""
-    got = _pinned_solve(sp, pg, ref, time_limit_s)
+    got = _pinned_solve(sp, ref, time_limit_s)
     if got is not _CONFLICT:
         return got  # type: ignore[return-value]
     # the layout places repeated layers differently (an MLP alternating column and row
     # layers): plan it without shared layer variables
     assert sp.problem is not None
     flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False)
-    got = _pinned_solve(flat, pg, ref, time_limit_s)
+    got = _pinned_solve(flat, ref, time_limit_s)
     if got is None or got is _CONFLICT:
         return None
     cost, choice, _ = got  # type: ignore[misc]
@@ -219,7 +219,7 @@ def score_reference(
 _CONFLICT = object()
 
 
-def _pinned_solve(sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float):
+def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
     assert sp.problem is not None and sp.var_of is not None
     pins: dict[int, Spec] = {}
     index = {n.name: i for i, n in enumerate(sp.nodes)}

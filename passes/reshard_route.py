@@ -22,7 +22,7 @@ import math
 from functools import lru_cache
 from typing import Any
 
-from autopar.placements import Partial, Placement, Replicate, Shard, Spec
+from autopar.placements import Placement, Replicate, Shard, Spec
 
 Steps = list[tuple[int, Placement]]
 Perms = dict[int, list[int]]
@@ -168,30 +168,9 @@ def reshard_steps(src: Spec, dst: Spec) -> list[tuple[int, Placement]]:
     raise AssertionError(f"internal: no reshard route from {src} to {dst}")
 
 
-def step_kind(a: Placement, b: Placement) -> str | None:
-    """The collective one axis step issues (``None``: local only), as the cost model names it."""
-    if isinstance(b, Replicate):
-        return "all_gather" if isinstance(a, Shard) else "all_reduce" if isinstance(
-            a, Partial) else None
-    if isinstance(b, Shard):
-        return "reduce_scatter" if isinstance(a, Partial) else "all_to_all" if isinstance(
-            a, Shard) else None
-    if isinstance(a, Shard):
-        return "all_gather"
-    return "all_reduce" if isinstance(a, Partial) and a != b else None
-
-
 def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any) -> list:
     """The collectives :func:`route` issues (``cost_model.reshard_collectives`` prices every
     reshard by its route, so the two are one function)."""
     from autopar.passes.cost_model import reshard_collectives
 
     return reshard_collectives(meta, src, dst, mesh)
-
-
-def _factor(spec: Spec, d: int, mesh_shape: tuple[int, ...]) -> int:
-    f = 1
-    for p, n in zip(spec, mesh_shape):
-        if p == Shard(d):
-            f *= n
-    return f

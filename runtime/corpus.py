@@ -80,9 +80,6 @@ class BatchSampler:
         window = self.data[idx]
         return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
-    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.batch(step)
-
 
 def _mix(seed: int, step: int) -> int:
     # A plain ``seed + step`` would make run (seed=0, step=1) replay run (seed=1, step=0).

@@ -32,7 +32,6 @@ from autopar.runtime.redistribute import Comm, redistribute
 class _Launch:
     grads: tuple[int, ...]  # indices (parameter order) of the gradients it moves
     bucket: BucketKind | None  # how a bucket reduces; None: a lone move
-    after: int  # the backward step after which all its gradients exist (-1: before the first)
     release: bool  # no later backward step reads its gradients: drop them once flattened
 
 
@@ -60,7 +59,8 @@ class GradSyncSchedule:
             names = [grad_names[i] for i in ids]
             after = max(step_of.get(n, -1) for n in names)  # type: ignore[arg-type]
             release = all(reads.get(n, -1) <= after for n in names)  # type: ignore[arg-type]
-            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), kind, after, release))
+            # keyed by the backward step after which all its gradients exist (-1: before any)
+            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), kind, release))
 
     def dim_of(self, i: int) -> int:
         """The dim gradient ``i`` is reduce-scattered along (a bucket mixes dims)."""
@@ -113,7 +113,7 @@ class GradSyncRun:
                   for i, g in zip(launch.grads, grads)]
         self.in_flight.append((launch, out, shapes))
 
-    def finish(self, n_params: int) -> list[torch.Tensor | None]:
+    def finish(self) -> list[torch.Tensor | None]:
         """Every gradient in its parameter's layout (``None`` where there is none)."""
         s, env = self.s, self.env
         out: list[torch.Tensor | None] = [None if n is None else env.get(n)
@@ -130,7 +130,6 @@ class GradSyncRun:
                 out[i] = t[offset: offset + numel].view(shape)
                 offset += numel
         self.in_flight.clear()
-        assert len(out) == n_params
         return out
 
 

@@ -41,9 +41,6 @@ import torch.multiprocessing as mp
 
 from autopar.errors import AutoparError
 
-_ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-             "MASTER_PORT", "GROUP_RANK")
-
 
 class LaunchError(AutoparError):
     """A launched rank failed, timed out or died; ``rank`` and ``child_traceback`` say where."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,6 +72,7 @@ class _Step:
     flat: list[int] | None = None
     # the op runs on local shards as it is: no rank-aware kernel, no global sizes to rewrite
     direct: bool = False
+    drop_gathers: list[int] = field(default_factory=list)  # parameter groups last read here
 
 
 class LoweredGraph:
@@ -160,7 +161,8 @@ class LoweredGraph:
         return steps
 
     def edges(self) -> list[tuple[TensorMeta, Spec, Spec, str]]:
-        """Every reshard one step runs: (tensor, from, to, reason), as the scorer lists them."""
+        """Every reshard one step runs outside gradient syncs (:meth:`grad_moves`) and batched
+        parameter gathers (:meth:`gather_collectives`): (tensor, from, to, reason)."""
         metas = {n.name: n.meta["autopar"].outputs for n in self.pg.graph.nodes
                  if "autopar" in n.meta}
         out = [(metas[i.producer][i.item or 0], i.src, i.dst, i.reason)
@@ -170,10 +172,6 @@ class LoweredGraph:
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
         rep = (Replicate(),) * len(self.mesh_shape)
         out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
-        for pname, g in zip(self.pg.param_names, self.grads):
-            if g is not None:
-                dst = self.param_specs[self.pg.param_node(pname).name]
-                out.append((metas[g][0], self.spec(g), dst, "gradient sync"))
         return out
 
     def gather_collectives(self) -> list[tuple[int, float]]:
@@ -202,7 +200,7 @@ class LoweredGraph:
         env = dict(saved)
         syncs = self.grad_sync.start(comm, env)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
-        return syncs.finish(len(self.grads))
+        return syncs.finish()
 
     def grad_moves(self) -> tuple[list, list, list, list]:
         """Per parameter: its gradient's node name, tensor meta, spec, target spec."""
@@ -224,9 +222,7 @@ class LoweredGraph:
                 if inp.group is not None:  # the whole layer's parameters at its first read
                     g = gathered.get(inp.group)
                     if g is None:
-                        group = gathers[inp.group]
-                        g = gathered[inp.group] = group.run(env, comm,
-                                                            self.mesh_shape[group.axis])
+                        g = gathered[inp.group] = gathers[inp.group].run(env, comm)
                     vals.append(g[inp.slot])
                     continue
                 v = env[inp.producer]
@@ -257,8 +253,8 @@ class LoweredGraph:
                 env[s.name] = out
             for name in s.free_after:
                 env.pop(name, None)
-            for gid in [gid for gid in gathered if gathers[gid].last == k]:
-                del gathered[gid]
+            for gid in s.drop_gathers:
+                gathered.pop(gid, None)
             if step_done is not None:
                 step_done(k)
 

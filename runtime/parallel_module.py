@@ -153,11 +153,10 @@ class ParallelModule(nn.Module):
     def _program_for(self, args: tuple, kwargs: dict) -> tuple[PlanGraph, LoweredGraph]:
         graph = self._active[0]
         sig = _input_signature(args, kwargs, graph)
-        if sig == _graph_signature(graph):
-            return self._active
-        if sig in self._programs:
-            self._active = self._programs[sig]
-            return self._active
+        hit = self._programs.get(sig)  # every installed program, the active one included
+        if hit is not None:
+            self._active = hit
+            return hit
         traced = _describe(_graph_signature(graph))
         if self._replan is None:
             raise PlanError(

@@ -25,10 +25,10 @@ class GatherGroup:
     producers: list[str] = field(default_factory=list)  # parameter placeholders, in slot order
     dims: list[int] = field(default_factory=list)  # the tensor dim each is split along
     nbytes: float = 0.0  # what each rank hands in
-    last: int = -1  # the last step that reads one of them
 
-    def run(self, env: dict[str, Any], comm: Comm, n: int) -> list[torch.Tensor]:
+    def run(self, env: dict[str, Any], comm: Comm) -> list[torch.Tensor]:
         """Every member whole (on this axis), from this rank's shards in ``env``."""
+        n = comm.shape[self.axis]
         shards = [env[p] for p in self.producers]
         flat = torch.cat([t.reshape(-1) for t in shards])
         rows = comm.all_gather(flat, 0, self.axis, "parameter gather").view(n, -1)
@@ -45,7 +45,8 @@ class GatherGroup:
 def group_gathers(steps: list[Any], unit_of: Any, metas: dict[str, Any],
                   mesh_shape: tuple[int, ...]) -> list[GatherGroup]:
     """Group the parameter gathers of one phase's ``steps``; each grouped input gets
-    ``group`` (an index into the result) and ``slot`` (its place in the group)."""
+    ``group`` (an index into the result) and ``slot`` (its place in the group), and the last
+    step that reads a group lists it in ``drop_gathers``."""
     found: list[ParamGather] = []
     where: list[tuple[int, Any]] = []  # (step index, input) per gather
     for k, s in enumerate(steps):
@@ -59,11 +60,13 @@ def group_gathers(steps: list[Any], unit_of: Any, metas: dict[str, Any],
     for members in gather_groups(found):
         axis, _ = gather_move(members[0].src, members[0].dst)  # type: ignore[misc]
         group = GatherGroup(axis, nbytes=gather_group_bytes(members, mesh_shape))
+        last = -1
         for g in members:
             k, inp = where[g.index]
             inp.group, inp.slot = len(groups), len(group.producers)
             group.producers.append(inp.producer)
             group.dims.append(gather_move(g.src, g.dst)[1])  # type: ignore[index]
-            group.last = max(group.last, k)
+            last = max(last, k)
+        steps[last].drop_gathers.append(len(groups))
         groups.append(group)
     return groups

@@ -49,7 +49,7 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
         slot[1] += nbytes
 
     for meta, src, dst, reason in lowered.edges():
-        if src != dst and meta is not None and reason != "gradient sync":
+        if src != dst and meta is not None:
             for c in reshard_collectives(meta, src, dst, mesh):
                 add(c.kind, c.axis, reason, c.bytes)
     for ax, nbytes in lowered.gather_collectives():

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from autopar.passes.reshard_route import route
-from autopar.placements import Partial, Placement, Replicate, Shard, Spec
+from autopar.placements import Partial, Placement, Replicate, Shard, Spec, normalize_spec
 from autopar.runtime import _compat
 
 _REDUCE_OPS = {"sum": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min",
@@ -146,8 +146,8 @@ def redistribute(t: torch.Tensor, src: Spec, dst: Spec, comm: Comm,
     if src == dst:
         return t
     nd = t.dim()
-    src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in src)
-    dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) and nd else p for p in dst)
+    if nd:
+        src, dst = normalize_spec(src, nd), normalize_spec(dst, nd)
     steps, perms = route(src, dst, tuple(t.shape), comm.shape)
     cur = list(src)
     for ax, b in steps:

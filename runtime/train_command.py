@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from autopar.errors import AutoparError
 from autopar.mesh import Mesh
-from autopar.runtime.corpus import VOCAB_SIZE, BatchSampler, decode, load_tokens
+from autopar.runtime.corpus import VOCAB_SIZE, BatchSampler, decode
 from autopar.runtime.progress import Progress, format_rate, loss_report
 
 LM_FAMILIES = ("gpt2", "llama3", "moe")
@@ -191,7 +191,7 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     rank = dist.get_rank()
     if rank != 0:
         warnings.simplefilter("ignore")  # one copy of each warning (rank 0's) is enough
-    sampler = BatchSampler(load_tokens(), cfg.batch, cfg.seq, cfg.seed)
+    sampler = BatchSampler.from_corpus(cfg.batch, cfg.seq, cfg.seed)
     model = build_model(cfg)
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
     pm = autopar.parallelize(model, mesh, example_inputs=sampler.batch(0),
@@ -212,7 +212,7 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
 def _baseline(cfg: TrainConfig) -> tuple[RunResult, nn.Module]:
     torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
-    sampler = BatchSampler(load_tokens(), cfg.batch, cfg.seq, cfg.seed)
+    sampler = BatchSampler.from_corpus(cfg.batch, cfg.seq, cfg.seed)
     model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     setup_s = time.perf_counter() - t0

@@ -138,13 +138,9 @@ def run_case(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...],
 
 
 def collective_totals(records: list, by_reason: bool = True) -> dict[tuple, tuple[int, float]]:
-    out: dict[tuple, list] = {}
-    for r in records:
-        key = (r.kind, r.axis, r.reason) if by_reason else (r.kind, r.axis)
-        slot = out.setdefault(key, [0, 0.0])
-        slot[0] += 1
-        slot[1] += r.bytes
-    return {k: (v[0], v[1]) for k, v in out.items()}
+    from autopar.runtime.redistribute import CollectiveCounter
+
+    return CollectiveCounter(list(records)).totals(by_reason)
 
 
 def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float]], bool]:
@@ -158,7 +154,7 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     out: dict[tuple[str, str], list] = {}
     deviates = False
     syncs = [(m, a, b) for _, m, a, b in zip(*lowered.grad_moves()) if a is not None and a != b]
-    edges = [(m, a, b) for m, a, b, why in lowered.edges() if why != "gradient sync"]
+    edges = [(m, a, b) for m, a, b, _ in lowered.edges()]
     if lowered.bucketed:  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
         from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
 

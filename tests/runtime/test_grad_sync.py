@@ -50,7 +50,7 @@ def test_buckets_mix_dims_start_when_ready_and_hand_back_each_gradient() -> None
         assert len(counter.records) == 1  # g1 is not computed yet: its bucket waits
         run.step_done(2)
         assert [r.kind for r in counter.records] == ["all_reduce", "reduce_scatter"]
-        got = run.finish(4)
+        got = run.finish()
         for g, full, dst in zip(got, fulls, dsts):
             per = {order[r]: t for r, t in g._local_tensors.items()}
             with mode.disable():
