@@ -85,6 +85,16 @@ def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...]
     return [(kind.kind, ax, nbytes) for ax in kind.axes]
 
 
+def sync_groups(syncs: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool = True,
+                ) -> list[tuple[list[GradSync], BucketKind | None]]:
+    """Every gradient move once, as the runtime issues them: the buckets, with how each
+    reduces, then each move no bucket takes, alone (kind ``None``)."""
+    buckets = gradient_buckets(syncs, mesh_shape) if bucketed else []
+    taken = {g.index for b in buckets for g in b}
+    return ([(b, bucket_kind(b[0].src, b[0].dst)) for b in buckets]
+            + [([g], None) for g in syncs if g.index not in taken])
+
+
 def gradient_buckets(
     syncs: list[GradSync], mesh_shape: tuple[int, ...], bucket_bytes: float = BUCKET_BYTES,
     first_bucket_bytes: float = FIRST_BUCKET_BYTES,

@@ -16,7 +16,7 @@ from autopar.passes.buckets import (
     bucket_collectives,
     gather_groups,
     gather_move,
-    gradient_buckets,
+    sync_groups,
 )
 from autopar.passes.edge_costs import gather_unit, is_bucketed, is_param_gather
 from autopar.passes.memory import peak_memory
@@ -46,23 +46,22 @@ def _add_gradient_syncs(
 ) -> None:
     """Gradient syncs that are pure all-reduces or single reduce-scatters go out in buckets
     (one collective per bucket and axis, as the runtime issues them); the others one by one."""
-    bucketed = gradient_buckets(syncs, sp.mesh.shape)
-    in_bucket = {g.index for b in bucketed for g in b}
-    for bucket in bucketed:
-        for kind, ax, _ in bucket_collectives(bucket, sp.mesh.shape):
-            name = sp.mesh.axes[ax]
-            mine = [(c, g.weight) for g in bucket for c in per_edge[g.index] if c.axis == name]
-            slot = agg.setdefault((kind, name, "gradient sync"), [0, 0.0, 0.0])
-            slot[0] += 1
-            slot[1] += sum(c.bytes * w for c, w in mine)
-            slot[2] += sum(c.time_s * w for c, w in mine)
-    for g in syncs:
-        if g.index not in in_bucket:
+    for group, batched in sync_groups(syncs, sp.mesh.shape):
+        if batched is None:
+            (g,) = group
             for c in per_edge[g.index]:
                 slot = agg.setdefault((c.kind, c.axis, "gradient sync"), [0, 0.0, 0.0])
                 slot[0] += g.weight
                 slot[1] += c.bytes * g.weight
                 slot[2] += c.time_s * g.weight
+            continue
+        for kind, ax, _ in bucket_collectives(group, sp.mesh.shape):
+            name = sp.mesh.axes[ax]
+            mine = [(c, g.weight) for g in group for c in per_edge[g.index] if c.axis == name]
+            slot = agg.setdefault((kind, name, "gradient sync"), [0, 0.0, 0.0])
+            slot[0] += 1
+            slot[1] += sum(c.bytes * w for c, w in mine)
+            slot[2] += sum(c.time_s * w for c, w in mine)
 
 
 def _add_param_gathers(

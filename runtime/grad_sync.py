@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from autopar.graph import TensorMeta
-from autopar.passes.buckets import BucketKind, GradSync, bucket_kind, gradient_buckets
-from autopar.placements import Partial, Replicate, Spec
+from autopar.passes.buckets import BucketKind, GradSync, bucket_kind, sync_groups
+from autopar.placements import Partial, Replicate
 from autopar.runtime import _compat
 from autopar.runtime.redistribute import Comm, redistribute
 
@@ -39,23 +38,16 @@ class GradSyncSchedule:
     """Where in the backward each gradient move starts; built once per lowered program."""
 
     def __init__(self, bwd_steps: list[str], reads: dict[str, int], grad_names: list[str | None],
-                 metas: list[TensorMeta], srcs: list[Spec | None], dsts: list[Spec],
-                 mesh_shape: tuple[int, ...], bucketed: bool) -> None:
-        """``reads``: value name -> the last backward step that reads it."""
-        self.grad_names, self.srcs, self.dsts = grad_names, srcs, dsts
+                 moves: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool) -> None:
+        """``reads``: value name -> the last backward step that reads it; ``moves``: the
+        gradients that must move (``index`` into ``grad_names``)."""
+        self.grad_names = grad_names
+        self.move_of = {g.index: g for g in moves}
         self.mesh_shape = mesh_shape
         step_of = {name: i for i, name in enumerate(bwd_steps)}
-        moves = [GradSync(i, metas[i], src, dsts[i]) for i, src in enumerate(srcs)
-                 if src is not None and src != dsts[i]]
-        groups: list[tuple[list[int], BucketKind | None]] = []
-        if bucketed:
-            for bucket in gradient_buckets(moves, mesh_shape):
-                kind = bucket_kind(bucket[0].src, bucket[0].dst)
-                groups.append(([g.index for g in bucket], kind))
-        in_bucket = {i for ids, _ in groups for i in ids}
-        groups += [([g.index], None) for g in moves if g.index not in in_bucket]
         self.by_step: dict[int, list[_Launch]] = {}
-        for ids, kind in groups:
+        for group, kind in sync_groups(moves, mesh_shape, bucketed):
+            ids = [g.index for g in group]
             names = [grad_names[i] for i in ids]
             after = max(step_of.get(n, -1) for n in names)  # type: ignore[arg-type]
             release = all(reads.get(n, -1) <= after for n in names)  # type: ignore[arg-type]
@@ -64,7 +56,8 @@ class GradSyncSchedule:
 
     def dim_of(self, i: int) -> int:
         """The dim gradient ``i`` is reduce-scattered along (a bucket mixes dims)."""
-        kind = bucket_kind(self.srcs[i], self.dsts[i])  # type: ignore[arg-type]
+        g = self.move_of[i]
+        kind = bucket_kind(g.src, g.dst)
         assert kind is not None and kind.dim is not None
         return kind.dim
 
@@ -93,7 +86,8 @@ class GradSyncRun:
         with self.comm.deferred():  # issue the collectives, do not wait for them here
             if kind is None:
                 (i,) = launch.grads
-                out = redistribute(grads[0], s.srcs[i], s.dsts[i], self.comm, "gradient sync")
+                g = s.move_of[i]
+                out = redistribute(grads[0], g.src, g.dst, self.comm, "gradient sync")
             elif kind.kind == "all_reduce":
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 nd = len(s.mesh_shape)

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph, TensorMeta
+from autopar.passes.buckets import GradSync
 from autopar.passes.edge_costs import gather_unit
 from autopar.passes.strategies.localize import LocalContext, local_call, localizer_for
 from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
@@ -116,9 +117,8 @@ class LoweredGraph:
         # as soon as its gradients exist (see grad_sync)
         self.bucketed = grad_sync_mode(self)
         reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
-        _, metas, srcs, dsts = self.grad_moves()
-        self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads, metas,
-                                          srcs, dsts, self.mesh_shape, self.bucketed)
+        self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
+                                          self.grad_moves(), self.mesh_shape, self.bucketed)
 
     # --- building -----------------------------------------------------------------------------
 
@@ -202,15 +202,16 @@ class LoweredGraph:
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         return syncs.finish()
 
-    def grad_moves(self) -> tuple[list, list, list, list]:
-        """Per parameter: its gradient's node name, tensor meta, spec, target spec."""
-        metas, srcs, dsts = [], [], []
-        for pname, g in zip(self.pg.param_names, self.grads):
+    def grad_moves(self) -> list[GradSync]:
+        """Every gradient that must move into its parameter's spec (``index``: the parameter's
+        position in ``pg.param_names``)."""
+        moves = []
+        for i, (pname, g) in enumerate(zip(self.pg.param_names, self.grads)):
             node = self.pg.param_node(pname)
-            metas.append(node.meta["autopar"].out)
-            srcs.append(None if g is None else self.spec(g))
-            dsts.append(self.param_specs[node.name])
-        return list(self.grads), metas, srcs, dsts
+            src, dst = None if g is None else self.spec(g), self.param_specs[node.name]
+            if src is not None and src != dst:
+                moves.append(GradSync(i, node.meta["autopar"].out, src, dst))
+        return moves
 
     def _run(self, steps: list[_Step], gathers: list[GatherGroup], env: dict[str, Any],
              comm: Comm, grad_loss: torch.Tensor | None = None,

@@ -37,7 +37,7 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
 
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
-    from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
+    from autopar.passes.buckets import bucket_collectives, sync_groups
     from autopar.passes.cost_model import reshard_collectives
 
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
@@ -54,18 +54,12 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
                 add(c.kind, c.axis, reason, c.bytes)
     for ax, nbytes in lowered.gather_collectives():
         add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
-    _, metas, srcs, dsts = lowered.grad_moves()
-    moves = [GradSync(i, metas[i], srcs[i], dsts[i]) for i in range(len(metas))
-             if srcs[i] is not None and srcs[i] != dsts[i]]
-    done: set[int] = set()
-    if bucketed:
-        for bucket in gradient_buckets(moves, mesh.shape):
-            for kind, ax, nbytes in bucket_collectives(bucket, mesh.shape):
-                add(kind, mesh.axes[ax], "gradient sync", nbytes)
-            done |= {g.index for g in bucket}
-    for g in moves:
-        if g.index not in done:
-            for c in reshard_collectives(g.meta, g.src, g.dst, mesh):
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed):
+        if kind is not None:
+            for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
+                add(ckind, mesh.axes[ax], "gradient sync", nbytes)
+        else:
+            for c in reshard_collectives(group[0].meta, group[0].src, group[0].dst, mesh):
                 add(c.kind, c.axis, "gradient sync", c.bytes)
     return out
 

@@ -146,6 +146,7 @@ def collective_totals(records: list, by_reason: bool = True) -> dict[tuple, tupl
 def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float]], bool]:
     """What the lowered program should issue per step, priced by ``route_collectives``, and
     whether any reshard leaves the cost model's ascending axis order (nested shards)."""
+    from autopar.passes.buckets import bucket_collectives, sync_groups
     from autopar.passes.reshard_route import route, route_collectives
     from autopar.placements import local_shape
 
@@ -153,20 +154,16 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
     out: dict[tuple[str, str], list] = {}
     deviates = False
-    syncs = [(m, a, b) for _, m, a, b in zip(*lowered.grad_moves()) if a is not None and a != b]
     edges = [(m, a, b) for m, a, b, _ in lowered.edges()]
-    if lowered.bucketed:  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
-        from autopar.passes.buckets import GradSync, bucket_collectives, gradient_buckets
-
-        moves = [GradSync(i, *g) for i, g in enumerate(syncs)]
-        buckets = gradient_buckets(moves, mesh.shape)
-        for bucket in buckets:
-            for kind, ax, nbytes in bucket_collectives(bucket, mesh.shape):
-                slot = out.setdefault((kind, mesh.axes[ax]), [0, 0.0])
-                slot[0] += 1
-                slot[1] += nbytes
-        taken = {g.index for b in buckets for g in b}
-        syncs = [g for i, g in enumerate(syncs) if i not in taken]
+    syncs = []  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, lowered.bucketed):
+        if kind is None:
+            syncs.append((group[0].meta, group[0].src, group[0].dst))
+            continue
+        for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
+            slot = out.setdefault((ckind, mesh.axes[ax]), [0, 0.0])
+            slot[0] += 1
+            slot[1] += nbytes
     for ax, nbytes in lowered.gather_collectives():  # parameter gathers batched per layer
         slot = out.setdefault(("all_gather", mesh.axes[ax]), [0, 0.0])
         slot[0] += 1

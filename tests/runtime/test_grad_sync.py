@@ -11,6 +11,7 @@ import torch
 from spmd_harness import fake_world
 
 from autopar.graph import TensorMeta
+from autopar.passes.buckets import GradSync
 from autopar.passes.strategies.simulate import coords, shard, unshard
 from autopar.placements import Partial, R, Shard
 from autopar.runtime.grad_sync import GradSyncSchedule
@@ -40,9 +41,9 @@ def test_buckets_mix_dims_start_when_ready_and_hand_back_each_gradient() -> None
         for name, piece in zip(names, pieces):
             env[name] = mode.rank_map(lambda r, p=piece: p[order[r]].clone())
         # g0, g1 are made by backward steps 0 and 2, g2 and g3 exist before the backward
-        schedule = GradSyncSchedule(["g0", "x", "g1"], {}, names,
-                                    [TensorMeta(s, torch.float64) for s in shapes],
-                                    [(P,)] * 4, dsts, (n,), bucketed=True)
+        moves = [GradSync(i, TensorMeta(s, torch.float64), (P,), d)
+                 for i, (s, d) in enumerate(zip(shapes, dsts))]
+        schedule = GradSyncSchedule(["g0", "x", "g1"], {}, names, moves, (n,), bucketed=True)
         run = schedule.start(comm, env)
         assert [r.kind for r in counter.records] == ["all_reduce"]  # g2+g3 at once, at -1
         run.step_done(0)
