@@ -57,7 +57,7 @@ from ortools.sat.python import cp_model
 
 from autopar.solver.contract import contract
 from autopar.solver.problem import Problem, Solution, evaluate, usage_profile
-from autopar.solver.reduce import FORBIDDEN, reduce_problem
+from autopar.solver.reduce import FORBIDDEN, presolve, reduce_problem
 
 _OBJ_MAX = 2.0**48
 
@@ -334,10 +334,7 @@ def solve_ilp(
 ) -> Solution:
     """Presolve, then solve the whole problem with CP-SAT within ``timeout_s``."""
     t0 = time.monotonic()
-    red = reduce_problem(problem, hard_forbid=True)
-    soft = red is None or red.infeasible
-    if soft:
-        red = reduce_problem(problem, hard_forbid=False)
+    red, soft = presolve(problem)
     n = problem.num_nodes
     if red.infeasible:
         return Solution((), math.inf, False, "infeasible", time.monotonic() - t0, "ilp")

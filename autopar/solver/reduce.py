@@ -209,3 +209,13 @@ def reduce_problem(p: Problem, hard_forbid: bool = True, max_rounds: int = 6) ->
         name=p.name,
     )
     return Reduction(red, w.keep, infeasible)
+
+
+def presolve(problem: Problem) -> tuple[Reduction, bool]:
+    """The reduction with forbidden choices removed, or, where removing them leaves no
+    solution, the soft one that keeps them; and whether it is the soft one."""
+    red = reduce_problem(problem, hard_forbid=True)
+    if red is not None and not red.infeasible:
+        return red, False
+    # forbidding 1e18 choices may be what leaves memory no room: only the soft form proves it
+    return reduce_problem(problem, hard_forbid=False), True

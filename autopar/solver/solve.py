@@ -12,7 +12,7 @@ from autopar.solver import ilp
 from autopar.solver.contract import contract
 from autopar.solver.heuristic import run_heuristic
 from autopar.solver.problem import Problem, Solution, check_assignment, evaluate
-from autopar.solver.reduce import FORBIDDEN, Reduction, reduce_problem
+from autopar.solver.reduce import FORBIDDEN, Reduction, presolve
 
 # Above this many model variables (strategies + allowed edge pairs, rigid groups contracted)
 # CP-SAT on the whole problem rarely proves anything within a contest timeout, so "auto"
@@ -31,14 +31,6 @@ def _model_size(q: Problem, forbid: float) -> int:
     units = contract([q.costs[i] for i in free], inner, forbid, enabled=forbid < math.inf)
     n = sum(len(c) for c in units.costs)
     return n + sum(int((m < forbid).sum()) for _, _, m in units.edges)
-
-
-def _presolve(problem: Problem) -> tuple[Reduction, bool]:
-    red = reduce_problem(problem, hard_forbid=True)
-    if red is not None and not red.infeasible:
-        return red, False
-    # forbidding 1e18 choices may be what leaves memory no room: only the soft form proves it
-    return reduce_problem(problem, hard_forbid=False), True
 
 
 def solve(
@@ -64,7 +56,7 @@ def solve(
     h = check_assignment(problem, hint) if hint is not None else None
     if method == "ilp":
         return ilp.solve_ilp(problem, timeout_s, h, workers, seed)
-    red, soft = _presolve(problem)
+    red, soft = presolve(problem)
     if red.infeasible:
         return Solution((), math.inf, False, "infeasible", time.monotonic() - t0, method)
     q = red.problem
