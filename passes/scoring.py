@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
 from autopar.passes.buckets import (
     GradSync,
@@ -16,12 +17,14 @@ from autopar.passes.buckets import (
     bucket_collectives,
     gather_groups,
     gather_move,
+    loss_bucket,
+    loss_reduce_axes,
     sync_groups,
 )
 from autopar.passes.edge_costs import gather_unit, is_bucketed, is_param_gather
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
-from autopar.placements import Replicate
+from autopar.placements import Replicate, Spec
 from autopar.plan import CollectiveUse, PlanCost
 
 
@@ -42,11 +45,14 @@ def edge_reason(sp: ShardingProblem, e: Edge) -> str:
 
 def _add_gradient_syncs(
     sp: ShardingProblem, syncs: list[GradSync], per_edge: dict[int, list[cm.Collective]],
-    agg: dict[tuple[str, str, str], list[float]],
-) -> None:
+    agg: dict[tuple[str, str, str], list[float]], loss: tuple[TensorMeta, Spec],
+) -> bool:
     """Gradient syncs that are pure all-reduces or single reduce-scatters go out in buckets
-    (one collective per bucket and axis, as the runtime issues them); the others one by one."""
-    for group, batched in sync_groups(syncs, sp.mesh.shape):
+    (one collective per bucket and axis, as the runtime issues them); the others one by one.
+    True if the loss (``meta, spec``) rides in a bucket (:func:`loss_bucket`)."""
+    groups = sync_groups(syncs, sp.mesh.shape)
+    ride = loss_bucket(groups, *loss)
+    for b, (group, batched) in enumerate(groups):
         if batched is None:
             (g,) = group
             for c in per_edge[g.index]:
@@ -55,13 +61,26 @@ def _add_gradient_syncs(
                 slot[1] += c.bytes * g.weight
                 slot[2] += c.time_s * g.weight
             continue
-        for kind, ax, _ in bucket_collectives(group, sp.mesh.shape):
+        rider = loss[0] if b == ride else None
+        rider_colls = _loss_collectives(sp, loss) if rider is not None else []
+        for kind, ax, nbytes in bucket_collectives(group, sp.mesh.shape, rider):
             name = sp.mesh.axes[ax]
             mine = [(c, g.weight) for g in group for c in per_edge[g.index] if c.axis == name]
             slot = agg.setdefault((kind, name, "gradient sync"), [0, 0.0, 0.0])
             slot[0] += 1
-            slot[1] += sum(c.bytes * w for c, w in mine)
+            slot[1] += nbytes
             slot[2] += sum(c.time_s * w for c, w in mine)
+            slot[2] += sum(c.time_s for c in rider_colls if c.axis == name)
+    return ride is not None
+
+
+def _loss_collectives(sp: ShardingProblem, loss: tuple[TensorMeta, Spec]) -> list[cm.Collective]:
+    """The loss made whole. A pure all-reduce pays a bucket member's share of the latency, as
+    the solver prices it (``sharding_problem.build``), whether or not a bucket takes it: a lone
+    one is as small a collective as a lone small gradient bucket, priced the same way."""
+    meta, spec = loss
+    return cm.reshard_collectives(meta, spec, (Replicate(),) * sp.mesh.ndim, sp.mesh,
+                                  bucketed=loss_reduce_axes(spec) is not None)
 
 
 def _add_param_gathers(
@@ -112,17 +131,16 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
                                        float(weight[e.dst])))
         else:
             add(colls, edge_reason(sp, e), float(weight[e.dst]))
-    _add_gradient_syncs(sp, syncs, per_edge, agg)
+    loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
+    loss = (sp.nodes[loss_i].meta["autopar"].out, sp.strategies[loss_i][choice[loss_i]].outs[0])
+    if not _add_gradient_syncs(sp, syncs, per_edge, agg, loss):
+        add(_loss_collectives(sp, loss), "loss")
     _add_param_gathers(sp, gathers, per_edge, agg)
     for i, s in enumerate(choice):  # all-reduces inside an op: priced in its node cost
         colls = in_op_collectives(sp.nodes[i].meta["autopar"], sp.strategies[i][s], sp.mesh)
         if colls:
             add(colls, "resharding", float(weight[i]))
             compute -= sum(c.time_s for c in colls) * float(weight[i])
-    loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
-    loss_meta = sp.nodes[loss_i].meta["autopar"].out
-    add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
-                               (Replicate(),) * sp.mesh.ndim, sp.mesh), "loss")
     comm = float(sum(v[2] for v in agg.values()))
     mem, _ = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)
     collectives = [

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
+from autopar.passes.buckets import loss_reduce_axes
 from autopar.passes.memory import live_intervals, peak_memory
 from autopar.passes.problem_reduction import (
     assign_variables,
@@ -135,9 +136,12 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     loss_i = by_name[pg.loss_node]
     loss_meta = nodes[loss_i].meta["autopar"].out
     rep = (Replicate(),) * mesh.ndim
-    # the loss is reported whole on every rank: a partial loss pays its all-reduce
+    # the loss is reported whole on every rank: a partial loss pays its all-reduce, a share
+    # of one where it can ride in a gradient bucket (the scorer checks that one does)
     sp.unary[loss_i] = np.array(
-        [cm.reshard_time(loss_meta, s.outs[0], rep, mesh) for s in strategies[loss_i]]
+        [cm.reshard_time(loss_meta, s.outs[0], rep, mesh,
+                         bucketed=loss_reduce_axes(s.outs[0]) is not None)
+         for s in strategies[loss_i]]
     )
     sp.usage = [_usage(n, strategies[i], mesh) for i, n in enumerate(nodes)]
     if pg.proxy is not None:

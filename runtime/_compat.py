@@ -13,10 +13,13 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as _fc
 
-# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single and deprecated the old
-# names (they warn on every call); 2.11 only has the old ones.
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single (in the functional
+# collectives and in torch.distributed) and deprecated the old names (they warn on every call);
+# 2.11 only has the old ones.
 _all_gather = getattr(_fc, "all_gather_single", None) or _fc.all_gather_tensor
 _reduce_scatter = getattr(_fc, "reduce_scatter_single", None) or _fc.reduce_scatter_tensor
+_dist_reduce_scatter = (getattr(torch.distributed, "reduce_scatter_single", None)
+                        or torch.distributed.reduce_scatter_tensor)
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,20 @@ def reduce_scatter(t: torch.Tensor, op: str, dim: int, group: Any,
                    sync: bool = True) -> torch.Tensor:
     out = _reduce_scatter(t.contiguous(), op, dim, group)
     return wait(out) if sync else out
+
+
+def start_all_reduce(t: torch.Tensor, pg: Any) -> Any:
+    """Sum ``t`` in place over process group ``pg`` without waiting; the work to wait on.
+    The c10d op, not the functional one: that one copies its input first."""
+    import torch.distributed as dist
+
+    return dist.all_reduce(t, group=pg, async_op=True)
+
+
+def start_reduce_scatter(t: torch.Tensor, pg: Any) -> tuple[torch.Tensor, Any]:
+    """Row ``r`` of ``t`` summed over ``pg`` lands on its rank ``r``, without waiting."""
+    out = t.new_empty((1, *t.shape[1:]))
+    return out[0], _dist_reduce_scatter(out, t, group=pg, async_op=True)
 
 
 def all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:

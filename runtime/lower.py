@@ -38,10 +38,16 @@ from autopar.errors import PlanError
 from autopar.graph import PlanGraph, TensorMeta
 from autopar.passes.buckets import GradSync
 from autopar.passes.edge_costs import gather_unit
-from autopar.passes.strategies.localize import LocalContext, local_call, localizer_for
+from autopar.passes.strategies.localize import (
+    LocalContext,
+    finish_call,
+    local_call,
+    localizer_for,
+)
 from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
 from autopar.placements import Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
+from autopar.runtime.deferred_loss import LossValue
 from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.param_gather import GatherGroup, group_gathers
 from autopar.runtime.plan_check import grad_sync_mode
@@ -99,6 +105,7 @@ class LoweredGraph:
         out_node = next(n for n in nodes if n.op == "output")
         flat_out = tree_flatten(out_node.args[0])[0]
         self.loss = pg.loss_node
+        self.loss_meta = next(n for n in nodes if n.name == self.loss).meta["autopar"].out
         self.grads = [g.name if isinstance(g, fx.Node) else None for g in flat_out[1:]]
         self.seed = _seed_node(calls[n_fwd:], pg.loss_node)
         bwd_reads = {i.producer for s in calls[n_fwd:] for i in self._inputs(s)}
@@ -118,7 +125,8 @@ class LoweredGraph:
         self.bucketed = grad_sync_mode(self)
         reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
-                                          self.grad_moves(), self.mesh_shape, self.bucketed)
+                                          self.grad_moves(), self.mesh_shape, self.bucketed,
+                                          self.loss_move())
 
     # --- building -----------------------------------------------------------------------------
 
@@ -161,8 +169,9 @@ class LoweredGraph:
         return steps
 
     def edges(self) -> list[tuple[TensorMeta, Spec, Spec, str]]:
-        """Every reshard one step runs outside gradient syncs (:meth:`grad_moves`) and batched
-        parameter gathers (:meth:`gather_collectives`): (tensor, from, to, reason)."""
+        """Every reshard one step runs outside gradient syncs (:meth:`grad_moves`), batched
+        parameter gathers (:meth:`gather_collectives`) and the loss's (:meth:`loss_move`):
+        (tensor, from, to, reason)."""
         metas = {n.name: n.meta["autopar"].outputs for n in self.pg.graph.nodes
                  if "autopar" in n.meta}
         out = [(metas[i.producer][i.item or 0], i.src, i.dst, i.reason)
@@ -170,9 +179,12 @@ class LoweredGraph:
         for s in self.fwd + self.bwd:  # all-reduces inside an op (a planned partial result)
             out += [(m, a, b, "resharding") for m, a, b in
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
-        rep = (Replicate(),) * len(self.mesh_shape)
-        out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
         return out
+
+    def loss_move(self) -> tuple[TensorMeta, Spec]:
+        """The loss (tensor, spec) as computed; each step makes it whole on every rank, in a
+        gradient bucket where one reduces over its axes (``passes.buckets.loss_bucket``)."""
+        return self.loss_meta, self.spec(self.loss)
 
     def gather_collectives(self) -> list[tuple[int, float]]:
         """``(mesh axis, bytes each rank hands in)`` of every batched parameter gather."""
@@ -188,17 +200,34 @@ class LoweredGraph:
     def forward(self, env: dict[str, Any], comm: Comm) -> tuple[torch.Tensor, dict[str, Any]]:
         """Run the forward nodes on ``env`` (placeholder name -> local tensor).
 
-        Returns the loss, whole on every rank, and the values the backward needs."""
+        Returns this rank's loss as computed (in its planned spec; see :meth:`loss_value`) and
+        the values the backward needs."""
         self._run(self.fwd, self.fwd_gathers, env, comm)
-        loss = redistribute(env[self.loss], self.spec(self.loss),
-                            (Replicate(),) * len(self.mesh_shape), comm, "loss")
-        return loss, {k: env[k] for k in self.saved}
+        return env[self.loss], {k: env[k] for k in self.saved}
+
+    def whole_loss(self, local: torch.Tensor, comm: Comm, wait: bool = True) -> torch.Tensor:
+        """The loss whole on every rank, by its own collective (if it needs one)."""
+        rep = (Replicate(),) * len(self.mesh_shape)
+        if wait:
+            return redistribute(local, self.spec(self.loss), rep, comm, "loss")
+        with comm.deferred():
+            return redistribute(local, self.spec(self.loss), rep, comm, "loss")
+
+    def loss_value(self, local: torch.Tensor, comm: Comm) -> LossValue | None:
+        """How a training step's loss becomes whole (see :mod:`.deferred_loss`): in a gradient
+        bucket where the plan has one take it, else by its own collective, issued now and
+        waited for on first read. None: it is whole already."""
+        if all(isinstance(p, Replicate) for p in self.spec(self.loss)):
+            return None
+        return LossValue(local, lambda t: self.whole_loss(t, comm, wait=False),
+                         self.grad_sync.loss_rides)
 
     def backward(self, saved: dict[str, Any], grad_loss: torch.Tensor | None,
-                 comm: Comm) -> list[torch.Tensor | None]:
-        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec."""
+                 comm: Comm, loss: LossValue | None = None) -> list[torch.Tensor | None]:
+        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec;
+        ``loss``: the step's loss, reduced in a gradient bucket if still pending."""
         env = dict(saved)
-        syncs = self.grad_sync.start(comm, env)
+        syncs = self.grad_sync.start(comm, env, loss)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         return syncs.finish()
 
@@ -241,6 +270,7 @@ class LoweredGraph:
                     args, kwargs = tuple(args_list), dict(s.node.kwargs)
                 else:
                     args, kwargs = _substitute(s.node, iter(vals), env)
+                ctx = None
                 if s.direct:
                     out = s.node.target(*args, **kwargs)
                 else:
@@ -249,6 +279,8 @@ class LoweredGraph:
                     out = _call(s.node.target, args, kwargs, ctx)
                 if s.strategy.raw_outs:
                     out = _reduce_in_op(out, s.strategy, comm)
+                    if ctx is not None:
+                        out = finish_call(out, ctx)
                 if s.name == self.seed and grad_loss is not None:
                     out = out * grad_loss.to(out.dtype)
                 env[s.name] = out

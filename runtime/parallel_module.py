@@ -33,6 +33,7 @@ from autopar.graph import PlanGraph
 from autopar.placements import to_torch
 from autopar.plan import Plan
 from autopar.runtime import _compat
+from autopar.runtime.deferred_loss import DeferredLoss, LossValue
 from autopar.runtime.lower import LoweredGraph
 from autopar.runtime.redistribute import CollectiveCounter, Comm
 
@@ -45,17 +46,21 @@ class _JointStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        loss, saved = call.run_forward()
+        local, saved = call.run_forward()
         ctx.call = call
         ctx.saved_env = saved
-        return loss
+        # reduced in the backward's first fitting gradient bucket, or when read
+        ctx.loss = call.lowered.loss_value(local, call.pm._comm)
+        return local if ctx.loss is None else DeferredLoss(ctx.loss)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:  # type: ignore[override]
         call: _Call = ctx.call
         saved, ctx.saved_env = ctx.saved_env, None  # free activations as soon as we are done
-        grads = call.run_backward(saved, grad_loss)
+        grads = call.run_backward(saved, grad_loss, ctx.loss)
+        if ctx.loss is not None:  # reduced by now; leave no collective unwaited
+            ctx.loss.resolve()
         return (None, *grads)
 
 
@@ -70,8 +75,9 @@ class _Call:
     def run_forward(self) -> tuple[torch.Tensor, dict[str, Any]]:
         return self.lowered.forward(self.env, self.pm._comm)
 
-    def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
-        locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm)
+    def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor,
+                     loss: LossValue | None) -> list:
+        locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm, loss)
         out: list[DTensor | None] = []
         for p, g in zip(self.pm._param_list, locals_):
             if g is None:
@@ -125,7 +131,7 @@ class ParallelModule(nn.Module):
         with torch.no_grad():  # the program's own autograd is _JointStep, not torch's tape
             env = self._placeholders(lowered, _flatten_inputs(args, kwargs, graph))
         if not torch.is_grad_enabled():
-            return lowered.forward(env, self._comm)[0]
+            return lowered.whole_loss(lowered.forward(env, self._comm)[0], self._comm)
         return _JointStep.apply(_Call(self, lowered, env), *self._param_list)
 
     def _placeholders(self, lowered: LoweredGraph, leaves: list[torch.Tensor]) -> dict:

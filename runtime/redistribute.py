@@ -109,6 +109,18 @@ class Comm:
         self._record("reduce_scatter", ax, t, reason)
         return _compat.reduce_scatter(t, _reduce_op(op), dim, self._group(ax), self._sync)
 
+    def start_all_reduce(self, t: torch.Tensor, ax: int, reason: str) -> Any:
+        """Sum ``t`` over axis ``ax`` in place, issued without waiting; returns the work to
+        wait on (a bucket's buffer is ours: no copy, as DDP reduces its buckets)."""
+        self._record("all_reduce", ax, t, reason)
+        return _compat.start_all_reduce(t, self.device_mesh.get_group(ax))
+
+    def start_reduce_scatter(self, t: torch.Tensor, ax: int, reason: str) -> tuple[Any, Any]:
+        """This rank's row of ``t`` (rows: the ranks of axis ``ax``) summed over the axis,
+        issued without waiting: ``(result, work)``."""
+        self._record("reduce_scatter", ax, t, reason)
+        return _compat.start_reduce_scatter(t, self.device_mesh.get_group(ax))
+
     def all_to_all(self, t: torch.Tensor, src_dim: int, dst_dim: int, ax: int,
                    reason: str) -> torch.Tensor:
         n = self.shape[ax]

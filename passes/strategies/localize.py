@@ -36,6 +36,8 @@ SpecialImpl = Callable[[LocalContext, tuple, dict], Any]
 
 _LOCALIZERS: dict[Any, Localizer] = {}
 _IMPLS: dict[str, SpecialImpl] = {}
+Finisher = Callable[[LocalContext, Any], Any]
+_FINISHERS: dict[str, Finisher] = {}
 
 
 def register_localizer(*ops: Any) -> Callable[[Localizer], Localizer]:
@@ -53,6 +55,27 @@ def register_impl(name: str) -> Callable[[SpecialImpl], SpecialImpl]:
         return fn
 
     return deco
+
+
+def register_finish(name: str) -> Callable[[Finisher], Finisher]:
+    """The second half of impl ``name``, run on its outputs once the strategy's in-op
+    all-reduces made them ``strategy.outs`` (an op that needs a reduced value to finish)."""
+    def deco(fn: Finisher) -> Finisher:
+        _FINISHERS[name] = fn
+        return fn
+
+    return deco
+
+
+def has_finish(strategy: Strategy) -> bool:
+    return any(i in _FINISHERS for i in strategy.impls if i)
+
+
+def finish_call(out: Any, ctx: LocalContext) -> Any:
+    """``out`` finished by its impl's finisher, if it has one."""
+    impl = next((i for i in ctx.strategy.impls if i), None)
+    fn = _FINISHERS.get(impl) if impl is not None else None
+    return out if fn is None else fn(ctx, out)
 
 
 def localizer_for(target: Any) -> Localizer | None:

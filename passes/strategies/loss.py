@@ -9,12 +9,13 @@ Batch sharding (and the spatial dims of ``nll_loss2d`` / every dim of a pointwis
 - ``reduction='none'``: the per-element losses keep the shard.
 - ``reduction='sum'``: each rank's sum is a ``P(sum)`` of the total.
 - ``reduction='mean'``: a local mean divides by the local count, so the rule names an impl that
-  runs the local op with ``reduction='sum'`` and divides by the *global* count from ``OpInfo``.
-  For nll_loss that count is the number of targets, which equals the true ``total_weight`` only
-  when no class ``weight`` is given and no target equals ``ignore_index``; with a weight the
-  mean rule is not offered. **Known deviation:** with ignored targets (padding) the sharded
-  forward *loss value* is scaled by (kept targets / all targets). The gradients stay exact:
-  ``total_weight`` is returned exactly, as ``P(sum)``, and the backward divides by it.
+  runs the local op with ``reduction='sum'`` and divides by the *global* count. For the
+  pointwise losses that count is the element count from ``OpInfo``. For nll_loss it is
+  ``total_weight``, the number of targets not equal to ``ignore_index`` (a causal LM's shifted
+  labels always hold some), known only from the data: the op all-reduces each rank's count
+  inside it (priced as an in-op collective, ``Rule.raw_outs``) and then divides, so the loss
+  is exact and ``total_weight`` comes out whole (``R``), as the backward reads it. With a
+  class ``weight`` the mean rule is not offered.
 
 The backwards read ``total_weight`` (global, ``R``) and are exact. Every loss is linear in its
 incoming gradient, and nll_loss is linear in its log-probabilities: those pass ``P`` through.
@@ -27,7 +28,7 @@ import math
 import torch
 
 from autopar.passes.strategies._common import PSUM, bcast, dedupe, ins_for, meta_at, outs_for, slots
-from autopar.passes.strategies.localize import LocalContext, register_impl
+from autopar.passes.strategies.localize import LocalContext, register_finish, register_impl
 from autopar.passes.strategies.registry import OpInfo, Rule, register
 from autopar.placements import Placement, R, Shard
 
@@ -57,7 +58,9 @@ def nll_forward_rule(info: OpInfo) -> list[Rule]:
         elif reduction == SUM:
             rules.append(Rule(ins, outs_for(info, PSUM)))
         elif not weighted:
-            rules.append(Rule(ins, outs_for(info, PSUM), "nll_loss_mean_global"))
+            # total_weight all-reduced inside the op, then the exact mean (see the docstring)
+            rules.append(Rule(ins, outs_for(info, [PSUM, R]), "nll_loss_mean_global",
+                              outs_for(info, PSUM)))
     # linear in the log-probabilities; total_weight depends on target and weight only
     rules.append(Rule(ins_for(info, {0: PSUM}), outs_for(info, [PSUM, R])))
     return dedupe(rules)
@@ -65,13 +68,19 @@ def nll_forward_rule(info: OpInfo) -> list[Rule]:
 
 @register_impl("nll_loss_mean_global")
 def nll_loss_mean_global(ctx: LocalContext, args: tuple, kwargs: dict) -> tuple:
-    """Local sum over the rank's targets divided by the global number of targets."""
+    """The rank's sum over its targets and its count of kept targets (both partial sums);
+    :func:`nll_loss_mean_finish` divides once the count is all-reduced."""
     a = list(args) + [None] * (5 - len(args))
     x, target, weight = a[0], a[1], a[2]
     ignore_index = a[4] if a[4] is not None else kwargs.get("ignore_index", -100)
-    out, total = ctx.info.target(x, target, weight, SUM, ignore_index)
-    count = math.prod(ctx.info.inputs[1].shape)
-    return out / count, total
+    return ctx.info.target(x, target, weight, SUM, ignore_index)
+
+
+@register_finish("nll_loss_mean_global")
+def nll_loss_mean_finish(ctx: LocalContext, out: tuple) -> tuple:
+    """The rank's sum divided by the global count of kept targets: a partial of the mean."""
+    total_sum, total_weight = out
+    return total_sum / total_weight, total_weight
 
 
 @register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)

@@ -35,6 +35,9 @@ class Rule:
     outs: tuple[Placement, ...]
     # a local kernel other than "run the same op on the shards" (see localize.SPECIAL_IMPLS)
     impl: str | None = None
+    # what the kernel returns when the rule all-reduces a partial output inside the op (its
+    # impl then finishes the op on the reduced values: ``localize.register_finish``)
+    raw_outs: tuple[Placement, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +259,11 @@ def expand(info: OpInfo, rules: Iterable[Rule], mesh_shape: tuple[int, ...]) -> 
             continue
         seen.add(key)
         impls = tuple(r.impl for r in combo)
-        out.append(Strategy(ins, outs, impls if any(impls) else ()))
+        raw: tuple[Spec, ...] = ()
+        if any(r.raw_outs for r in combo):
+            raw = tuple(tuple((r.raw_outs or r.outs)[j] for r in combo)
+                        for j in range(len(info.outputs)))
+        out.append(Strategy(ins, outs, impls if any(impls) else (), raw))
     return out + _reduced_in_op(out, seen)
 
 
@@ -274,7 +281,7 @@ def _reduced_in_op(strategies: list[Strategy], seen: set) -> list[Strategy]:
                            for k, p in enumerate(spec)) for spec in s.outs)
         if outs == s.outs or (s.ins, outs) in seen:
             continue  # nothing to reduce, or the op gives that layout without a collective
-        extra.append(Strategy(s.ins, outs, s.impls, raw_outs=s.outs))
+        extra.append(Strategy(s.ins, outs, s.impls, raw_outs=s.op_outs))
     return extra
 
 

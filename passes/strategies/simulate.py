@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autopar.passes.strategies.localize import LocalContext, local_call
+from autopar.passes.strategies.localize import LocalContext, finish_call, has_finish, local_call
 from autopar.passes.strategies.registry import OpInfo, Strategy
 from autopar.placements import Partial, Replicate, Shard, Spec
 
@@ -141,14 +141,42 @@ def run_sharded(
         args, kwargs = _replace_tensors((full_args, full_kwargs), it)
         ctx = LocalContext(info, strategy, mesh_shape, c)
         per_rank[c] = local_call(target, args, kwargs, ctx)
+    specs = strategy.op_outs  # an in-op all-reduce: unshard its input
+    if strategy.raw_outs and has_finish(strategy):  # reduce per rank, finish, then unshard
+        per_rank = _reduced_per_rank(per_rank, strategy, mesh_shape)
+        per_rank = {c: finish_call(o, LocalContext(info, strategy, mesh_shape, c))
+                    for c, o in per_rank.items()}
+        specs = strategy.outs
     outs = []
-    for j, spec in enumerate(strategy.op_outs):  # an in-op all-reduce: unshard its input
+    for j, spec in enumerate(specs):
         vals = {c: _nth(o, j) for c, o in per_rank.items()}
         if not isinstance(next(iter(vals.values())), torch.Tensor):
             outs.append(None)
             continue
         outs.append(unshard(vals, spec, mesh_shape))
     return outs
+
+
+def _reduced_per_rank(per_rank: dict[tuple[int, ...], Any], strategy: Strategy,
+                      mesh_shape: tuple[int, ...]) -> dict[tuple[int, ...], Any]:
+    """Every rank's outputs after the strategy's in-op all-reduces (``raw_outs`` -> ``outs``):
+    on each axis a partial becomes whole over, the values of the ranks along it, reduced."""
+    out: dict[tuple[int, ...], list] = {c: [] for c in per_rank}
+    for j, (raw, whole) in enumerate(zip(strategy.raw_outs, strategy.outs)):
+        axes = [k for k, (a, b) in enumerate(zip(raw, whole))
+                if isinstance(a, Partial) and isinstance(b, Replicate)]
+        for c in per_rank:
+            if _nth(per_rank[c], j) is None or not axes:
+                out[c].append(_nth(per_rank[c], j))
+                continue
+            group = [o for o in per_rank if all(o[k] == c[k] for k in range(len(c))
+                                                 if k not in axes)]
+            (reduce,) = {raw[k].reduce for k in axes}  # type: ignore[union-attr]
+            out[c].append(_reduce([_nth(per_rank[o], j) for o in group], reduce))
+    first = next(iter(per_rank.values()))
+    if isinstance(first, (tuple, list)):
+        return {c: type(first)(v) for c, v in out.items()}
+    return {c: v[0] for c, v in out.items()}
 
 
 def _nth(out: Any, j: int) -> Any:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from spmd_harness import (
     assert_same_training,
     check_collectives,
+    fake_world,
     mesh_for,
     reference_plan,
     run_case,
@@ -27,6 +28,7 @@ from spmd_harness import (
 from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
 from autopar.placements import Shard
+from autopar.runtime._compat import reconcile
 
 EXAMPLES = int(os.environ.get("AUTOPAR_EXAMPLES", "8"))
 PLANS = ["solver", "data_parallel", "fsdp", "megatron_tp", "dp_tp_2d"]
@@ -124,11 +126,12 @@ def test_mlp_tiny_on_2x2x2() -> None:
     _check(model, "mlp", preset.example_inputs(8, 0, device="cpu"), (2, 2, 2), "solver")
 
 
-def _mlp_with_reference(name: str, mesh_shape: tuple[int, ...]):
+def _mlp_with_reference(name: str, mesh_shape: tuple[int, ...], width: int = 32,
+                        hidden: int = 128, batch: int = 32):
     """A small column/row MLP, a batch, and the reference layout ``name`` completed on it."""
-    torch.manual_seed(0)  # wide enough that moving activations beats gathering weights
-    model = MLP(MLPConfig(in_dim=32, hidden=(128, 32, 128), out_dim=32))
-    inputs = (torch.randn(32, 32), torch.randn(32, 32))
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_dim=width, hidden=(hidden, width, hidden), out_dim=width))
+    inputs = (torch.randn(batch, width), torch.randn(batch, width))
     plan = reference_plan(model, "mlp", name, mesh_for(mesh_shape), inputs)
     assert plan is not None
     return model, inputs, plan
@@ -140,7 +143,8 @@ def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
     training equals one device and the collectives run are the plan's, across a JSON trip."""
     from autopar.plan import Plan
 
-    model, inputs, plan = _mlp_with_reference("megatron_tp", (4,))
+    # weights wide against the batch, so that moving activations beats gathering weights
+    model, inputs, plan = _mlp_with_reference("megatron_tp", (4,), 64, 512, 8)
     plan = Plan.from_json(plan.to_json())
     reduced = [name for name, p in plan.nodes.items() if p.raw_outs]
     assert reduced, "megatron_tp's row-parallel outputs are reduced in the op"
@@ -179,3 +183,31 @@ def test_fsdp_gathers_a_layers_parameters_at_once() -> None:
     assert grouped and any(len(g.producers) > 1 for g in grouped)
     gathers = [r for r in got["collectives"][-1] if r.reason == "parameter gather"]
     assert len(gathers) == len(grouped) < sum(len(g.producers) for g in grouped)
+
+
+def test_data_parallel_loss_rides_in_a_gradient_bucket() -> None:
+    """Data parallelism returns the whole loss at no collective of its own: the step issues the
+    gradient buckets only, the first one carrying the loss; the loss reads as the single-device
+    value once the backward ran, and (read before it) by its own all-reduce, also exact."""
+    from autopar.runtime.deferred_loss import DeferredLoss
+
+    model, inputs, plan = _mlp_with_reference("data_parallel", (4,))
+    got, want, pm = run_case(model, inputs, (4,), plan, steps=2)
+    assert_same_training(got, want, what="data parallel, the loss in a bucket")
+    check_collectives(got["collectives"][-1], pm, "data parallel, the loss in a bucket")
+    assert {r.reason for r in got["collectives"][-1]} == {"gradient sync"}
+    assert not any(c.reason == "loss" for c in pm.plan.collectives)
+    with fake_world(4):
+        pm.collectives.reset()
+        loss = pm(*inputs)
+        assert isinstance(loss, DeferredLoss) and pm.collectives.records == []
+        early = reconcile(loss.detach())  # read before the backward: reduced on its own
+        assert [r.reason for r in pm.collectives.records] == ["loss"]
+        assert "grad_fn=" in repr(loss)
+        loss.backward()
+        assert {r.reason for r in pm.collectives.records[1:]} == {"gradient sync"}
+        assert torch.equal(reconcile(loss * 2), early * 2)
+        with torch.no_grad():  # no backward to ride in: reduced at once, a plain tensor
+            plain = pm(*inputs)
+        assert not isinstance(plain, DeferredLoss)
+        assert torch.equal(reconcile(plain), early)

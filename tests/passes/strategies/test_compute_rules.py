@@ -299,9 +299,9 @@ def test_nll_loss_2d_and_mean_impl():
             assert any(s.impls == ("nll_loss_mean_global",) * len(mesh) for s in c.strategies)
 
 
-def test_nll_loss_mean_with_ignored_targets_is_the_documented_deviation():
-    """Batch-sharded mean nll divides by all targets: the loss value is scaled by kept/all,
-    total_weight (which the backward divides by) is exact."""
+def test_nll_loss_mean_with_ignored_targets_is_exact():
+    """Batch-sharded mean nll divides by the kept targets of all ranks (all-reduced inside the
+    op): loss and total_weight equal the single-device values though one rank keeps fewer."""
     from autopar.passes.strategies import simulate
     from autopar.passes.strategies.registry import op_info
 
@@ -312,8 +312,9 @@ def test_nll_loss_mean_with_ignored_targets_is_the_documented_deviation():
     loss, total = simulate.run_sharded(aten.nll_loss_forward.default, (lp, t, None, 1, -100), {},
                                        op_info(node), dp, (2,))
     want_loss, want_total = aten.nll_loss_forward(lp, t, None, 1, -100)
+    assert dp.raw_outs == ((Partial(),), (Partial(),)) and dp.outs == ((Partial(),), (R,))
     assert torch.equal(total, want_total)
-    assert torch.allclose(loss * 4 / 3, want_loss)
+    assert torch.allclose(loss, want_loss)
 
 
 # --- random ops and factories ------------------------------------------------------------------
