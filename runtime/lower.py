@@ -80,6 +80,11 @@ class _Step:
     # the op runs on local shards as it is: no rank-aware kernel, no global sizes to rewrite
     direct: bool = False
     drop_gathers: list[int] = field(default_factory=list)  # parameter groups last read here
+    # what the hot loop would otherwise fetch from the node on every call
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    fn: Any = None  # the op's C++ callable (an OpOverload's ``_op``), else the target
+    ctx: LocalContext | None = None  # made on first run (the rank's coordinate is fixed)
 
 
 class LoweredGraph:
@@ -93,6 +98,10 @@ class LoweredGraph:
         self.mesh_shape = tuple(plan.mesh_shape)
         nodes = list(pg.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
+        self.placeholders_by_role: dict[str, list[fx.Node]] = {
+            "input": [], "param": [], "buffer": []}
+        for n in self.placeholders:
+            self.placeholders_by_role.setdefault(n.meta["autopar"].role, []).append(n)
         # tensors tracing lifted into the graph module (HF models make a few): whole on every
         # rank, so the scorer gives their edges no collectives and neither do we
         self.constants = {n.name: _fetch_attr(pg.gm, str(n.target))
@@ -158,7 +167,9 @@ class LoweredGraph:
             direct = not get and not any(place.impls) and localizer_for(n.target) is None
             steps.append(_Step(n, n.name, get, inputs,
                                Strategy(place.ins, place.outs, place.impls, place.raw_outs),
-                               None if get else op_info(n), [], _flat_slots(n), direct))
+                               None if get else op_info(n), [], _flat_slots(n), direct,
+                               args=tuple(n.args), kwargs=dict(n.kwargs),
+                               fn=getattr(n.target, "_op", n.target)))
         last: dict[str, int] = {}
         for i, s in enumerate(steps):
             for inp in s.inputs:
@@ -264,18 +275,22 @@ class LoweredGraph:
                 env[s.name] = vals[0]
             else:
                 if s.flat is not None:  # skip the generic walk over the args
-                    args_list = list(s.node.args)
+                    args_list = list(s.args)
                     for pos, v in zip(s.flat, vals):
                         args_list[pos] = v
-                    args, kwargs = tuple(args_list), dict(s.node.kwargs)
+                    # a localizer may edit its kwargs; a direct call does not
+                    args, kwargs = tuple(args_list), s.kwargs if s.direct else dict(s.kwargs)
                 else:
                     args, kwargs = _substitute(s.node, iter(vals), env)
                 ctx = None
                 if s.direct:
-                    out = s.node.target(*args, **kwargs)
+                    out = s.fn(*args, **kwargs)
                 else:
-                    assert s.info is not None
-                    ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
+                    ctx = s.ctx
+                    if ctx is None or ctx.coord is not comm.coord:
+                        assert s.info is not None
+                        ctx = s.ctx = LocalContext(s.info, s.strategy, self.mesh_shape,
+                                                   comm.coord)
                     out = _call(s.node.target, args, kwargs, ctx)
                 if s.strategy.raw_outs:
                     out = _reduce_in_op(out, s.strategy, comm)

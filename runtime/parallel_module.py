@@ -127,9 +127,10 @@ class ParallelModule(nn.Module):
     # --- calling --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        graph, lowered = self._program_for(args, kwargs)
+        leaves = _flatten_inputs(args, kwargs, self._active[0])
+        lowered = self._program_for(args, kwargs, leaves)
         with torch.no_grad():  # the program's own autograd is _JointStep, not torch's tape
-            env = self._placeholders(lowered, _flatten_inputs(args, kwargs, graph))
+            env = self._placeholders(lowered, leaves)
         if not torch.is_grad_enabled():
             return lowered.whole_loss(lowered.forward(env, self._comm)[0], self._comm)
         return _JointStep.apply(_Call(self, lowered, env), *self._param_list)
@@ -143,9 +144,7 @@ class ParallelModule(nn.Module):
         def here(t: torch.Tensor) -> torch.Tensor:
             return _compat.as_local(t) if local else t.to(self._device)
 
-        by_role: dict[str, list] = {"input": [], "param": [], "buffer": []}
-        for n in lowered.placeholders:
-            by_role.setdefault(n.meta["autopar"].role, []).append(n)
+        by_role = lowered.placeholders_by_role
         for node, value in zip(by_role["input"], leaves):
             env[node.name] = lowered.place_input(node.name, here(value), self._comm)
         for name, value in lowered.constants.items():
@@ -156,13 +155,15 @@ class ParallelModule(nn.Module):
             env[node.name] = _compat.local_of(b) if isinstance(b, DTensor) else b
         return env
 
-    def _program_for(self, args: tuple, kwargs: dict) -> tuple[PlanGraph, LoweredGraph]:
+    def _program_for(self, args: tuple, kwargs: dict, leaves: list[torch.Tensor]
+                     ) -> LoweredGraph:
+        """The program for inputs of these shapes (``leaves``: the flat tensor inputs)."""
         graph = self._active[0]
-        sig = _input_signature(args, kwargs, graph)
+        sig = tuple((tuple(t.shape), t.dtype) for t in leaves)
         hit = self._programs.get(sig)  # every installed program, the active one included
         if hit is not None:
             self._active = hit
-            return hit
+            return hit[1]
         traced = _describe(_graph_signature(graph))
         if self._replan is None:
             raise PlanError(
@@ -172,7 +173,7 @@ class ParallelModule(nn.Module):
         # same parameter layouts, new activation layouts: retrace and solve again
         new_graph, new_plan = self._replan(args, kwargs, dict(self.plan.params))
         self._install(new_graph, new_plan)
-        return self._active
+        return self._active[1]
 
 
 def _distribute_state(pm: nn.Module, graph: PlanGraph, plan: Plan, mesh: Any) -> None:
@@ -229,6 +230,10 @@ def _get_tensor(pm: nn.Module, name: str) -> torch.Tensor:
 
 
 def _flatten_inputs(args: tuple, kwargs: dict, graph: PlanGraph) -> list[torch.Tensor]:
+    """The call's tensor inputs in the traced order (positional, then keyword)."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args) and not any(
+            n.startswith("kw:") for n in graph.input_names):
+        return list(args)  # the common call, without the pytree walk
     kw_order = [n[3:] for n in graph.input_names if n.startswith("kw:")]
     missing = [k for k in kw_order if k not in kwargs]
     if missing or len(kwargs) != len(kw_order):
@@ -236,10 +241,6 @@ def _flatten_inputs(args: tuple, kwargs: dict, graph: PlanGraph) -> list[torch.T
                         f"{sorted(kwargs)}: call it with the inputs it was parallelized with")
     flat = tree_flatten((list(args), [kwargs[k] for k in kw_order]))[0]
     return [t for t in flat if isinstance(t, torch.Tensor)]
-
-
-def _input_signature(args: tuple, kwargs: dict, graph: PlanGraph) -> tuple:
-    return tuple((tuple(t.shape), t.dtype) for t in _flatten_inputs(args, kwargs, graph))
 
 
 def _graph_signature(graph: PlanGraph) -> tuple:
