@@ -255,32 +255,51 @@ def _build_runs(b: Bench, x: torch.Tensor, y: torch.Tensor) -> dict[str, _Step]:
     return runs
 
 
-def single_process_overhead(b: Bench, steps: int = 30) -> tuple[float, float]:
-    """Median ms/step of the plain module and of autopar on a 1-device mesh, one thread each,
-    on one rank's share of the batch (what a data-parallel rank computes): what autopar's
-    execution costs before any communication."""
+PHASES = ("forward", "backward", "optimizer")
+
+
+def single_process_phases(b: Bench, steps: int = 100) -> dict[str, dict[str, float]]:
+    """Median ms of each phase of a step, plain module vs autopar on a 1-device mesh, one
+    thread, one rank's share of the batch (what a data-parallel rank computes), the two
+    interleaved step by step: what autopar's execution costs with no communication at all."""
     import autopar
 
     torch.set_num_threads(1)  # like each of the 4 ranks
     torch.manual_seed(b.seed)
     share = b.batch // NPROC
     x, y = torch.randn(share, b.width), torch.randn(share, b.width)
-    out = []
-    for wrap in (False, True):
+    runs = {}
+    for name in ("plain", "autopar"):
         torch.manual_seed(b.seed + 1)
         model: nn.Module = MLP(b.config())
-        if wrap:
+        if name == "autopar":
             model = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), example_inputs=(x, y))
-        step = _Step(model, x, y)
-        for _ in range(b.warmup):
-            step()
-        ts = []
-        for _ in range(steps):
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in runs}
+    for i in range(b.warmup + steps):
+        for name, (model, opt) in runs.items():
             t0 = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t0)
-        out.append(statistics.median(ts) * 1e3)
-    return out[0], out[1]
+            loss = model(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            if i >= b.warmup:
+                for phase, t in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
+                    times[name][phase].append(t)
+    return {n: {p: statistics.median(v) * 1e3 for p, v in d.items()} for n, d in times.items()}
+
+
+def phases_text(ph: dict[str, dict[str, float]], share: int) -> str:
+    plain, ours = ph["plain"], ph["autopar"]
+    parts = [f"{p} {plain[p]:.2f} vs {ours[p]:.2f} ms ({ours[p] / plain[p]:.2f}x)"
+             for p in PHASES]
+    total = sum(ours.values()) / sum(plain.values())
+    return (f"one process, one thread, no communication, batch {share} (one rank's share), "
+            f"plain module vs autopar on a 1-device mesh (DTensor parameters): "
+            f"{'; '.join(parts)}; step {total:.2f}x")
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -350,10 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     text, slow = report(b, res)
     res["load"] = os.getloadavg()[0]
     res["solver_method"] = info["solver plan"].solver.method
-    plain_ms, one_ms = single_process_overhead(b)
-    text += (f"\n\none process, one thread, no communication, batch {b.batch // NPROC} (one rank's "
-             f"share): plain module {plain_ms:.2f} ms/step, autopar on a 1-device mesh "
-             f"{one_ms:.2f} ms/step ({one_ms / plain_ms:.2f}x)")
+    phases = single_process_phases(b)
+    text += "\n\n" + phases_text(phases, b.batch // NPROC)
     print("\ncollectives autopar executed in one step (kind axis reason: count, bytes per rank):")
     for name, kinds in res["kinds"].items():
         print(f"  {name}: " + "; ".join(f"{k}: {c}, {nb / 2**10:.0f} KiB"
@@ -363,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{NPROC} gloo processes, {machine()}; {wall:.0f} s")
     if args.write:
         cmd = "python benchmarks/runtime_vs_torch.py " + " ".join(argv or sys.argv[1:])
-        why = notes(res, one_ms / plain_ms)
+        why = notes(res, phases)
         update_results("Runtime vs PyTorch", _results_body(b, cmd.strip(), text, slow, why))
         print("updated benchmarks/RESULTS.md")
     print(json.dumps({"median_ms": {n: round(statistics.median(ts) * 1e3, 3)
@@ -389,7 +406,7 @@ Configs slower than PyTorch (medians): {slower}.
 """
 
 
-def notes(res: dict[str, Any], overhead: float) -> str:
+def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
     """What limits the ratios, with this run's figures filled in."""
     c = {n: v[0] for n, v in res["comms"].items() if v}
     lat = res["latency"]
@@ -411,41 +428,47 @@ def notes(res: dict[str, Any], overhead: float) -> str:
     flat_key = next(k for k in lat if " in 1" in k)
     flat_mib = float(flat_key.split("(")[1].split()[0])
     gbps = flat_mib * 2**20 / (lat[flat_key] / 1e3) / 1e9
+    plain, ours = phases["plain"], phases["autopar"]
+    extra = {p: ours[p] - plain[p] for p in PHASES}
 
     return f"""What limits the ratios above 1 (figures from this run):
 
-- **Synchronisation points.** The 4 ranks share 2 cores, so a collective ends only when all 4
-  have been scheduled, and each costs a fixed price on top of its bytes (all-reduce, median
-  ms: {"; ".join(f"{k} {v:.2f}" for k, v in lat.items())}). DDP issues {n("torch DP")}
-  bucketed all-reduces, overlapped with the backward. autopar's DP plan issues
-  {n("autopar DP")}: the same DDP-style buckets, also started in the backward as soon as
-  each is full, plus the loss, which autopar returns whole on every rank where DDP returns
-  each rank's own. That all-reduce is a synchronisation point DDP does not have: in a probe
-  that skipped it, autopar's forward took 2.3 ms per rank instead of about 8.5 (DDP's: 2.1),
-  though part of the wait moved into the backward.
-- **Execution overhead** is small now: with no communication, on one rank's share of the
-  batch, autopar's step costs {overhead:.2f}x the plain module's (the optimizer steps DTensor
-  parameters, as the issue asks and as torch's TP and FSDP do).
+- **DP issues DDP's collectives, no more.** DDP issues {n("torch DP")} bucketed all-reduces,
+  overlapped with the backward; so does autopar ({kinds("autopar DP")}): the same
+  DDP-style buckets, started in the backward as each fills, reduced in place. The loss,
+  which autopar returns whole on every rank where DDP returns each rank's own, rides at the
+  end of the first bucket instead of costing an all-reduce and a synchronisation point at
+  the end of the forward (`runtime/deferred_loss.py`).
+- **What is left is execution overhead**, measured with no communication in one process
+  (the line above the table): per step autopar spends {extra["forward"]:+.2f} ms in the
+  forward, {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in
+  the optimizer step. The optimizer's share is DTensor's: AdamW runs about 7 ops per
+  parameter and each goes through DTensor's dispatch (the parameters are DTensors placed as
+  the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are plain).
+  The forward and backward share is the per-rank program, interpreted op by op in Python.
+  With 4 processes on 2 cores every ms of CPU costs about two.
 - **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}: the
   row-parallel layers all-reduce their outputs inside the op, once for forward and backward,
   as Megatron does, plus one bucketed all-reduce of the row-parallel biases' gradients
   (2 KiB), which torch computes from the replicated output gradient with no collective.
 - **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
   fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
-  all-gather per layer, gradient reduce-scatters in buckets started during the backward; as
-  the solver completes this layout, the gathered weights are kept for the backward where
-  fully_shard frees them and gathers again (more memory, fewer collectives).
+  all-gather per layer, gradient reduce-scatters in buckets started during the backward (the
+  loss riding in the first); as the solver completes this layout, the gathered weights are
+  kept for the backward where fully_shard frees them and gathers again (more memory, fewer
+  collectives).
 - **The solver's own plan** here is {solver_plan}, priced by the `cpu` profile (200 us per
   ring step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce,
   about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",
-  "?")}". Measured, its step is {solver_vs_dp:.2f}x the DP run's, so it misses with DP.
+  "?")}". Measured, its step is {solver_vs_dp:.2f}x the DP run's.
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
 
-What would bring the ratios to 1 or below: a loss whose all-reduce waits until the loss is
-read (DP); computing a replicated bias's gradient from the replicated output gradient when
-the cost model prices the bucket at its real latency (TP); a `cpu` profile calibrated to
-oversubscribed ranks."""
+What would bring the ratios to 1 or below: a cheaper optimizer step on DTensor parameters
+(a foreach or fused AdamW, which torch picks by itself only on GPUs, or a cheaper DTensor
+dispatch) and the per-rank program compiled to straight-line code (DP); the TP bias
+gradients computed from the replicated output gradient, once the cost model prices a bucket
+at its real fill (TP)."""
 
 
 if __name__ == "__main__":

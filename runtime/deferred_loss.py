@@ -17,9 +17,10 @@ So the loss is reduced when it is first needed:
 
 :class:`DeferredLoss` is the loss as a tensor subclass holding a :class:`LossValue`.
 ``ones_like`` / ``zeros_like`` / ``empty_like`` / ``full_like`` (what ``loss.backward()``
-calls) answer from the metadata alone; any other op on it (``loss.item()``, ``float(loss)``,
-``print``, ``loss * 2``, ``loss.detach()``) reduces it first and runs on the plain value, so to
-the user it behaves as the plain loss.
+calls) answer from the metadata alone, and so does scaling it by a number (``loss / 4`` for
+gradient accumulation gives another deferred loss); any other op on it (``loss.item()``,
+``float(loss)``, ``print``, ``loss + aux``, ``loss.detach()``) reduces it first and runs on the
+plain value, so to the user it behaves as the plain loss.
 """
 
 from __future__ import annotations
@@ -68,18 +69,42 @@ class LossValue:
         return self._value
 
 
+class DerivedValue:
+    """``op(loss, number)`` for a loss not yet reduced (``loss / accumulation_steps``), worked
+    out when read; the loss itself still rides in its bucket."""
+
+    def __init__(self, parent: LossValue | DerivedValue, op: Any, rest: tuple,
+                 kwargs: dict) -> None:
+        self.parent, self.op, self.rest, self.kwargs = parent, op, rest, kwargs
+        self._value: torch.Tensor | None = None
+
+    @property
+    def like(self) -> torch.Tensor:
+        return self.parent.like
+
+    def resolve(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self.op(self.parent.resolve(), *self.rest, **self.kwargs)
+        return self._value
+
+
+# scaling the loss by a number keeps it deferred: its gradient does not need its value
+_SCALINGS = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.aten.div.Tensor,
+             torch.ops.aten.div.Scalar)
+
+
 class DeferredLoss(torch.Tensor):
     """The loss, reduced on first use; see the module docstring."""
 
-    _held: LossValue
+    _held: LossValue | DerivedValue
 
     @staticmethod
-    def __new__(cls, held: LossValue) -> DeferredLoss:
+    def __new__(cls, held: LossValue | DerivedValue) -> DeferredLoss:
         like = held.like
         return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device)
 
-    def __init__(self, held: LossValue) -> None:
+    def __init__(self, held: LossValue | DerivedValue) -> None:
         self._held = held
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -101,6 +126,9 @@ class DeferredLoss(torch.Tensor):
             d = args[0]
             blank = torch.empty(d.shape, dtype=d.dtype, device=d.device)
             return func(blank, *args[1:], **kwargs)
+        if (func in _SCALINGS and len(args) == 2 and isinstance(args[0], DeferredLoss)
+                and isinstance(args[1], (int, float)) and not kwargs):
+            return DeferredLoss(DerivedValue(args[0]._held, func, args[1:], kwargs))
 
         def plain(a: Any) -> Any:
             return a._held.resolve() if isinstance(a, DeferredLoss) else a

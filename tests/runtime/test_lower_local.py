@@ -188,7 +188,8 @@ def test_fsdp_gathers_a_layers_parameters_at_once() -> None:
 def test_data_parallel_loss_rides_in_a_gradient_bucket() -> None:
     """Data parallelism returns the whole loss at no collective of its own: the step issues the
     gradient buckets only, the first one carrying the loss; the loss reads as the single-device
-    value once the backward ran, and (read before it) by its own all-reduce, also exact."""
+    value once the backward ran, and (read before it) by its own all-reduce, also exact. A loss
+    scaled by a number (gradient accumulation) still rides in the bucket."""
     from autopar.runtime.deferred_loss import DeferredLoss
 
     model, inputs, plan = _mlp_with_reference("data_parallel", (4,))
@@ -207,6 +208,12 @@ def test_data_parallel_loss_rides_in_a_gradient_bucket() -> None:
         loss.backward()
         assert {r.reason for r in pm.collectives.records[1:]} == {"gradient sync"}
         assert torch.equal(reconcile(loss * 2), early * 2)
+        pm.collectives.reset()
+        half = pm(*inputs) / 2  # gradient accumulation's scaling keeps it deferred
+        assert isinstance(half, DeferredLoss)
+        half.backward()
+        assert {r.reason for r in pm.collectives.records} == {"gradient sync"}
+        assert torch.equal(reconcile(half.detach()), early / 2)
         with torch.no_grad():  # no backward to ride in: reduced at once, a plain tensor
             plain = pm(*inputs)
         assert not isinstance(plain, DeferredLoss)
