@@ -21,7 +21,7 @@ from autopar.capture import capture
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
-from autopar.passes import sharding_problem
+from autopar.passes import bucket_fill, sharding_problem
 from autopar.passes.axis_search import solve_axiswise
 from autopar.passes.problem_reduction import refine_followers
 from autopar.passes.scoring import score_assignment
@@ -30,6 +30,7 @@ from autopar.placements import Spec
 from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
 from autopar.solver import Problem, Solution, solve
 
+REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
 POLISH_S = 2.0
 # the solver's own plan must beat the best reference layout by this fraction to replace it
@@ -80,21 +81,12 @@ def make_plan(
     sp = sharding_problem.build(pg, mesh, memory_budget)
     t_build = time.perf_counter() - t1
     assert sp.problem is not None
-    refs_cost: dict[str, PlanCost] = {}
-    ref_choices: dict[str, list[int]] = {}
-    ref_assign: dict[str, tuple[int, ...] | None] = {}
     t_refs = time.perf_counter()
-    for name, ref in (references or {}).items():
-        got = score_reference(sp, pg, ref, time_limit_s)
-        if got is not None:
-            refs_cost[name], ref_choices[name], ref_assign[name] = got
+    refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
     t_refs = time.perf_counter() - t_refs
     # the best reference layout that fits seeds the search: the solver starts from it and can
     # only improve on it (a portfolio start, as MIP solvers take from heuristics)
-    fitting = [n for n, c in refs_cost.items() if ref_assign[n] is not None
-               and (memory_budget is None or c.mem_bytes <= memory_budget)]
-    best = min(fitting, key=lambda n: refs_cost[n].step_s) if fitting else None
-    hint = ref_assign[best] if best is not None else None
+    hint = refs.assign[refs.best] if refs.best is not None else None
     t2 = time.perf_counter()
     sol = _solve_within_budget(sp, memory_budget, time_limit_s, hint)
     t_solve = time.perf_counter() - t2
@@ -105,18 +97,21 @@ def make_plan(
             f"{mesh.describe()}: the leanest layout needs about {_gib(need)}. Raise "
             "--memory-budget, use a larger mesh, or a smaller batch"
         )
-    # followers re-chosen with their whole neighbourhood; a reference's completion, refined
-    # the same way, still bounds the plan from above
-    solved = sp.expand(sol.assignment)
-    choice = _cheapest(sp, [refine_followers(sp, solved), solved], memory_budget)
-    method = sol.method
-    if best is not None:
-        own = score_assignment(sp, choice).cost.step_s
-        if own * (1 + min_gain) > refs_cost[best].step_s:
-            gain = refs_cost[best].step_s / own - 1 if own > 0 else 0.0
-            choice = ref_choices[best]
-            method = (f"kept {best}: the solver's own plan was {gain:.1%} faster, under the "
-                      f"{min_gain:.0%} margin")
+    choice, sol, method = _select(sp, [sol], refs, min_gain, memory_budget)
+    # gradient buckets the plan leaves nearly empty priced at their real fill, the problem
+    # solved again from this solution and the references completed again at those prices
+    # (see passes.bucket_fill); a few rounds, as each plan may leave another bucket empty
+    for _ in range(REPRICE_ROUNDS):
+        if not bucket_fill.reprice(sp, choice, memory_budget):
+            break
+        t3 = time.perf_counter()
+        again = _solve_within_budget(sp, memory_budget, max(1.0, time_limit_s / 4),
+                                     tuple(sol.assignment))
+        t_solve += time.perf_counter() - t3
+        t4 = time.perf_counter()
+        refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
+        t_refs += time.perf_counter() - t4
+        choice, sol, method = _select(sp, [sol, again], refs, min_gain, memory_budget)
     t_total = time.perf_counter() - t0
     plan = assemble_plan(
         pg, sp, choice, model_name, mesh,
@@ -124,9 +119,65 @@ def make_plan(
                    len(sp.nodes), sp.shared_layers, float(sol.cost)),
         {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "references_s": t_refs,
          "total_s": t_total},
-        refs_cost, memory_budget,
+        refs.cost, memory_budget,
     )
-    return Planned(plan, pg, sp, sol, choice, ref_choices)
+    return Planned(plan, pg, sp, sol, choice, refs.choices)
+
+
+@dataclass
+class _References:
+    """Reference layouts as the solver completes them on one problem: cost, full choice,
+    solver assignment (None when completed without shared layer variables); the fastest that
+    fits the budget (``fastest``: the plan is never slower) and the fastest of those with an
+    assignment (``best``: it seeds the solver)."""
+
+    cost: dict[str, PlanCost]
+    choices: dict[str, list[int]]
+    assign: dict[str, tuple[int, ...] | None]
+    best: str | None
+    fastest: str | None
+
+    @staticmethod
+    def score(sp: ShardingProblem, pg: PlanGraph, references: dict[str, Any],
+              time_limit_s: float, budget: float | None) -> _References:
+        cost: dict[str, PlanCost] = {}
+        choices: dict[str, list[int]] = {}
+        assign: dict[str, tuple[int, ...] | None] = {}
+        for name, ref in references.items():
+            got = score_reference(sp, pg, ref, time_limit_s)
+            if got is not None:
+                cost[name], choices[name], assign[name] = got
+        fitting = [n for n, c in cost.items() if budget is None or c.mem_bytes <= budget]
+        seeds = [n for n in fitting if assign[n] is not None]
+        best = min(seeds, key=lambda n: cost[n].step_s) if seeds else None
+        fastest = min(fitting, key=lambda n: cost[n].step_s) if fitting else None
+        return _References(cost, choices, assign, best, fastest)
+
+
+def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_gain: float,
+            budget: float | None) -> tuple[list[int], Solution, str]:
+    """The plan: the cheapest solution, its followers refined (re-chosen with their whole
+    neighbourhood), unless the best reference, as the solver completes it, is within
+    ``min_gain`` of it. Returns the choice, the solution it came from, and how it was made."""
+    candidates: list[tuple[list[int], Solution]] = []
+    for sol in sols:
+        if sol.feasible:
+            solved = sp.expand(sol.assignment)
+            candidates += [(refine_followers(sp, solved), sol), (solved, sol)]
+    cheapest = _cheapest(sp, [c for c, _ in candidates], budget)
+    choice, sol = next(pair for pair in candidates if pair[0] is cheapest)
+    method = sol.method
+    best = refs.fastest
+    if best is not None:
+        own = score_assignment(sp, choice).cost.step_s
+        ref = refs.cost[best].step_s
+        if own * (1 + min_gain) > ref:
+            gain = ref / own - 1 if own > 0 else 0.0
+            choice = refs.choices[best]
+            method = (f"kept {best}: the solver's own plan was {gain:.1%} faster, under the "
+                      f"{min_gain:.0%} margin" if gain >= 0 else
+                      f"kept {best}: the solver's own plan was {-gain:.1%} slower")
+    return choice, sol, method
 
 
 def _cheapest(sp: ShardingProblem, choices: list[list[int]], budget: float | None) -> list[int]:
@@ -209,11 +260,12 @@ def score_reference(
     # layers): plan it without shared layer variables
     assert sp.problem is not None
     flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False)
+    bucket_fill.apply(flat, sp.bucket_fill, sp.problem.usage_limit)  # at the same prices
     got = _pinned_solve(flat, ref, time_limit_s)
     if got is None or got is _CONFLICT:
         return None
-    cost, choice, _ = got  # type: ignore[misc]
-    return cost, choice, None
+    _, choice, _ = got  # type: ignore[misc]
+    return score_assignment(sp, choice).cost, choice, None
 
 
 _CONFLICT = object()

@@ -59,14 +59,15 @@ def collective_time(
 
 
 def reshard_collectives(
-    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False
+    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False,
+    bucket_bytes: float = BUCKET_BYTES,
 ) -> list[Collective]:
     """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis.
 
     ``bucketed``: a move the runtime batches with others (gradient reductions in buckets of
     up to ``BUCKET_BYTES``, parameter gathers per layer, as DDP and FSDP do;
     :mod:`autopar.passes.buckets`), so a small tensor pays only its share of a collective's
-    latency."""
+    latency: its bytes over ``bucket_bytes``, what the batch it joins holds."""
     if src == dst:
         return []
     out: list[Collective] = []
@@ -80,7 +81,7 @@ def reshard_collectives(
         buf = full / num_shards(others, mesh.shape)
         kind = _transition(a, b)
         if kind is not None:
-            share = min(1.0, buf / BUCKET_BYTES) if bucketed else 1.0
+            share = min(1.0, buf / bucket_bytes) if bucketed else 1.0
             t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax] * share,
                                 mesh.device.collective_overhead * share)
             # what each rank hands to the collective: its shard for gathers and all-to-alls
@@ -145,11 +146,13 @@ def _transition(a, b) -> str | None:
 
 
 def reshard_time(
-    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False
+    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False,
+    bucket_bytes: float = BUCKET_BYTES,
 ) -> float:
     if src == dst:
         return 0.0
-    return sum(c.time_s for c in reshard_collectives(meta, src, dst, mesh, bucketed))
+    return sum(c.time_s for c in reshard_collectives(meta, src, dst, mesh, bucketed,
+                                                     bucket_bytes))
 
 
 def work_split(ins: tuple[Spec, ...], outs: tuple[Spec, ...], mesh: Mesh) -> int:

@@ -22,11 +22,32 @@ if TYPE_CHECKING:
 
 def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, kind: str | None) -> float:
     bucketed = _batched(kind, src, dst)
-    key = (meta.shape, meta.dtype, src, dst, bucketed)
+    fill = _fill(sp, meta, src, dst, kind) if bucketed else cm.BUCKET_BYTES
+    key = (meta.shape, meta.dtype, src, dst, bucketed, fill)
     t = sp.reshard_cache.get(key)
     if t is None:
-        t = sp.reshard_cache[key] = cm.reshard_time(meta, src, dst, sp.mesh, bucketed)
+        t = sp.reshard_cache[key] = cm.reshard_time(meta, src, dst, sp.mesh, bucketed, fill)
     return t
+
+
+def edge_collectives(sp: ShardingProblem, e: Edge, src, dst) -> list[cm.Collective]:
+    """The collectives of edge ``e`` under one (producer, consumer) pair, priced as the
+    solver prices them (bucket shares included)."""
+    meta = edge_meta(sp, e)
+    kind = _kind(sp, e)
+    bucketed = _batched(kind, src, dst)
+    fill = _fill(sp, meta, src, dst, kind) if bucketed else cm.BUCKET_BYTES
+    return cm.reshard_collectives(meta, src, dst, sp.mesh, bucketed, fill)
+
+
+def _fill(sp: ShardingProblem, meta: TensorMeta, src, dst, kind: str | None) -> float:
+    """What the batch a bucketed move joins holds: a full gradient bucket, unless
+    :func:`autopar.passes.bucket_fill.measure` found its buckets under-full in a solution."""
+    if kind != "grad" or not sp.bucket_fill:
+        return cm.BUCKET_BYTES
+    b = bucket_kind(src, dst)
+    assert b is not None
+    return sp.bucket_fill.get((b.kind, b.axes, meta.dtype), cm.BUCKET_BYTES)
 
 
 def is_param_gather(sp: ShardingProblem, e: Edge) -> bool:
@@ -53,10 +74,6 @@ def _batched(kind: str | None, src, dst) -> bool:
     if kind == "grad":
         return bucket_kind(src, dst) is not None
     return kind == "param" and gather_move(src, dst) is not None
-
-
-def is_bucketed(sp: ShardingProblem, e: Edge, src, dst) -> bool:
-    return _batched(_kind(sp, e), src, dst)
 
 
 def edge_specs(sp: ShardingProblem, e: Edge):

@@ -18,13 +18,17 @@ from autopar.passes.buckets import (
     gather_groups,
     gather_move,
     loss_bucket,
-    loss_reduce_axes,
     sync_groups,
 )
-from autopar.passes.edge_costs import gather_unit, is_bucketed, is_param_gather
+from autopar.passes.edge_costs import edge_collectives, gather_unit, is_param_gather
 from autopar.passes.memory import peak_memory
-from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
-from autopar.placements import Replicate, Spec
+from autopar.passes.sharding_problem import (
+    Edge,
+    ShardingProblem,
+    in_op_collectives,
+    loss_collectives,
+)
+from autopar.placements import Spec
 from autopar.plan import CollectiveUse, PlanCost
 
 
@@ -62,7 +66,7 @@ def _add_gradient_syncs(
                 slot[2] += c.time_s * g.weight
             continue
         rider = loss[0] if b == ride else None
-        rider_colls = _loss_collectives(sp, loss) if rider is not None else []
+        rider_colls = loss_collectives(sp, loss[1]) if rider is not None else []
         for kind, ax, nbytes in bucket_collectives(group, sp.mesh.shape, rider):
             name = sp.mesh.axes[ax]
             mine = [(c, g.weight) for g in group for c in per_edge[g.index] if c.axis == name]
@@ -72,15 +76,6 @@ def _add_gradient_syncs(
             slot[2] += sum(c.time_s * w for c, w in mine)
             slot[2] += sum(c.time_s for c in rider_colls if c.axis == name)
     return ride is not None
-
-
-def _loss_collectives(sp: ShardingProblem, loss: tuple[TensorMeta, Spec]) -> list[cm.Collective]:
-    """The loss made whole. A pure all-reduce pays a bucket member's share of the latency, as
-    the solver prices it (``sharding_problem.build``), whether or not a bucket takes it: a lone
-    one is as small a collective as a lone small gradient bucket, priced the same way."""
-    meta, spec = loss
-    return cm.reshard_collectives(meta, spec, (Replicate(),) * sp.mesh.ndim, sp.mesh,
-                                  bucketed=loss_reduce_axes(spec) is not None)
 
 
 def _add_param_gathers(
@@ -120,7 +115,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         if src == dst:
             continue
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
-        colls = cm.reshard_collectives(meta, src, dst, sp.mesh, is_bucketed(sp, e, src, dst))
+        colls = edge_collectives(sp, e, src, dst)
         if not colls:
             continue
         per_edge[k] = colls
@@ -134,7 +129,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
     loss = (sp.nodes[loss_i].meta["autopar"].out, sp.strategies[loss_i][choice[loss_i]].outs[0])
     if not _add_gradient_syncs(sp, syncs, per_edge, agg, loss):
-        add(_loss_collectives(sp, loss), "loss")
+        add(loss_collectives(sp, loss[1]), "loss")
     _add_param_gathers(sp, gathers, per_edge, agg)
     for i, s in enumerate(choice):  # all-reduces inside an op: priced in its node cost
         colls = in_op_collectives(sp.nodes[i].meta["autopar"], sp.strategies[i][s], sp.mesh)

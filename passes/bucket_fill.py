@@ -1,0 +1,112 @@
+"""Gradient buckets priced at their real fill, once a solution shows what that is.
+
+The sharding problem prices a bucketed gradient move at its share of a full bucket's fixed
+cost: its bytes over ``BUCKET_BYTES`` (pairwise, as the IOPDDL form needs). That is right
+where many gradients reduce over the same mesh axes (data parallelism fills bucket after
+bucket) and wrong where few do: in a tensor-parallel plan, the row-parallel biases' gradients,
+partial over ``tp``, make a bucket of a few KiB that still costs a whole collective, priced at
+almost nothing. The solver then trades a collective for a few microseconds of compute.
+
+:func:`measure` reads, from a solution, how full each kind of bucket really is (bytes per
+bucket, per ``(collective, mesh axes, dtype)``); buckets under ``NEARLY_EMPTY`` count as
+under-full. :func:`reprice` prices the problem's gradient edges at those fills (``ShardingProblem.bucket_fill``, read by ``edge_costs``) and rebuilds the
+reduced problem, when that makes the solution's predicted step time dearer by more than
+``MIN_CHANGE``; the planner then solves again from that solution. Fuller buckets keep the
+full-bucket price, so a data-parallel plan, with the large models whose planning time counts,
+never pays for a second solve.
+"""
+
+from __future__ import annotations
+
+from autopar.passes.buckets import (
+    FIRST_BUCKET_BYTES,
+    GradSync,
+    bucket_kind,
+    loss_bucket,
+    loss_reduce_axes,
+    sync_groups,
+)
+from autopar.passes.edge_costs import edge_meta
+from autopar.passes.problem_reduction import assign_variables, merge_followers, reduced_problem
+from autopar.passes.sharding_problem import ShardingProblem, price_loss
+from autopar.placements import num_shards
+
+MIN_CHANGE = 0.005  # reprice (and solve again) only if the step gets at least this much dearer
+# Buckets holding less than DDP's first bucket are repriced. Fuller ones keep the full-bucket
+# price: it stands in for what the cost model does not credit, the overlap of bucketed
+# gradient reductions with the rest of the backward (a data-parallel step hides most of its
+# buckets behind it), which a bucket of a few KiB, latency-bound, does not buy back.
+NEARLY_EMPTY = FIRST_BUCKET_BYTES
+
+
+def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
+    """Bytes per rank per bucket, for each bucket key whose buckets are under-full in
+    ``choice`` (one strategy per node); ``("loss", axes, dtype)``: the loss, reduced over
+    those axes in no bucket."""
+    syncs = []
+    for k, e in enumerate(sp.edges):
+        if e.in_idx >= 0:
+            continue
+        src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
+        dst = sp.strategies[e.dst][choice[e.dst]].outs[0]
+        if src != dst and bucket_kind(src, dst) is not None:
+            weight = float(sp.weight[e.dst]) if sp.weight is not None else 1.0
+            syncs.append(GradSync(k, edge_meta(sp, e), src, dst, weight))
+    totals: dict[tuple, float] = {}
+    counts: dict[tuple, int] = {}
+    groups = sync_groups(syncs, sp.mesh.shape)
+    # a loss to reduce that no bucket takes is a collective of its own
+    meta = sp.nodes[sp.loss_index].meta["autopar"].out
+    spec = sp.strategies[sp.loss_index][choice[sp.loss_index]].outs[0]
+    axes = loss_reduce_axes(spec)
+    if axes is not None and loss_bucket(groups, meta, spec) is None:
+        totals[("loss", axes, meta.dtype)], counts[("loss", axes, meta.dtype)] = meta.nbytes, 1
+    for group, kind in groups:
+        if kind is None:
+            continue
+        key = (kind.kind, kind.axes, group[0].meta.dtype)
+        nbytes = sum(g.weight * g.meta.nbytes / num_shards(g.src, sp.mesh.shape) for g in group)
+        totals[key] = totals.get(key, 0.0) + nbytes
+        counts[key] = counts.get(key, 0) + 1
+    fills = {key: totals[key] / counts[key] for key in totals}
+    return {key: f for key, f in fills.items() if f < NEARLY_EMPTY}
+
+
+def reprice(sp: ShardingProblem, choice: list[int], memory_budget: float | None) -> bool:
+    """Price gradient buckets at their fill in ``choice`` and rebuild the reduced problem, if
+    that makes ``choice`` dearer by more than ``MIN_CHANGE``; True if it did."""
+    from autopar.passes.scoring import score_assignment
+
+    # keys found under-full before keep their price, so that rounds do not undo each other
+    fills = {**sp.bucket_fill, **measure(sp, choice)}
+    if fills == sp.bucket_fill:
+        return False
+    old = sp.bucket_fill
+    before = score_assignment(sp, choice).cost.step_s
+    _set(sp, fills)
+    after = score_assignment(sp, choice).cost.step_s
+    if after <= before * (1 + MIN_CHANGE):
+        _set(sp, old)
+        return False
+    _rebuild(sp, memory_budget)
+    return True
+
+
+def apply(sp: ShardingProblem, fills: dict[tuple, float], memory_budget: float | None) -> None:
+    """Price ``sp`` at bucket ``fills`` found on another problem of the same graph (a
+    reference completed without shared layer variables) and rebuild its reduced problem."""
+    if fills != sp.bucket_fill:
+        _set(sp, dict(fills))
+        _rebuild(sp, memory_budget)
+
+
+def _rebuild(sp: ShardingProblem, memory_budget: float | None) -> None:
+    merge_followers(sp)
+    assign_variables(sp, sp.share_layers)
+    sp.problem = reduced_problem(sp, memory_budget)
+
+
+def _set(sp: ShardingProblem, fills: dict[tuple, float]) -> None:
+    sp.bucket_fill = fills
+    sp.matrix_cache.clear()  # edge matrices hold the old prices
+    price_loss(sp)
