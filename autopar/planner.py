@@ -72,7 +72,9 @@ def make_plan(
     does not grow with depth; the plan's node placements cover the traced layers only).
     ``min_gain``: the solver's own plan replaces the best reference layout (as the solver
     completes it) only when predicted at least this fraction faster: the cost model errs by
-    more than a fraction of a percent, and the hand-written layouts are the proven ones."""
+    more than a fraction of a percent, and the hand-written layouts are the proven ones.
+    Where the plan leaves gradient buckets nearly empty, they are priced at their real fill
+    and everything solved again (:mod:`autopar.passes.bucket_fill`)."""
     memory_budget = float(memory_budget) if memory_budget is not None else None
     t0 = time.perf_counter()
     pg = graph or capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers)

@@ -440,17 +440,20 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   end of the first bucket instead of costing an all-reduce and a synchronisation point at
   the end of the forward (`runtime/deferred_loss.py`).
 - **What is left is execution overhead**, measured with no communication in one process
-  (the line above the table): per step autopar spends {extra["forward"]:+.2f} ms in the
+  (the line under the table): per step autopar spends {extra["forward"]:+.2f} ms in the
   forward, {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in
   the optimizer step. The optimizer's share is DTensor's: AdamW runs about 7 ops per
   parameter and each goes through DTensor's dispatch (the parameters are DTensors placed as
   the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are plain).
   The forward and backward share is the per-rank program, interpreted op by op in Python.
   With 4 processes on 2 cores every ms of CPU costs about two.
-- **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}: the
-  row-parallel layers all-reduce their outputs inside the op, once for forward and backward,
-  as Megatron does, plus one bucketed all-reduce of the row-parallel biases' gradients
-  (2 KiB), which torch computes from the replicated output gradient with no collective.
+- **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}
+  ({kinds("autopar TP (tp=4)")}): the row-parallel layers all-reduce their outputs inside
+  the op, once for forward and backward, as Megatron does. The row-parallel biases'
+  gradients come from the whole output gradient, with no collective, as in torch: priced as
+  members of a full bucket, the solver would sum them over a sharded batch and all-reduce a
+  2 KiB bucket; the planner finds that bucket nearly empty, prices it at its fill and solves
+  again (`passes/bucket_fill.py`).
 - **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
   fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
   all-gather per layer, gradient reduce-scatters in buckets started during the backward (the
@@ -464,11 +467,9 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
 
-What would bring the ratios to 1 or below: a cheaper optimizer step on DTensor parameters
+What would bring the DP ratio to 1 or below: a cheaper optimizer step on DTensor parameters
 (a foreach or fused AdamW, which torch picks by itself only on GPUs, or a cheaper DTensor
-dispatch) and the per-rank program compiled to straight-line code (DP); the TP bias
-gradients computed from the replicated output gradient, once the cost model prices a bucket
-at its real fill (TP)."""
+dispatch) and the per-rank program compiled to straight-line code."""
 
 
 if __name__ == "__main__":
