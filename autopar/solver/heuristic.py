@@ -201,9 +201,10 @@ class LocalSearch:
         if self.limit is None or not len(near):
             return near
         lo, hi = int(self.st[near].min()), int(self.en[near].max())
-        if hi <= lo:
+        span = self.load[lo:hi]  # empty where the intervals hold no time step of the profile
+        if not len(span):
             return near
-        t = lo + int(np.argmax(self.load[lo:hi]))
+        t = lo + int(np.argmax(span))
         idx = self.q.index
         cur = idx.usage_flat[idx.node_off + self.a]
         slack = cur - self.min_usage

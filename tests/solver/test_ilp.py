@@ -73,6 +73,17 @@ def test_ilp_fractional_costs_within_rounding(p: Problem) -> None:
         assert abs(sol.cost - want) <= 1e-6 * max(1.0, want)
 
 
+def test_memory_limit_with_intervals_past_the_load_profile() -> None:
+    """Found by hypothesis in CI: under a memory limit, the local search's memory
+    neighbourhood looked for the tightest moment in an empty stretch of the load profile."""
+    p = Problem(costs=[np.array([1.0, 1.0, 0.0]), np.array([0.0, 1.0])],
+                usages=[np.zeros(3), np.zeros(2)], intervals=[(0, 0), (1, 1)],
+                edges=[(0, 1)], edge_costs=[np.array([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]])],
+                usage_limit=0.0)
+    sol = solve(p, timeout_s=20, method="auto")
+    assert sol.status == "optimal" and sol.cost == brute_force(p)
+
+
 @settings(max_examples=40, deadline=None)
 @given(problems(forbidden=True))
 def test_forbidden_costs_are_avoided_when_possible(p: Problem) -> None:
