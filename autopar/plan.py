@@ -16,9 +16,8 @@ from autopar.errors import PlanError
 from autopar.placements import Spec, format_spec, parse_spec
 
 # 2: in-op all-reduces (``raw_out``), parameter gathers listed one per layer and phase, gradient
-# reduce-scatters in buckets. 3: the loss reduced in a gradient bucket where one fits, the
-# batch-sharded mean nll_loss all-reducing its count inside the op. An older plan's collectives
-# would not match what now runs.
+# reduce-scatters in buckets. 3: the batch-sharded mean nll_loss all-reduces its count of kept
+# targets inside the op. An older plan's collectives would not match what now runs.
 PLAN_VERSION = 3
 
 

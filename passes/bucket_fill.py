@@ -18,17 +18,10 @@ never pays for a second solve.
 
 from __future__ import annotations
 
-from autopar.passes.buckets import (
-    FIRST_BUCKET_BYTES,
-    GradSync,
-    bucket_kind,
-    loss_bucket,
-    loss_reduce_axes,
-    sync_groups,
-)
+from autopar.passes.buckets import FIRST_BUCKET_BYTES, GradSync, bucket_kind, sync_groups
 from autopar.passes.edge_costs import edge_meta
 from autopar.passes.problem_reduction import assign_variables, merge_followers, reduced_problem
-from autopar.passes.sharding_problem import ShardingProblem, price_loss
+from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import num_shards
 
 MIN_CHANGE = 0.005  # reprice (and solve again) only if the step gets at least this much dearer
@@ -41,8 +34,7 @@ NEARLY_EMPTY = FIRST_BUCKET_BYTES
 
 def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
     """Bytes per rank per bucket, for each bucket key whose buckets are under-full in
-    ``choice`` (one strategy per node); ``("loss", axes, dtype)``: the loss, reduced over
-    those axes in no bucket."""
+    ``choice`` (one strategy per node)."""
     syncs = []
     for k, e in enumerate(sp.edges):
         if e.in_idx >= 0:
@@ -54,14 +46,7 @@ def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
             syncs.append(GradSync(k, edge_meta(sp, e), src, dst, weight))
     totals: dict[tuple, float] = {}
     counts: dict[tuple, int] = {}
-    groups = sync_groups(syncs, sp.mesh.shape)
-    # a loss to reduce that no bucket takes is a collective of its own
-    meta = sp.nodes[sp.loss_index].meta["autopar"].out
-    spec = sp.strategies[sp.loss_index][choice[sp.loss_index]].outs[0]
-    axes = loss_reduce_axes(spec)
-    if axes is not None and loss_bucket(groups, meta, spec) is None:
-        totals[("loss", axes, meta.dtype)], counts[("loss", axes, meta.dtype)] = meta.nbytes, 1
-    for group, kind in groups:
+    for group, kind in sync_groups(syncs, sp.mesh.shape):
         if kind is None:
             continue
         key = (kind.kind, kind.axes, group[0].meta.dtype)
@@ -109,4 +94,3 @@ def _rebuild(sp: ShardingProblem, memory_budget: float | None) -> None:
 def _set(sp: ShardingProblem, fills: dict[tuple, float]) -> None:
     sp.bucket_fill = fills
     sp.matrix_cache.clear()  # edge matrices hold the old prices
-    price_loss(sp)

@@ -14,9 +14,6 @@ starts early in the backward) or ``BUCKET_BYTES`` (the others).
 **Parameter gathers.** The plain all-gathers of parameters that one layer's ops need in one
 phase go out as one all-gather (:func:`gather_groups`).
 
-**The loss** rides in the first gradient bucket that reduces over its axes
-(:func:`loss_bucket`): a data-parallel step then issues no collective DDP does not.
-
 The scorer lists one collective per bucket or group and the runtime issues exactly those
 (:mod:`autopar.runtime.grad_sync`, :mod:`autopar.runtime.param_gather`), so the collectives
 executed still match the plan's.
@@ -79,15 +76,12 @@ def bucket_kind(src: Spec, dst: Spec) -> BucketKind | None:
     return BucketKind("reduce_scatter", (k,), b.dim)
 
 
-def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...],
-                       loss: TensorMeta | None = None) -> list[tuple[str, int, float]]:
-    """``(kind, mesh axis, bytes each rank hands in)`` of the collectives one bucket runs;
-    ``loss``: the loss rides in it (:func:`loss_bucket`)."""
+def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...]
+                       ) -> list[tuple[str, int, float]]:
+    """``(kind, mesh axis, bytes each rank hands in)`` of the collectives one bucket runs."""
     kind = bucket_kind(bucket[0].src, bucket[0].dst)
     assert kind is not None
     nbytes = sum(g.weight * g.meta.nbytes / num_shards(g.src, mesh_shape) for g in bucket)
-    if loss is not None:
-        nbytes += loss_bytes(kind, loss, mesh_shape)
     return [(kind.kind, ax, nbytes) for ax in kind.axes]
 
 
@@ -128,52 +122,6 @@ def gradient_buckets(
             done.append(open_.pop(key))
             closed[key] = closed.get(key, 0) + 1
     return done + list(open_.values())
-
-
-# --- the loss, reduced in a gradient bucket ----------------------------------------------------
-
-
-def loss_reduce_axes(src: Spec) -> tuple[int, ...] | None:
-    """The mesh axes a partial loss sums or averages over to become whole on every rank, when
-    that is all its move does; None otherwise (whole already, or split, or a max)."""
-    axes = []
-    for k, p in enumerate(src):
-        if isinstance(p, Partial) and p.reduce in ("sum", "avg"):
-            axes.append(k)
-        elif not isinstance(p, Replicate):
-            return None
-    return tuple(axes) or None
-
-
-def loss_bucket(groups: list[tuple[list[GradSync], BucketKind | None]], meta: TensorMeta,
-                src: Spec) -> int | None:
-    """The gradient bucket (index into :func:`sync_groups`' list) whose collective also reduces
-    the loss: the first that reduces over exactly the loss's axes, in the loss's dtype. The
-    loss then costs no collective of its own, as with DDP, whose users all-reduce no loss at
-    all. None: the loss is reduced on its own."""
-    axes = loss_reduce_axes(src)
-    if axes is None:
-        return None
-    for i, (group, kind) in enumerate(groups):
-        if kind is not None and kind.axes == axes and group[0].meta.dtype == meta.dtype:
-            return i
-    return None
-
-
-def loss_scale(src: Spec, mesh_shape: tuple[int, ...]) -> float:
-    """The factor on the local loss before a bucket sums it (``1/n`` per averaging axis)."""
-    f = 1.0
-    for k, p in enumerate(src):
-        if isinstance(p, Partial) and p.reduce == "avg":
-            f /= mesh_shape[k]
-    return f
-
-
-def loss_bytes(kind: BucketKind, meta: TensorMeta, mesh_shape: tuple[int, ...]) -> float:
-    """What the loss adds to each rank's input of a bucket's collective: its value, once per
-    row block of a reduce-scatter (so every rank's block brings it back)."""
-    n = mesh_shape[kind.axes[0]] if kind.kind == "reduce_scatter" else 1
-    return float(meta.nbytes) * n
 
 
 # --- parameter gathers, grouped per layer as FSDP gathers a module's parameters ---------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
 from autopar.passes.buckets import (
     GradSync,
@@ -17,18 +16,12 @@ from autopar.passes.buckets import (
     bucket_collectives,
     gather_groups,
     gather_move,
-    loss_bucket,
     sync_groups,
 )
 from autopar.passes.edge_costs import edge_collectives, gather_unit, is_param_gather
 from autopar.passes.memory import peak_memory
-from autopar.passes.sharding_problem import (
-    Edge,
-    ShardingProblem,
-    in_op_collectives,
-    loss_collectives,
-)
-from autopar.placements import Spec
+from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
+from autopar.placements import Replicate
 from autopar.plan import CollectiveUse, PlanCost
 
 
@@ -49,14 +42,11 @@ def edge_reason(sp: ShardingProblem, e: Edge) -> str:
 
 def _add_gradient_syncs(
     sp: ShardingProblem, syncs: list[GradSync], per_edge: dict[int, list[cm.Collective]],
-    agg: dict[tuple[str, str, str], list[float]], loss: tuple[TensorMeta, Spec],
-) -> bool:
+    agg: dict[tuple[str, str, str], list[float]],
+) -> None:
     """Gradient syncs that are pure all-reduces or single reduce-scatters go out in buckets
-    (one collective per bucket and axis, as the runtime issues them); the others one by one.
-    True if the loss (``meta, spec``) rides in a bucket (:func:`loss_bucket`)."""
-    groups = sync_groups(syncs, sp.mesh.shape)
-    ride = loss_bucket(groups, *loss)
-    for b, (group, batched) in enumerate(groups):
+    (one collective per bucket and axis, as the runtime issues them); the others one by one."""
+    for group, batched in sync_groups(syncs, sp.mesh.shape):
         if batched is None:
             (g,) = group
             for c in per_edge[g.index]:
@@ -65,17 +55,13 @@ def _add_gradient_syncs(
                 slot[1] += c.bytes * g.weight
                 slot[2] += c.time_s * g.weight
             continue
-        rider = loss[0] if b == ride else None
-        rider_colls = loss_collectives(sp, loss[1]) if rider is not None else []
-        for kind, ax, nbytes in bucket_collectives(group, sp.mesh.shape, rider):
+        for kind, ax, _ in bucket_collectives(group, sp.mesh.shape):
             name = sp.mesh.axes[ax]
             mine = [(c, g.weight) for g in group for c in per_edge[g.index] if c.axis == name]
             slot = agg.setdefault((kind, name, "gradient sync"), [0, 0.0, 0.0])
             slot[0] += 1
-            slot[1] += nbytes
+            slot[1] += sum(c.bytes * w for c, w in mine)
             slot[2] += sum(c.time_s * w for c, w in mine)
-            slot[2] += sum(c.time_s for c in rider_colls if c.axis == name)
-    return ride is not None
 
 
 def _add_param_gathers(
@@ -126,16 +112,17 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
                                        float(weight[e.dst])))
         else:
             add(colls, edge_reason(sp, e), float(weight[e.dst]))
-    loss_i = next(i for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "loss")
-    loss = (sp.nodes[loss_i].meta["autopar"].out, sp.strategies[loss_i][choice[loss_i]].outs[0])
-    if not _add_gradient_syncs(sp, syncs, per_edge, agg, loss):
-        add(loss_collectives(sp, loss[1]), "loss")
+    _add_gradient_syncs(sp, syncs, per_edge, agg)
     _add_param_gathers(sp, gathers, per_edge, agg)
     for i, s in enumerate(choice):  # all-reduces inside an op: priced in its node cost
         colls = in_op_collectives(sp.nodes[i].meta["autopar"], sp.strategies[i][s], sp.mesh)
         if colls:
             add(colls, "resharding", float(weight[i]))
             compute -= sum(c.time_s for c in colls) * float(weight[i])
+    loss_i = sp.loss_index
+    loss_meta = sp.nodes[loss_i].meta["autopar"].out
+    add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
+                               (Replicate(),) * sp.mesh.ndim, sp.mesh), "loss")
     comm = float(sum(v[2] for v in agg.values()))
     mem, _ = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)
     collectives = [

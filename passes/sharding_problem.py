@@ -21,7 +21,6 @@ import torch.fx as fx
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
-from autopar.passes.buckets import loss_reduce_axes
 from autopar.passes.memory import live_intervals, peak_memory
 from autopar.passes.problem_reduction import (
     assign_variables,
@@ -30,7 +29,7 @@ from autopar.passes.problem_reduction import (
     reduced_problem,
 )
 from autopar.passes.strategies.registry import Strategy, all_specs, node_strategies, tensor_inputs
-from autopar.placements import Replicate, Spec
+from autopar.placements import Replicate
 from autopar.solver.problem import Problem
 
 
@@ -59,7 +58,7 @@ class ShardingProblem:
     # them under-full (passes.bucket_fill); absent: full buckets
     bucket_fill: dict = field(default_factory=dict)
     share_layers: bool = True  # identical layers share one solver variable per node
-    loss_index: int = -1  # the loss node (reported whole on every rank: see price_loss)
+    loss_index: int = -1  # the loss node (reported whole on every rank)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     peak_time: int = 0
     live: list[tuple[int, int]] = field(default_factory=list)
@@ -138,8 +137,13 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         if key not in cost_cache:
             cost_cache[key] = _node_costs(n, strategies[i], mesh)
         sp.node_cost.append(cost_cache[key])
-    sp.loss_index = by_name[pg.loss_node]
-    price_loss(sp)
+    sp.loss_index = loss_i = by_name[pg.loss_node]
+    loss_meta = nodes[loss_i].meta["autopar"].out
+    rep = (Replicate(),) * mesh.ndim
+    # the loss is reported whole on every rank: a partial loss pays its all-reduce
+    sp.unary[loss_i] = np.array(
+        [cm.reshard_time(loss_meta, s.outs[0], rep, mesh) for s in strategies[loss_i]]
+    )
     sp.usage = [_usage(n, strategies[i], mesh) for i, n in enumerate(nodes)]
     if pg.proxy is not None:
         # a traced middle layer stands for several real ones: weigh its costs and memory
@@ -157,26 +161,6 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     assign_variables(sp, share_layers)
     sp.problem = reduced_problem(sp, memory_budget)
     return sp
-
-
-def loss_collectives(sp: ShardingProblem, spec: Spec) -> list[cm.Collective]:
-    """The loss made whole on every rank from ``spec``. A pure sum or average all-reduce can
-    ride in a gradient bucket (``passes.buckets.loss_bucket``) and pays a bucket member's
-    share of the latency, unless a solution showed it riding in none
-    (``passes.bucket_fill``: key ``("loss", axes, dtype)``): then a whole collective."""
-    meta = sp.nodes[sp.loss_index].meta["autopar"].out
-    axes = loss_reduce_axes(spec)
-    fill = (sp.bucket_fill.get(("loss", axes, meta.dtype), cm.BUCKET_BYTES) if axes is not None
-            else cm.BUCKET_BYTES)
-    return cm.reshard_collectives(meta, spec, (Replicate(),) * sp.mesh.ndim, sp.mesh,
-                                  bucketed=axes is not None, bucket_bytes=fill)
-
-
-def price_loss(sp: ShardingProblem) -> None:
-    """The loss node's unary cost: making it whole, for each of its strategies."""
-    sp.unary[sp.loss_index] = np.array(
-        [sum(c.time_s for c in loss_collectives(sp, s.outs[0]))
-         for s in sp.strategies[sp.loss_index]])
 
 
 def _frozen(x):

@@ -11,8 +11,8 @@ overlaps its buckets); :meth:`GradSyncRun.finish` waits for all of them at the e
 A bucket's gradients are flattened into one buffer, all-reduced over the bucket's mesh axes
 (or reduce-scattered over its axis, each gradient laid out as its row blocks so that every
 rank gets all its shards) and handed back as views of the result. The collectives are exactly
-the ones the plan lists. The loss rides at the end of the first bucket that reduces over its
-axes (:func:`autopar.passes.buckets.loss_bucket`), unless it was read before the backward.
+the ones the plan lists. A bucket's flat buffer is ours, so it is reduced in place (c10d's
+collective, not the functional one, which copies its input first).
 """
 
 from __future__ import annotations
@@ -22,18 +22,9 @@ from typing import Any
 
 import torch
 
-from autopar.graph import TensorMeta
-from autopar.passes.buckets import (
-    BucketKind,
-    GradSync,
-    bucket_kind,
-    loss_bucket,
-    loss_scale,
-    sync_groups,
-)
-from autopar.placements import Partial, Replicate, Spec
+from autopar.passes.buckets import BucketKind, GradSync, bucket_kind, sync_groups
+from autopar.placements import Partial, Replicate
 from autopar.runtime import _compat
-from autopar.runtime.deferred_loss import LossValue
 from autopar.runtime.redistribute import Comm, redistribute
 
 
@@ -42,34 +33,27 @@ class _Launch:
     grads: tuple[int, ...]  # indices (parameter order) of the gradients it moves
     bucket: BucketKind | None  # how a bucket reduces; None: a lone move
     release: bool  # no later backward step reads its gradients: drop them once flattened
-    loss_scale: float | None = None  # the loss rides in this bucket, times this factor
 
 
 class GradSyncSchedule:
     """Where in the backward each gradient move starts; built once per lowered program."""
 
     def __init__(self, bwd_steps: list[str], reads: dict[str, int], grad_names: list[str | None],
-                 moves: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool,
-                 loss: tuple[TensorMeta, Spec]) -> None:
+                 moves: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool) -> None:
         """``reads``: value name -> the last backward step that reads it; ``moves``: the
-        gradients that must move (``index`` into ``grad_names``); ``loss``: the loss's tensor
-        and spec (it rides in the bucket :func:`loss_bucket` picks, if any)."""
+        gradients that must move (``index`` into ``grad_names``)."""
         self.grad_names = grad_names
         self.move_of = {g.index: g for g in moves}
         self.mesh_shape = mesh_shape
         step_of = {name: i for i, name in enumerate(bwd_steps)}
         self.by_step: dict[int, list[_Launch]] = {}
-        groups = sync_groups(moves, mesh_shape, bucketed)
-        ride = loss_bucket(groups, *loss)
-        self.loss_rides = ride is not None
-        for b, (group, kind) in enumerate(groups):
+        for group, kind in sync_groups(moves, mesh_shape, bucketed):
             ids = [g.index for g in group]
             names = [grad_names[i] for i in ids]
             after = max(step_of.get(n, -1) for n in names)  # type: ignore[arg-type]
             release = all(reads.get(n, -1) <= after for n in names)  # type: ignore[arg-type]
-            scale = loss_scale(loss[1], mesh_shape) if b == ride else None
             # keyed by the backward step after which all its gradients exist (-1: before any)
-            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), kind, release, scale))
+            self.by_step.setdefault(after, []).append(_Launch(tuple(ids), kind, release))
 
     def dim_of(self, i: int) -> int:
         """The dim gradient ``i`` is reduce-scattered along (a bucket mixes dims)."""
@@ -78,17 +62,15 @@ class GradSyncSchedule:
         assert kind is not None and kind.dim is not None
         return kind.dim
 
-    def start(self, comm: Comm, env: dict[str, Any], loss: LossValue | None) -> GradSyncRun:
-        return GradSyncRun(self, comm, env, loss)
+    def start(self, comm: Comm, env: dict[str, Any]) -> GradSyncRun:
+        return GradSyncRun(self, comm, env)
 
 
 class GradSyncRun:
     """One backward's gradient moves: started step by step, waited for at the end."""
 
-    def __init__(self, schedule: GradSyncSchedule, comm: Comm, env: dict[str, Any],
-                 loss: LossValue | None) -> None:
+    def __init__(self, schedule: GradSyncSchedule, comm: Comm, env: dict[str, Any]) -> None:
         self.s, self.comm, self.env = schedule, comm, env
-        self.loss = loss  # the step's loss, if its value is still to be reduced
         self.in_flight: list[tuple[_Launch, torch.Tensor, Any, list[tuple[int, torch.Size]]]] = []
         self.step_done(-1)
 
@@ -103,20 +85,13 @@ class GradSyncRun:
         grads = [env[n] for n in names]
         kind = launch.bucket
         work = None  # the c10d work of an in-place collective, else the result waits itself
-        # the loss, unless already read (and so reduced on its own), rides at the buffer's end
-        loss = None
-        if launch.loss_scale is not None and self.loss is not None:
-            loss = self.loss.take()
         with self.comm.deferred():  # issue the collectives, do not wait for them here
             if kind is None:
                 (i,) = launch.grads
                 g = s.move_of[i]
                 out = redistribute(grads[0], g.src, g.dst, self.comm, "gradient sync")
             elif kind.kind == "all_reduce":
-                parts = [g.reshape(-1) for g in grads]
-                if loss is not None:
-                    parts.append(loss.reshape(-1) * launch.loss_scale)
-                flat = torch.cat(parts)
+                flat = torch.cat([g.reshape(-1) for g in grads])
                 if len(kind.axes) == 1:
                     out, work = flat, self.comm.start_all_reduce(flat, kind.axes[0],
                                                                  "gradient sync")
@@ -128,11 +103,8 @@ class GradSyncRun:
             else:  # reduce-scatter: rank r's block of every gradient lands in row r
                 (ax,) = kind.axes
                 n = s.mesh_shape[ax]
-                blocks = [torch.stack([c.reshape(-1) for c in g.chunk(n, s.dim_of(i))])
-                          for i, g in zip(launch.grads, grads)]
-                if loss is not None:  # in every row, so that every rank gets it back
-                    blocks.append((loss.reshape(1, -1) * launch.loss_scale).expand(n, -1))
-                rows = torch.cat(blocks, dim=1)
+                rows = torch.cat([torch.stack([c.reshape(-1) for c in g.chunk(n, s.dim_of(i))])
+                                  for i, g in zip(launch.grads, grads)], dim=1)
                 out, work = self.comm.start_reduce_scatter(rows, ax, "gradient sync")
         if launch.release:
             for n in names:
@@ -140,8 +112,6 @@ class GradSyncRun:
         shapes = [(i, g.shape if kind is None or kind.kind == "all_reduce"
                    else _split(g.shape, s.dim_of(i), s.mesh_shape[kind.axes[0]]))
                   for i, g in zip(launch.grads, grads)]
-        if loss is not None:
-            shapes.append((_LOSS, loss.shape))
         self.in_flight.append((launch, out, work, shapes))
 
     def finish(self) -> list[torch.Tensor | None]:
@@ -160,18 +130,10 @@ class GradSyncRun:
             offset = 0
             for i, shape in shapes:
                 numel = shape.numel()
-                piece = t[offset: offset + numel].view(shape)
+                out[i] = t[offset: offset + numel].view(shape)
                 offset += numel
-                if i == _LOSS:
-                    assert self.loss is not None
-                    self.loss.fulfil(piece)
-                else:
-                    out[i] = piece
         self.in_flight.clear()
         return out
-
-
-_LOSS = -1  # stands for the loss among a bucket's pieces
 
 
 def _split(shape: torch.Size, dim: int, n: int) -> torch.Size:

@@ -134,8 +134,7 @@ class LoweredGraph:
         self.bucketed = grad_sync_mode(self)
         reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
-                                          self.grad_moves(), self.mesh_shape, self.bucketed,
-                                          self.loss_move())
+                                          self.grad_moves(), self.mesh_shape, self.bucketed)
 
     # --- building -----------------------------------------------------------------------------
 
@@ -180,9 +179,8 @@ class LoweredGraph:
         return steps
 
     def edges(self) -> list[tuple[TensorMeta, Spec, Spec, str]]:
-        """Every reshard one step runs outside gradient syncs (:meth:`grad_moves`), batched
-        parameter gathers (:meth:`gather_collectives`) and the loss's (:meth:`loss_move`):
-        (tensor, from, to, reason)."""
+        """Every reshard one step runs outside gradient syncs (:meth:`grad_moves`) and batched
+        parameter gathers (:meth:`gather_collectives`): (tensor, from, to, reason)."""
         metas = {n.name: n.meta["autopar"].outputs for n in self.pg.graph.nodes
                  if "autopar" in n.meta}
         out = [(metas[i.producer][i.item or 0], i.src, i.dst, i.reason)
@@ -190,12 +188,9 @@ class LoweredGraph:
         for s in self.fwd + self.bwd:  # all-reduces inside an op (a planned partial result)
             out += [(m, a, b, "resharding") for m, a, b in
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
+        rep = (Replicate(),) * len(self.mesh_shape)
+        out.append((self.loss_meta, self.spec(self.loss), rep, "loss"))
         return out
-
-    def loss_move(self) -> tuple[TensorMeta, Spec]:
-        """The loss (tensor, spec) as computed; each step makes it whole on every rank, in a
-        gradient bucket where one reduces over its axes (``passes.buckets.loss_bucket``)."""
-        return self.loss_meta, self.spec(self.loss)
 
     def gather_collectives(self) -> list[tuple[int, float]]:
         """``(mesh axis, bytes each rank hands in)`` of every batched parameter gather."""
@@ -225,20 +220,17 @@ class LoweredGraph:
             return redistribute(local, self.spec(self.loss), rep, comm, "loss")
 
     def loss_value(self, local: torch.Tensor, comm: Comm) -> LossValue | None:
-        """How a training step's loss becomes whole (see :mod:`.deferred_loss`): in a gradient
-        bucket where the plan has one take it, else by its own collective, issued now and
-        waited for on first read. None: it is whole already."""
+        """A training step's loss on its way to whole (see :mod:`.deferred_loss`): its
+        collective issued now, waited for on first read. None: it is whole already."""
         if all(isinstance(p, Replicate) for p in self.spec(self.loss)):
             return None
-        return LossValue(local, lambda t: self.whole_loss(t, comm, wait=False),
-                         self.grad_sync.loss_rides)
+        return LossValue(self.whole_loss(local, comm, wait=False))
 
     def backward(self, saved: dict[str, Any], grad_loss: torch.Tensor | None,
-                 comm: Comm, loss: LossValue | None = None) -> list[torch.Tensor | None]:
-        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec;
-        ``loss``: the step's loss, reduced in a gradient bucket if still pending."""
+                 comm: Comm) -> list[torch.Tensor | None]:
+        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec."""
         env = dict(saved)
-        syncs = self.grad_sync.start(comm, env, loss)
+        syncs = self.grad_sync.start(comm, env)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         return syncs.finish()
 

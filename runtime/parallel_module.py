@@ -33,7 +33,7 @@ from autopar.graph import PlanGraph
 from autopar.placements import to_torch
 from autopar.plan import Plan
 from autopar.runtime import _compat
-from autopar.runtime.deferred_loss import DeferredLoss, LossValue
+from autopar.runtime.deferred_loss import DeferredLoss
 from autopar.runtime.lower import LoweredGraph
 from autopar.runtime.redistribute import CollectiveCounter, Comm
 
@@ -49,7 +49,7 @@ class _JointStep(torch.autograd.Function):
         local, saved = call.run_forward()
         ctx.call = call
         ctx.saved_env = saved
-        # reduced in the backward's first fitting gradient bucket, or when read
+        # the loss's collective runs on while the backward starts; waited for when read
         ctx.loss = call.lowered.loss_value(local, call.pm._comm)
         return local if ctx.loss is None else DeferredLoss(ctx.loss)
 
@@ -58,8 +58,8 @@ class _JointStep(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:  # type: ignore[override]
         call: _Call = ctx.call
         saved, ctx.saved_env = ctx.saved_env, None  # free activations as soon as we are done
-        grads = call.run_backward(saved, grad_loss, ctx.loss)
-        if ctx.loss is not None:  # reduced by now; leave no collective unwaited
+        grads = call.run_backward(saved, grad_loss)
+        if ctx.loss is not None:  # done by now; leave no collective unwaited
             ctx.loss.resolve()
         return (None, *grads)
 
@@ -75,9 +75,8 @@ class _Call:
     def run_forward(self) -> tuple[torch.Tensor, dict[str, Any]]:
         return self.lowered.forward(self.env, self.pm._comm)
 
-    def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor,
-                     loss: LossValue | None) -> list:
-        locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm, loss)
+    def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
+        locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm)
         out: list[DTensor | None] = []
         for p, g in zip(self.pm._param_list, locals_):
             if g is None:
@@ -127,8 +126,11 @@ class ParallelModule(nn.Module):
     # --- calling --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        leaves = _flatten_inputs(args, kwargs, self._active[0])
+        graph = self._active[0]
+        leaves = _flatten_inputs(args, kwargs, graph)
         lowered = self._program_for(args, kwargs, leaves)
+        if lowered.pg is not graph:  # another program: its keyword inputs may come in another order
+            leaves = _flatten_inputs(args, kwargs, lowered.pg)
         with torch.no_grad():  # the program's own autograd is _JointStep, not torch's tape
             env = self._placeholders(lowered, leaves)
         if not torch.is_grad_enabled():

@@ -37,9 +37,8 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
 
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
-    from autopar.passes.buckets import bucket_collectives, loss_bucket, sync_groups
+    from autopar.passes.buckets import bucket_collectives, sync_groups
     from autopar.passes.cost_model import reshard_collectives
-    from autopar.placements import Replicate
 
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
     out: Totals = {}
@@ -55,21 +54,13 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
                 add(c.kind, c.axis, reason, c.bytes)
     for ax, nbytes in lowered.gather_collectives():
         add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
-    groups = sync_groups(lowered.grad_moves(), mesh.shape, bucketed)
-    loss_meta, loss_spec = lowered.loss_move()
-    ride = loss_bucket(groups, loss_meta, loss_spec)
-    for b, (group, kind) in enumerate(groups):
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed):
         if kind is not None:
-            rider = loss_meta if b == ride else None
-            for ckind, ax, nbytes in bucket_collectives(group, mesh.shape, rider):
+            for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
                 add(ckind, mesh.axes[ax], "gradient sync", nbytes)
         else:
             for c in reshard_collectives(group[0].meta, group[0].src, group[0].dst, mesh):
                 add(c.kind, c.axis, "gradient sync", c.bytes)
-    if ride is None:
-        whole = (Replicate(),) * len(lowered.mesh_shape)
-        for c in reshard_collectives(loss_meta, loss_spec, whole, mesh):
-            add(c.kind, c.axis, "loss", c.bytes)
     return out
 
 

@@ -83,11 +83,11 @@ class Comm:
     def deferred(self) -> Iterator[None]:
         """Within the block, gathers, all-reduces and reduce-scatters return without waiting
         (an op on the result, or ``_compat.wait``, waits for it)."""
-        self._sync = False
+        before, self._sync = self._sync, False
         try:
             yield
         finally:
-            self._sync = True
+            self._sync = before
 
     def _group(self, ax: int) -> Any:
         return (self.device_mesh, ax)

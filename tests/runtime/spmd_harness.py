@@ -146,9 +146,9 @@ def collective_totals(records: list, by_reason: bool = True) -> dict[tuple, tupl
 def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float]], bool]:
     """What the lowered program should issue per step, priced by ``route_collectives``, and
     whether any reshard leaves the cost model's ascending axis order (nested shards)."""
-    from autopar.passes.buckets import bucket_collectives, loss_bucket, sync_groups
+    from autopar.passes.buckets import bucket_collectives, sync_groups
     from autopar.passes.reshard_route import route, route_collectives
-    from autopar.placements import Replicate, local_shape
+    from autopar.placements import local_shape
 
     lowered = pm._active[1]
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
@@ -156,17 +156,11 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     deviates = False
     edges = [(m, a, b) for m, a, b, _ in lowered.edges()]
     syncs = []  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
-    groups = sync_groups(lowered.grad_moves(), mesh.shape, lowered.bucketed)
-    loss_meta, loss_spec = lowered.loss_move()
-    ride = loss_bucket(groups, loss_meta, loss_spec)
-    if ride is None:  # the loss is reduced on its own
-        edges.append((loss_meta, loss_spec, (Replicate(),) * len(loss_spec)))
-    for b, (group, kind) in enumerate(groups):
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, lowered.bucketed):
         if kind is None:
             syncs.append((group[0].meta, group[0].src, group[0].dst))
             continue
-        for ckind, ax, nbytes in bucket_collectives(group, mesh.shape,
-                                                    loss_meta if b == ride else None):
+        for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
             slot = out.setdefault((ckind, mesh.axes[ax]), [0, 0.0])
             slot[0] += 1
             slot[1] += nbytes

@@ -185,36 +185,35 @@ def test_fsdp_gathers_a_layers_parameters_at_once() -> None:
     assert len(gathers) == len(grouped) < sum(len(g.producers) for g in grouped)
 
 
-def test_data_parallel_loss_rides_in_a_gradient_bucket() -> None:
-    """Data parallelism returns the whole loss at no collective of its own: the step issues the
-    gradient buckets only, the first one carrying the loss; the loss reads as the single-device
-    value once the backward ran, and (read before it) by its own all-reduce, also exact. A loss
-    scaled by a number (gradient accumulation) still rides in the bucket."""
+def test_data_parallel_loss_is_waited_for_only_when_read() -> None:
+    """Data parallelism returns the whole loss with its all-reduce issued at the end of the
+    forward and waited for only when read: the same collectives whatever the user reads, so
+    reading on some ranks only cannot desynchronise them. The loss reads as the exact value
+    (as a number, formatted, scaled for gradient accumulation without waiting)."""
+    import copy
+
     from autopar.runtime.deferred_loss import DeferredLoss
 
     model, inputs, plan = _mlp_with_reference("data_parallel", (4,))
     got, want, pm = run_case(model, inputs, (4,), plan, steps=2)
-    assert_same_training(got, want, what="data parallel, the loss in a bucket")
-    check_collectives(got["collectives"][-1], pm, "data parallel, the loss in a bucket")
-    assert {r.reason for r in got["collectives"][-1]} == {"gradient sync"}
-    assert not any(c.reason == "loss" for c in pm.plan.collectives)
+    assert_same_training(got, want, what="data parallel, deferred loss")
+    check_collectives(got["collectives"][-1], pm, "data parallel, deferred loss")
     with fake_world(4):
         pm.collectives.reset()
         loss = pm(*inputs)
-        assert isinstance(loss, DeferredLoss) and pm.collectives.records == []
-        early = reconcile(loss.detach())  # read before the backward: reduced on its own
-        assert [r.reason for r in pm.collectives.records] == ["loss"]
-        assert "grad_fn=" in repr(loss)
-        loss.backward()
-        assert {r.reason for r in pm.collectives.records[1:]} == {"gradient sync"}
-        assert torch.equal(reconcile(loss * 2), early * 2)
-        pm.collectives.reset()
-        half = pm(*inputs) / 2  # gradient accumulation's scaling keeps it deferred
+        assert isinstance(loss, DeferredLoss)
+        assert [r.reason for r in pm.collectives.records] == ["loss"]  # issued, not waited
+        value = reconcile(loss.detach())
+        assert f"{loss:.4f}" == f"{value.item():.4f}" and "grad_fn=" in repr(loss)
+        assert torch.equal(copy.deepcopy(loss), value)
+        half = loss / 2  # gradient accumulation's scaling: still deferred
         assert isinstance(half, DeferredLoss)
+        loss.mul_(3)  # in place on the loss leaves what was derived from it alone
+        assert torch.equal(reconcile(half.detach()), value / 2)
+        assert torch.equal(reconcile(loss.detach()), value * 3)
         half.backward()
-        assert {r.reason for r in pm.collectives.records} == {"gradient sync"}
-        assert torch.equal(reconcile(half.detach()), early / 2)
-        with torch.no_grad():  # no backward to ride in: reduced at once, a plain tensor
+        assert [r.reason for r in pm.collectives.records].count("loss") == 1
+        with torch.no_grad():  # no backward to overlap: waited for at once, a plain tensor
             plain = pm(*inputs)
         assert not isinstance(plain, DeferredLoss)
-        assert torch.equal(reconcile(plain), early)
+        assert torch.equal(reconcile(plain), value)
