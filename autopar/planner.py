@@ -111,7 +111,10 @@ def make_plan(
                                      tuple(sol.assignment))
         t_solve += time.perf_counter() - t3
         t4 = time.perf_counter()
-        refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
+        # each reference's better completion: at the new prices (they may avoid the bucket)
+        # or as before (one plan's fills, priced on all, may misguide a reference's)
+        again_refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
+        refs = refs.rescored(sp, memory_budget).better(again_refs, memory_budget)
         t_refs += time.perf_counter() - t4
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, memory_budget)
     t_total = time.perf_counter() - t0
@@ -149,11 +152,30 @@ class _References:
             got = score_reference(sp, pg, ref, time_limit_s)
             if got is not None:
                 cost[name], choices[name], assign[name] = got
-        fitting = [n for n, c in cost.items() if budget is None or c.mem_bytes <= budget]
+        return _References.of(cost, choices, assign, budget)
+
+    @staticmethod
+    def of(cost: dict[str, PlanCost], choices: dict[str, list[int]],
+           assign: dict[str, tuple[int, ...] | None], budget: float | None) -> _References:
+        fitting = [n for n, c in cost.items()
+                   if budget is None or c.mem_bytes <= budget * (1 + 1e-9)]
         seeds = [n for n in fitting if assign[n] is not None]
         best = min(seeds, key=lambda n: cost[n].step_s) if seeds else None
         fastest = min(fitting, key=lambda n: cost[n].step_s) if fitting else None
         return _References(cost, choices, assign, best, fastest)
+
+    def rescored(self, sp: ShardingProblem, budget: float | None) -> _References:
+        """The same completions, scored again (after the problem was repriced)."""
+        cost = {n: bucket_fill.score(sp, c).cost for n, c in self.choices.items()}
+        return _References.of(cost, self.choices, self.assign, budget)
+
+    def better(self, other: _References, budget: float | None) -> _References:
+        """Per reference, the cheaper of its two completions."""
+        cost, choices, assign = dict(self.cost), dict(self.choices), dict(self.assign)
+        for n, c in other.cost.items():
+            if n not in cost or c.step_s < cost[n].step_s:
+                cost[n], choices[n], assign[n] = c, other.choices[n], other.assign[n]
+        return _References.of(cost, choices, assign, budget)
 
 
 def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_gain: float,
@@ -171,7 +193,7 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
     method = sol.method
     best = refs.fastest
     if best is not None:
-        own = score_assignment(sp, choice).cost.step_s
+        own = bucket_fill.score(sp, choice).cost.step_s
         ref = refs.cost[best].step_s
         if own * (1 + min_gain) > ref:
             gain = ref / own - 1 if own > 0 else 0.0
@@ -184,7 +206,7 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
 
 def _cheapest(sp: ShardingProblem, choices: list[list[int]], budget: float | None) -> list[int]:
     """The choice that scores fastest within the memory budget (the first if none fits)."""
-    scored = [(score_assignment(sp, c).cost, k) for k, c in enumerate(choices)]
+    scored = [(bucket_fill.score(sp, c).cost, k) for k, c in enumerate(choices)]
     fits = [(c.step_s, k) for c, k in scored if budget is None or c.mem_bytes <= budget * (1 + 1e-9)]
     return choices[min(fits)[1] if fits else 0]
 
@@ -267,7 +289,7 @@ def score_reference(
     if got is None or got is _CONFLICT:
         return None
     _, choice, _ = got  # type: ignore[misc]
-    return score_assignment(sp, choice).cost, choice, None
+    return bucket_fill.score(sp, choice).cost, choice, None
 
 
 _CONFLICT = object()
@@ -304,7 +326,7 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
     choice = sp.expand(full_assign)
     choice = refine_followers(sp, choice)  # placeholders (the pins) are never followers
-    return score_assignment(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
+    return bucket_fill.score(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
 
 
 def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[np.ndarray]]:
@@ -325,7 +347,7 @@ def assemble_plan(
     solver: SolverInfo, timings: dict[str, float], references: dict[str, PlanCost],
     memory_budget: float | None,
 ) -> Plan:
-    scored = score_assignment(sp, choice)
+    scored = bucket_fill.score(sp, choice)
     params: dict[str, Spec] = {}
     inputs: dict[str, Spec] = {}
     input_shapes: dict[str, list[int]] = {}

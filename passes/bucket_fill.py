@@ -18,10 +18,15 @@ never pays for a second solve.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from autopar.passes.buckets import FIRST_BUCKET_BYTES, GradSync, bucket_kind, sync_groups
 from autopar.passes.edge_costs import edge_meta
 from autopar.passes.problem_reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.sharding_problem import ShardingProblem
+
+if TYPE_CHECKING:
+    from autopar.passes.scoring import Scored
 from autopar.placements import num_shards
 
 MIN_CHANGE = 0.005  # reprice (and solve again) only if the step gets at least this much dearer
@@ -75,6 +80,21 @@ def reprice(sp: ShardingProblem, choice: list[int], memory_budget: float | None)
         return False
     _rebuild(sp, memory_budget)
     return True
+
+
+def score(sp: ShardingProblem, choice: list[int]) -> Scored:
+    """``choice`` scored with its own nearly-empty buckets at their fill. Plans are compared and
+    reported by this: the solver's prices (``sp.bucket_fill``) are the fills of one plan,
+    applied to every plan, and would overcharge one whose buckets fill (a data-parallel
+    reference beside a tensor-parallel plan on the same axis)."""
+    from autopar.passes.scoring import score_assignment
+
+    old = sp.bucket_fill
+    sp.bucket_fill = measure(sp, choice)  # scoring reads no cached edge matrix
+    try:
+        return score_assignment(sp, choice)
+    finally:
+        sp.bucket_fill = old
 
 
 def apply(sp: ShardingProblem, fills: dict[tuple, float], memory_budget: float | None) -> None:

@@ -57,3 +57,24 @@ def test_full_buckets_keep_their_price() -> None:
     assert bucket_fill.measure(planned.problem, planned.node_choice) == {}
     assert not bucket_fill.reprice(planned.problem, planned.node_choice, None)
     assert planned.problem.bucket_fill == {}
+
+
+def test_one_plans_fill_does_not_overcharge_a_reference_whose_buckets_fill() -> None:
+    """The TP plan's nearly-empty bucket reprices its key for the solver; the data-parallel
+    reference on the same axis, whose buckets hold megabytes, is still completed and scored
+    as it is when planned alone."""
+    with torch.device("meta"):
+        model = MLP(MLPConfig(in_dim=256, hidden=(1024, 256, 1024), out_dim=256))
+    x = torch.empty(256, 256, device="meta")
+    mesh = Mesh((4,), ("tp",), "cpu")
+
+    def ref(name: str):
+        return REFERENCE_PLANS[name](model, mesh.shape, mesh.axes, "mlp", batch_size=256)
+
+    alone = make_plan(model, mesh, (x, x), time_limit_s=5,
+                      references={"data_parallel": ref("data_parallel")})
+    both = make_plan(model, mesh, (x, x), time_limit_s=5,
+                     references={n: ref(n) for n in ("data_parallel", "megatron_tp")})
+    assert both.problem.bucket_fill  # repriced for the TP plan
+    assert both.plan.references["data_parallel"].step_s == pytest.approx(
+        alone.plan.references["data_parallel"].step_s, rel=1e-9)
