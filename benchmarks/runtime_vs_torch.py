@@ -433,12 +433,14 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
 
     return f"""What limits the ratios above 1 (figures from this run):
 
-- **DP issues DDP's collectives, no more.** DDP issues {n("torch DP")} bucketed all-reduces,
-  overlapped with the backward; so does autopar ({kinds("autopar DP")}): the same
-  DDP-style buckets, started in the backward as each fills, reduced in place. The loss,
-  which autopar returns whole on every rank where DDP returns each rank's own, rides at the
-  end of the first bucket instead of costing an all-reduce and a synchronisation point at
-  the end of the forward (`runtime/deferred_loss.py`).
+- **DP synchronises where DDP does.** DDP issues {n("torch DP")} bucketed all-reduces,
+  overlapped with the backward; autopar issues {n("autopar DP")} ({kinds("autopar DP")}): the
+  same DDP-style buckets, started in the backward as each fills and reduced in place, plus
+  the loss, which autopar returns whole on every rank where DDP returns each rank's own. Its
+  all-reduce is issued at the end of the forward and waited for only when read, so it is no
+  synchronisation point (`runtime/deferred_loss.py`; a variant carrying the loss in the first
+  gradient bucket instead measured no faster, and reading the loss on some ranks only would
+  have desynchronised them).
 - **What is left is execution overhead**, measured with no communication in one process
   (the line under the table): per step autopar spends {extra["forward"]:+.2f} ms in the
   forward, {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in
@@ -456,10 +458,9 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   again (`passes/bucket_fill.py`).
 - **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
   fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
-  all-gather per layer, gradient reduce-scatters in buckets started during the backward (the
-  loss riding in the first); as the solver completes this layout, the gathered weights are
-  kept for the backward where fully_shard frees them and gathers again (more memory, fewer
-  collectives).
+  all-gather per layer, gradient reduce-scatters in buckets started during the backward; as
+  the solver completes this layout, the gathered weights are kept for the backward where
+  fully_shard frees them and gathers again (more memory, fewer collectives).
 - **The solver's own plan** here is {solver_plan}, priced by the `cpu` profile (200 us per
   ring step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce,
   about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",

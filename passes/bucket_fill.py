@@ -9,11 +9,13 @@ almost nothing. The solver then trades a collective for a few microseconds of co
 
 :func:`measure` reads, from a solution, how full each kind of bucket really is (bytes per
 bucket, per ``(collective, mesh axes, dtype)``); buckets under ``NEARLY_EMPTY`` count as
-under-full. :func:`reprice` prices the problem's gradient edges at those fills (``ShardingProblem.bucket_fill``, read by ``edge_costs``) and rebuilds the
-reduced problem, when that makes the solution's predicted step time dearer by more than
-``MIN_CHANGE``; the planner then solves again from that solution. Fuller buckets keep the
-full-bucket price, so a data-parallel plan, with the large models whose planning time counts,
-never pays for a second solve.
+under-full. :func:`reprice` prices the problem's gradient edges at those fills
+(``ShardingProblem.bucket_fill``, read by ``edge_costs``) and rebuilds the reduced problem,
+when that makes the solution's predicted step time dearer by more than ``MIN_CHANGE``; the
+planner then solves again from that solution. Fuller buckets keep the full-bucket price, so a
+data-parallel plan, with the large models whose planning time counts, never pays for a second
+solve. Those fills are one plan's, applied by the solver to every plan; plans and references
+are compared and reported by :func:`score`, each at its own buckets' fill.
 """
 
 from __future__ import annotations
