@@ -67,14 +67,19 @@ def register_finish(name: str) -> Callable[[Finisher], Finisher]:
     return deco
 
 
+def _finisher(strategy: Strategy) -> Finisher | None:
+    """The finisher of the impl that runs (the first named, as in :func:`local_call`)."""
+    impl = next((i for i in strategy.impls if i), None)
+    return _FINISHERS.get(impl) if impl is not None else None
+
+
 def has_finish(strategy: Strategy) -> bool:
-    return any(i in _FINISHERS for i in strategy.impls if i)
+    return _finisher(strategy) is not None
 
 
 def finish_call(out: Any, ctx: LocalContext) -> Any:
     """``out`` finished by its impl's finisher, if it has one."""
-    impl = next((i for i in ctx.strategy.impls if i), None)
-    fn = _FINISHERS.get(impl) if impl is not None else None
+    fn = _finisher(ctx.strategy)
     return out if fn is None else fn(ctx, out)
 
 
