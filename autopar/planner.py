@@ -28,7 +28,7 @@ from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import Spec
 from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
-from autopar.solver import Problem, Solution, solve
+from autopar.solver import Problem, Solution, evaluate, solve
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
@@ -120,8 +120,10 @@ def make_plan(
     t_total = time.perf_counter() - t0
     plan = assemble_plan(
         pg, sp, choice, model_name, mesh,
+        # the objective at the problem's final prices (a repricing may have changed them)
         SolverInfo(sol.status, round(sol.time_s, 4), method, sp.problem.num_nodes,
-                   len(sp.nodes), sp.shared_layers, float(sol.cost)),
+                   len(sp.nodes), sp.shared_layers,
+                   float(evaluate(sp.problem, sol.assignment)[0])),
         {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "references_s": t_refs,
          "total_s": t_total},
         refs.cost, memory_budget,
