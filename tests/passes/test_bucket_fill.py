@@ -31,9 +31,8 @@ def _kinds(planned) -> list[tuple[str, str, int]]:
 
 def test_tensor_parallel_plan_drops_the_nearly_empty_bucket(monkeypatch) -> None:
     """Priced as full-bucket members, the row-parallel biases' gradients are summed over a
-    sharded batch and all-reduced in a 2 KiB bucket (the loss riding in it); priced at that
-    bucket's fill, the plan computes them from the whole output gradient and keeps the loss
-    whole: torch's three all-reduces, no more."""
+    sharded batch and all-reduced in a 2 KiB bucket; priced at that bucket's fill, the plan
+    computes them from the whole output gradient: torch's three all-reduces, no more."""
     monkeypatch.setattr(planner, "REPRICE_ROUNDS", 0)
     optimistic = _mlp_plan("tp", "megatron_tp")
     assert ("all_reduce", "gradient sync", 1) in _kinds(optimistic)
@@ -41,7 +40,7 @@ def test_tensor_parallel_plan_drops_the_nearly_empty_bucket(monkeypatch) -> None
     planned = _mlp_plan("tp", "megatron_tp")
     assert _kinds(planned) == [("all_reduce", "resharding", 3)]
     sp = planned.problem
-    assert sp.bucket_fill  # the 2 KiB bucket, then the lone loss, were found and priced
+    assert sp.bucket_fill  # the 2 KiB bucket was found and priced at its fill
     # the repriced problem still prices every assignment as the full-graph score does
     rng = np.random.default_rng(0)
     p = sp.problem
