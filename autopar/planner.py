@@ -159,8 +159,7 @@ class _References:
     @staticmethod
     def of(cost: dict[str, PlanCost], choices: dict[str, list[int]],
            assign: dict[str, tuple[int, ...] | None], budget: float | None) -> _References:
-        fitting = [n for n, c in cost.items()
-                   if budget is None or c.mem_bytes <= budget * (1 + 1e-9)]
+        fitting = [n for n, c in cost.items() if _fits(c.mem_bytes, budget)]
         seeds = [n for n in fitting if assign[n] is not None]
         best = min(seeds, key=lambda n: cost[n].step_s) if seeds else None
         fastest = min(fitting, key=lambda n: cost[n].step_s) if fitting else None
@@ -190,12 +189,13 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
         if sol.feasible:
             solved = sp.expand(sol.assignment)
             candidates += [(refine_followers(sp, solved), sol), (solved, sol)]
-    cheapest = _cheapest(sp, [c for c, _ in candidates], budget)
-    choice, sol = next(pair for pair in candidates if pair[0] is cheapest)
+    scored = [bucket_fill.score(sp, c).cost for c, _ in candidates]
+    fit = [k for k, c in enumerate(scored) if _fits(c.mem_bytes, budget)]
+    k = min(fit, key=lambda k: scored[k].step_s) if fit else 0  # the first if none fits
+    (choice, sol), own = candidates[k], scored[k].step_s
     method = sol.method
     best = refs.fastest
     if best is not None:
-        own = bucket_fill.score(sp, choice).cost.step_s
         ref = refs.cost[best].step_s
         if own * (1 + min_gain) > ref:
             gain = ref / own - 1 if own > 0 else 0.0
@@ -206,11 +206,8 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
     return choice, sol, method
 
 
-def _cheapest(sp: ShardingProblem, choices: list[list[int]], budget: float | None) -> list[int]:
-    """The choice that scores fastest within the memory budget (the first if none fits)."""
-    scored = [(bucket_fill.score(sp, c).cost, k) for k, c in enumerate(choices)]
-    fits = [(c.step_s, k) for c, k in scored if budget is None or c.mem_bytes <= budget * (1 + 1e-9)]
-    return choices[min(fits)[1] if fits else 0]
+def _fits(mem_bytes: float, budget: float | None) -> bool:
+    return budget is None or mem_bytes <= budget * (1 + 1e-9)
 
 
 def planner_solve(
@@ -246,7 +243,7 @@ def _solve_within_budget(
         return sol
     for _ in range(3):
         peak = score_assignment(sp, sp.expand(sol.assignment)).cost.mem_bytes
-        if peak <= budget * (1 + 1e-9):
+        if _fits(peak, budget):
             return sol
         limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
         problem = _with_limit(problem, limit)

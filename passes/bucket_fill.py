@@ -22,14 +22,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autopar.passes.buckets import FIRST_BUCKET_BYTES, GradSync, bucket_kind, sync_groups
+from autopar.passes.buckets import (
+    FIRST_BUCKET_BYTES,
+    GradSync,
+    bucket_collectives,
+    bucket_kind,
+    sync_groups,
+)
 from autopar.passes.edge_costs import edge_meta
 from autopar.passes.problem_reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.sharding_problem import ShardingProblem
 
 if TYPE_CHECKING:
     from autopar.passes.scoring import Scored
-from autopar.placements import num_shards
 
 MIN_CHANGE = 0.005  # reprice (and solve again) only if the step gets at least this much dearer
 # Buckets holding less than DDP's first bucket are repriced. Fuller ones keep the full-bucket
@@ -57,7 +62,7 @@ def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
         if kind is None:
             continue
         key = (kind.kind, kind.axes, group[0].meta.dtype)
-        nbytes = sum(g.weight * g.meta.nbytes / num_shards(g.src, sp.mesh.shape) for g in group)
+        nbytes = bucket_collectives(group, sp.mesh.shape)[0][2]  # per rank, every axis alike
         totals[key] = totals.get(key, 0.0) + nbytes
         counts[key] = counts.get(key, 0) + 1
     fills = {key: totals[key] / counts[key] for key in totals}

@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def _reshard(sp: ShardingProblem, meta: TensorMeta, src, dst, kind: str | None) -> float:
-    bucketed = _batched(kind, src, dst)
-    fill = _fill(sp, meta, src, dst, kind) if bucketed else cm.BUCKET_BYTES
+    bucketed, fill = _batch_price(sp, meta, src, dst, kind)
     key = (meta.shape, meta.dtype, src, dst, bucketed, fill)
     t = sp.reshard_cache.get(key)
     if t is None:
@@ -34,20 +33,22 @@ def edge_collectives(sp: ShardingProblem, e: Edge, src, dst) -> list[cm.Collecti
     """The collectives of edge ``e`` under one (producer, consumer) pair, priced as the
     solver prices them (bucket shares included)."""
     meta = edge_meta(sp, e)
-    kind = _kind(sp, e)
-    bucketed = _batched(kind, src, dst)
-    fill = _fill(sp, meta, src, dst, kind) if bucketed else cm.BUCKET_BYTES
+    bucketed, fill = _batch_price(sp, meta, src, dst, _kind(sp, e))
     return cm.reshard_collectives(meta, src, dst, sp.mesh, bucketed, fill)
 
 
-def _fill(sp: ShardingProblem, meta: TensorMeta, src, dst, kind: str | None) -> float:
-    """What the batch a bucketed move joins holds: a full gradient bucket, unless
-    :func:`autopar.passes.bucket_fill.measure` found its buckets under-full in a solution."""
+def _batch_price(sp: ShardingProblem, meta: TensorMeta, src, dst,
+                 kind: str | None) -> tuple[bool, float]:
+    """Whether the move is batched with others, and what its batch holds: a full gradient
+    bucket, unless :func:`autopar.passes.bucket_fill.measure` found its buckets under-full in
+    a solution."""
+    if not _batched(kind, src, dst):
+        return False, cm.BUCKET_BYTES
     if kind != "grad" or not sp.bucket_fill:
-        return cm.BUCKET_BYTES
+        return True, cm.BUCKET_BYTES
     b = bucket_kind(src, dst)
     assert b is not None
-    return sp.bucket_fill.get((b.kind, b.axes, meta.dtype), cm.BUCKET_BYTES)
+    return True, sp.bucket_fill.get((b.kind, b.axes, meta.dtype), cm.BUCKET_BYTES)
 
 
 def is_param_gather(sp: ShardingProblem, e: Edge) -> bool:

@@ -25,6 +25,7 @@ given plan that has one, naming the node.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,7 +115,6 @@ class LoweredGraph:
         out_node = next(n for n in nodes if n.op == "output")
         flat_out = tree_flatten(out_node.args[0])[0]
         self.loss = pg.loss_node
-        self.loss_meta = next(n for n in nodes if n.name == self.loss).meta["autopar"].out
         self.grads = [g.name if isinstance(g, fx.Node) else None for g in flat_out[1:]]
         self.seed = _seed_node(calls[n_fwd:], pg.loss_node)
         bwd_reads = {i.producer for s in calls[n_fwd:] for i in self._inputs(s)}
@@ -189,7 +189,7 @@ class LoweredGraph:
             out += [(m, a, b, "resharding") for m, a, b in
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
         rep = (Replicate(),) * len(self.mesh_shape)
-        out.append((self.loss_meta, self.spec(self.loss), rep, "loss"))
+        out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
         return out
 
     def gather_collectives(self) -> list[tuple[int, float]]:
@@ -214,9 +214,7 @@ class LoweredGraph:
     def whole_loss(self, local: torch.Tensor, comm: Comm, wait: bool = True) -> torch.Tensor:
         """The loss whole on every rank, by its own collective (if it needs one)."""
         rep = (Replicate(),) * len(self.mesh_shape)
-        if wait:
-            return redistribute(local, self.spec(self.loss), rep, comm, "loss")
-        with comm.deferred():
+        with contextlib.nullcontext() if wait else comm.deferred():
             return redistribute(local, self.spec(self.loss), rep, comm, "loss")
 
     def loss_value(self, local: torch.Tensor, comm: Comm) -> LossValue | None:
