@@ -31,6 +31,10 @@ class DeviceProfile:
     collective_overhead: float = 10e-6
     matmul_efficiency: float = 0.7
     memory_efficiency: float = 0.8
+    # whether communication runs beside compute (NCCL on its own stream) rather than taking
+    # the compute's own cores (gloo on a CPU machine): it decides whether a small first
+    # gradient bucket, issued early to overlap the rest of the backward, pays for itself
+    comm_overlaps_compute: bool = True
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
@@ -61,7 +65,10 @@ PROFILES: dict[str, DeviceProfile] = {
                  2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps),
     # A CPU process talking gloo over loopback, as `autopar train` runs: gloo's per-call
     # overhead is large (0.5-4 ms per collective measured on a 2-core machine, ~0.3 GB/s),
-    # so each ring step is charged 200 us and the link 0.5 GB/s.
+    # so each ring step is charged 200 us and the link 0.5 GB/s. Gloo reduces on the CPU
+    # cores the model computes on (a 1 MiB all-reduce over 4 ranks measured about 2 ms of CPU
+    # per process, a 3 MiB one about 2.5 ms), so communication does not overlap compute for
+    # free: gradients go out in as few buckets as the bucket size allows.
     "cpu": DeviceProfile(
         "cpu",
         {"float32": 50e9, "bfloat16": 10e9, "float16": 5e9},
@@ -75,6 +82,7 @@ PROFILES: dict[str, DeviceProfile] = {
         collective_overhead=1e-3,
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
+        comm_overlaps_compute=False,
     ),
 }
 

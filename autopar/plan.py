@@ -17,8 +17,10 @@ from autopar.placements import Spec, format_spec, parse_spec
 
 # 2: in-op all-reduces (``raw_out``), parameter gathers listed one per layer and phase, gradient
 # reduce-scatters in buckets. 3: the batch-sharded mean nll_loss all-reduces its count of kept
-# targets inside the op. An older plan's collectives would not match what now runs.
-PLAN_VERSION = 3
+# targets inside the op. 4: the first gradient bucket's size is the plan's (one size for
+# every bucket on a device whose communication does not overlap compute). An older plan's
+# collectives would not match what now runs.
+PLAN_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,9 @@ class Plan:
     references: dict[str, PlanCost] = field(default_factory=dict)
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
     memory_budget: float | None = None
+    # the first gradient bucket's size the plan was priced with (passes.buckets); the runtime
+    # fills its buckets the same way, so it issues the collectives the plan lists
+    first_bucket_bytes: int = 2**20
     version: int = PLAN_VERSION
 
     # --- JSON ---------------------------------------------------------------------------------
@@ -100,6 +105,7 @@ class Plan:
             "input_shapes": self.input_shapes,
             "cost": self.cost.to_json(),
             "memory_budget": self.memory_budget,
+            "first_bucket_bytes": self.first_bucket_bytes,
             "solver": asdict(self.solver),
             "timings": self.timings,
             "collectives": [asdict(c) for c in self.collectives],
@@ -144,6 +150,7 @@ class Plan:
                 references={k: PlanCost.from_json(v) for k, v in d.get("references", {}).items()},
                 input_shapes=dict(d.get("input_shapes", {})),
                 memory_budget=d.get("memory_budget"),
+                first_bucket_bytes=int(d["first_bucket_bytes"]),
                 version=version,
             )
         except PlanError:

@@ -23,6 +23,7 @@ from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import bucket_fill, sharding_problem
 from autopar.passes.axis_search import solve_axiswise
+from autopar.passes.buckets import first_bucket_bytes
 from autopar.passes.problem_reduction import refine_followers
 from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
@@ -369,4 +370,5 @@ def assemble_plan(
         cost=scored.cost, solver=solver, timings={k: round(v, 4) for k, v in timings.items()},
         missing_rules=dict(sp.missing_rules), references=references,
         input_shapes=input_shapes, memory_budget=memory_budget,
+        first_bucket_bytes=first_bucket_bytes(mesh.device),
     )

@@ -27,6 +27,7 @@ from autopar.passes.buckets import (
     GradSync,
     bucket_collectives,
     bucket_kind,
+    first_bucket_bytes,
     sync_groups,
 )
 from autopar.passes.edge_costs import edge_meta
@@ -58,7 +59,8 @@ def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
             syncs.append(GradSync(k, edge_meta(sp, e), src, dst, weight))
     totals: dict[tuple, float] = {}
     counts: dict[tuple, int] = {}
-    for group, kind in sync_groups(syncs, sp.mesh.shape):
+    for group, kind in sync_groups(syncs, sp.mesh.shape,
+                                   first_bytes=first_bucket_bytes(sp.mesh.device)):
         if kind is None:
             continue
         key = (kind.kind, kind.axes, group[0].meta.dtype)

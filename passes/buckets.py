@@ -8,8 +8,11 @@ reduce-scatter (``P -> S(d)`` on one axis, no other axis splitting ``d``) with o
 reduce-scattered over that axis (FSDP): each is laid out in the buffer as its ``n`` row
 blocks, so one reduce-scatter of the buffer hands every rank all of its shards. As in DDP,
 buckets fill in reverse parameter order (about the order the backward makes the gradients),
-each closed once it holds ``FIRST_BUCKET_BYTES`` of local data (the first, so its collective
-starts early in the backward) or ``BUCKET_BYTES`` (the others).
+each closed once it holds ``BUCKET_BYTES`` of local data. Where communication overlaps compute
+(:func:`first_bucket_bytes`), the first closes at ``FIRST_BUCKET_BYTES``, so that its
+collective starts early in the backward, as DDP does; where it does not (gloo on CPU cores the
+model computes on), that early bucket would only add a collective, so the first is as large
+as the others. The plan records the first bucket's size (``Plan.first_bucket_bytes``).
 
 **Parameter gathers.** The plain all-gathers of parameters that one layer's ops need in one
 phase go out as one all-gather (:func:`gather_groups`).
@@ -23,11 +26,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.devices import DeviceProfile
 from autopar.graph import TensorMeta
 from autopar.passes.cost_model import BUCKET_BYTES
 from autopar.placements import Partial, Replicate, Shard, Spec, num_shards
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, so communication starts early
+
+
+def first_bucket_bytes(profile: DeviceProfile) -> int:
+    """The first gradient bucket's size on ``profile``: DDP's small one where a gradient sync
+    runs beside the rest of the backward, else the size of every other bucket."""
+    return FIRST_BUCKET_BYTES if profile.comm_overlaps_compute else int(BUCKET_BYTES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +96,13 @@ def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...]
 
 
 def sync_groups(syncs: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool = True,
+                first_bytes: float = FIRST_BUCKET_BYTES,
                 ) -> list[tuple[list[GradSync], BucketKind | None]]:
-    """Every gradient move once, as the runtime issues them: the buckets, with how each
-    reduces, then each move no bucket takes, alone (kind ``None``)."""
-    buckets = gradient_buckets(syncs, mesh_shape) if bucketed else []
+    """Every gradient move once, as the runtime issues them: the buckets (the first closed at
+    ``first_bytes``), with how each reduces, then each move no bucket takes, alone (kind
+    ``None``)."""
+    buckets = (gradient_buckets(syncs, mesh_shape, first_bucket_bytes=first_bytes)
+               if bucketed else [])
     taken = {g.index for b in buckets for g in b}
     return ([(b, bucket_kind(b[0].src, b[0].dst)) for b in buckets]
             + [([g], None) for g in syncs if g.index not in taken])

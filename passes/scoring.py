@@ -14,6 +14,7 @@ from autopar.passes.buckets import (
     GradSync,
     ParamGather,
     bucket_collectives,
+    first_bucket_bytes,
     gather_groups,
     gather_move,
     sync_groups,
@@ -46,7 +47,8 @@ def _add_gradient_syncs(
 ) -> None:
     """Gradient syncs that are pure all-reduces or single reduce-scatters go out in buckets
     (one collective per bucket and axis, as the runtime issues them); the others one by one."""
-    for group, batched in sync_groups(syncs, sp.mesh.shape):
+    for group, batched in sync_groups(syncs, sp.mesh.shape,
+                                      first_bytes=first_bucket_bytes(sp.mesh.device)):
         if batched is None:
             (g,) = group
             for c in per_edge[g.index]:

@@ -37,10 +37,12 @@ _SCALINGS = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.ate
 
 
 class LossValue:
-    """The whole loss: a collective's pending result, waited for on first use."""
+    """The whole loss: a collective's pending result, waited for on first use (``work``: the
+    c10d work of a collective reducing ``pending`` in place; else ``pending`` waits itself)."""
 
-    def __init__(self, pending: torch.Tensor) -> None:
+    def __init__(self, pending: torch.Tensor, work: Any = None) -> None:
         self._value = pending
+        self._work = work
 
     @property
     def like(self) -> torch.Tensor:
@@ -48,6 +50,9 @@ class LossValue:
         return self._value
 
     def resolve(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
         self._value = _compat.wait(self._value)
         return self._value
 

@@ -39,15 +39,17 @@ class GradSyncSchedule:
     """Where in the backward each gradient move starts; built once per lowered program."""
 
     def __init__(self, bwd_steps: list[str], reads: dict[str, int], grad_names: list[str | None],
-                 moves: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool) -> None:
+                 moves: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool,
+                 first_bucket_bytes: float) -> None:
         """``reads``: value name -> the last backward step that reads it; ``moves``: the
-        gradients that must move (``index`` into ``grad_names``)."""
+        gradients that must move (``index`` into ``grad_names``); buckets filled as the plan
+        priced them (``Plan.first_bucket_bytes``)."""
         self.grad_names = grad_names
         self.move_of = {g.index: g for g in moves}
         self.mesh_shape = mesh_shape
         step_of = {name: i for i, name in enumerate(bwd_steps)}
         self.by_step: dict[int, list[_Launch]] = {}
-        for group, kind in sync_groups(moves, mesh_shape, bucketed):
+        for group, kind in sync_groups(moves, mesh_shape, bucketed, first_bucket_bytes):
             ids = [g.index for g in group]
             names = [grad_names[i] for i in ids]
             after = max(step_of.get(n, -1) for n in names)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph, TensorMeta
-from autopar.passes.buckets import GradSync
+from autopar.passes.buckets import GradSync, reduce_axes
 from autopar.passes.edge_costs import gather_unit
 from autopar.passes.strategies.localize import (
     LocalContext,
@@ -134,7 +134,8 @@ class LoweredGraph:
         self.bucketed = grad_sync_mode(self)
         reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
-                                          self.grad_moves(), self.mesh_shape, self.bucketed)
+                                          self.grad_moves(), self.mesh_shape, self.bucketed,
+                                          plan.first_bucket_bytes)
 
     # --- building -----------------------------------------------------------------------------
 
@@ -220,8 +221,15 @@ class LoweredGraph:
     def loss_value(self, local: torch.Tensor, comm: Comm) -> LossValue | None:
         """A training step's loss on its way to whole (see :mod:`.deferred_loss`): its
         collective issued now, waited for on first read. None: it is whole already."""
-        if all(isinstance(p, Replicate) for p in self.spec(self.loss)):
+        spec = self.spec(self.loss)
+        if all(isinstance(p, Replicate) for p in spec):
             return None
+        axes = reduce_axes(spec, (Replicate(),) * len(spec))
+        if axes is not None and len(axes) == 1:
+            # a sum over one axis: in place on a copy we own, without the functional
+            # collective's copy and bookkeeping (the same collective the plan lists)
+            mine = local.detach().clone()
+            return LossValue(mine, comm.start_all_reduce(mine, axes[0], "loss"))
         return LossValue(self.whole_loss(local, comm, wait=False))
 
     def backward(self, saved: dict[str, Any], grad_loss: torch.Tensor | None,

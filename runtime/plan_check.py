@@ -54,7 +54,8 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
                 add(c.kind, c.axis, reason, c.bytes)
     for ax, nbytes in lowered.gather_collectives():
         add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
-    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed):
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed,
+                                   lowered.plan.first_bucket_bytes):
         if kind is not None:
             for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
                 add(ckind, mesh.axes[ax], "gradient sync", nbytes)

@@ -87,8 +87,9 @@ def test_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "plan.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == 3
+    assert doc["version"] == 4
     assert doc["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"], "device": "h100"}
+    assert doc["first_bucket_bytes"] == 2**20  # NCCL overlaps an early small bucket
     assert set(doc["cost"]) >= {"step_s", "compute_s", "comm_s", "mem_bytes"}
     assert set(doc["solver"]) >= {"status", "time_s"}
     assert all(isinstance(v, list) and len(v) == 2 for v in doc["params"].values())

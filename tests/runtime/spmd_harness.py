@@ -156,7 +156,8 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     deviates = False
     edges = [(m, a, b) for m, a, b, _ in lowered.edges()]
     syncs = []  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
-    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, lowered.bucketed):
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, lowered.bucketed,
+                                   lowered.plan.first_bucket_bytes):
         if kind is None:
             syncs.append((group[0].meta, group[0].src, group[0].dst))
             continue

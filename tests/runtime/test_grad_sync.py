@@ -43,7 +43,8 @@ def test_buckets_mix_dims_start_when_ready_and_hand_back_each_gradient() -> None
         # g0, g1 are made by backward steps 0 and 2, g2 and g3 exist before the backward
         moves = [GradSync(i, TensorMeta(s, torch.float64), (P,), d)
                  for i, (s, d) in enumerate(zip(shapes, dsts))]
-        schedule = GradSyncSchedule(["g0", "x", "g1"], {}, names, moves, (n,), bucketed=True)
+        schedule = GradSyncSchedule(["g0", "x", "g1"], {}, names, moves, (n,), bucketed=True,
+                                    first_bucket_bytes=2**20)
         run = schedule.start(comm, env)
         assert [r.kind for r in counter.records] == ["all_reduce"]  # g2+g3 at once, at -1
         run.step_done(0)

@@ -26,6 +26,7 @@ from spmd_harness import (
 )
 
 from autopar.models import get_preset
+from autopar.mesh import Mesh
 from autopar.models.mlp import MLP, MLPConfig
 from autopar.placements import Shard
 from autopar.runtime._compat import reconcile
@@ -217,3 +218,27 @@ def test_data_parallel_loss_is_waited_for_only_when_read() -> None:
             plain = pm(*inputs)
         assert not isinstance(plain, DeferredLoss)
         assert torch.equal(reconcile(plain), value)
+
+
+@pytest.mark.parametrize("device, syncs", [("cpu", 1), ("h100", 2)])
+def test_gradient_buckets_are_sized_for_the_device(device: str, syncs: int) -> None:
+    """Data parallelism on 2 MiB of gradients: where communication overlaps compute (NCCL)
+    the plan keeps DDP's small first bucket, all-reduced early in the backward, so two
+    all-reduces; on CPU cores that gloo shares with the compute an early bucket would only add
+    a collective, so one. The runtime fills its buckets as the plan says: the collectives it
+    runs are the plan's, and training equals one device."""
+    from autopar.passes.buckets import FIRST_BUCKET_BYTES
+
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_dim=64, hidden=(2048, 64, 2048), out_dim=64))
+    inputs = (torch.randn(8, 64), torch.randn(8, 64))
+    plan = reference_plan(model, "mlp", "data_parallel", Mesh((2,), ("dp",), device), inputs)
+    assert plan is not None
+    assert (plan.first_bucket_bytes == FIRST_BUCKET_BYTES) == (device != "cpu")
+    predicted = [c for c in plan.collectives if c.reason == "gradient sync"]
+    assert [(c.kind, c.count) for c in predicted] == [("all_reduce", syncs)]
+    got, want, pm = run_case(model, inputs, (2,), plan, steps=2)
+    assert_same_training(got, want, what=f"data parallel, buckets sized for {device}")
+    check_collectives(got["collectives"][-1], pm, f"data parallel, buckets for {device}")
+    ran = [r for r in got["collectives"][-1] if r.reason == "gradient sync"]
+    assert len(ran) == syncs
