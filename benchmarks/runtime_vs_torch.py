@@ -15,8 +15,12 @@ made once, in this process (planning needs no processes), and handed to every ra
 
 The model is the MLP of ``autopar.models`` with widths ``in, H, in, H, out``: layers (0, 1) and
 (2, 3) are the column-then-row pairs torch's tensor parallelism expects. Every config trains the
-same initial weights on the same global batch with AdamW (the torch wrappers get each rank's
-share of the batch, as their users would pass it; autopar gets the whole batch on every rank).
+same initial weights on the same global batch with the same AdamW (the torch wrappers get each
+rank's share of the batch, as their users would pass it; autopar gets the whole batch on every
+rank). ``--optimizer`` picks AdamW's implementation for every config: ``fused`` (the default, one
+kernel per step, what torchtitan and Megatron train with), ``foreach``, or ``for-loop`` (torch's
+pick on CPU when none is given: about 7 ops per parameter). Unless it is ``for-loop`` already, the
+DP pair also runs with the for-loop AdamW, as a row of its own.
 A step is forward + backward + optimizer step, timed between barriers, slowest rank; configs are
 interleaved round by round so load from other programs hits them alike; reported is the median.
 
@@ -51,6 +55,12 @@ NPROC = 4
 PAIRS = (("DP", "DDP", "data_parallel", "dp"),
          ("TP (tp=4)", "parallelize_module", "megatron_tp", "tp"),
          ("FSDP", "fully_shard", "fsdp", "dp"))
+# --optimizer: AdamW's implementation, the same for every config
+OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True},
+              "for-loop": {"foreach": False, "fused": False}}
+FOR_LOOP_DP = "DP, AdamW for-loop"  # the extra DP pair run with the for-loop AdamW
+# DDP whose step also all-reduces its loss, as autopar returns the whole loss: what that costs
+DDP_GLOBAL_LOSS = "torch DP, global loss"
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,11 @@ class Bench:
     seed: int
     plans: dict[str, dict]  # run name -> Plan JSON ("autopar DP", ..., "autopar solver")
     plan_axes: dict[str, str]  # run name -> mesh axis name the plan was made on
+    optimizer: str = "fused"  # a key of OPTIMIZERS
+
+    def adamw(self, model: nn.Module, optimizer: str | None = None) -> torch.optim.AdamW:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3,
+                                 **OPTIMIZERS[optimizer or self.optimizer])
 
     def config(self) -> MLPConfig:
         return MLPConfig(in_dim=self.width, hidden=(self.hidden, self.width, self.hidden),
@@ -198,18 +213,31 @@ def _global_mean(local_loss: float) -> float:
 
 
 class _Step:
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                 collectives: Any = None, local_batch: bool = False) -> None:
-        self.model, self.x, self.y = model, x, y
-        self.local_batch = local_batch  # torch's wrappers take this rank's share of the batch
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                 y: torch.Tensor, collectives: Any = None, local_batch: bool = False,
+                 global_loss: bool = False) -> None:
+        self.model, self.opt, self.x, self.y = model, opt, x, y
+        # torch's wrappers take this rank's share of the batch and return its own loss
+        self.local_batch = local_batch and not global_loss
+        # all-reduce that loss each step, as autopar's whole loss is: issued after the
+        # forward, waited for at the end of the step
+        self.global_loss = global_loss
         self.collectives = collectives
 
     def __call__(self) -> float:
+        import torch.distributed as dist
+
         loss = self.model(self.x, self.y)
+        work = None
+        if self.global_loss:
+            whole = loss.detach() / dist.get_world_size()
+            work = dist.all_reduce(whole, async_op=True)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if work is not None:
+            work.wait()
+            return float(whole)
         full = getattr(loss, "full_tensor", None)
         return float((full() if full is not None else loss).detach())
 
@@ -237,21 +265,35 @@ def _build_runs(b: Bench, x: torch.Tensor, y: torch.Tensor) -> dict[str, _Step]:
         torch.manual_seed(b.seed + 1)  # the same initial weights for every config
         return MLP(b.config())
 
+    def step(model: nn.Module, optimizer: str | None = None, **kw: Any) -> _Step:
+        return _Step(model, b.adamw(model, optimizer), **kw)
+
+    def ours(plan_name: str) -> nn.Module:
+        return autopar.parallelize(fresh(), meshes[b.plan_axes[plan_name]],
+                                   example_inputs=(x, y), plan=Plan.from_json(b.plans[plan_name]))
+
     runs: dict[str, _Step] = {}
-    runs["torch DP"] = _Step(DDP(fresh()), xs, ys, local_batch=True)
+    runs["torch DP"] = step(DDP(fresh()), x=xs, y=ys, local_batch=True)
+    runs[DDP_GLOBAL_LOSS] = step(DDP(fresh()), x=xs, y=ys, local_batch=True, global_loss=True)
     tp_model = fresh()
     n_layers = len(tp_model.layers)
     tp_plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
                for i in range(n_layers - n_layers % 2)}
-    runs["torch TP (tp=4)"] = _Step(parallelize_module(tp_model, meshes["tp"], tp_plan), x, y)
+    runs["torch TP (tp=4)"] = step(parallelize_module(tp_model, meshes["tp"], tp_plan), x=x, y=y)
     fs_model = fresh()
     for layer in fs_model.layers:
         fully_shard(layer, mesh=meshes["dp"])
-    runs["torch FSDP"] = _Step(fully_shard(fs_model, mesh=meshes["dp"]), xs, ys, local_batch=True)
-    for name, plan_json in b.plans.items():
-        pm = autopar.parallelize(fresh(), meshes[b.plan_axes[name]], example_inputs=(x, y),
-                                 plan=Plan.from_json(plan_json))
-        runs[name] = _Step(pm, x, y, getattr(pm, "collectives", None))
+    runs["torch FSDP"] = step(fully_shard(fs_model, mesh=meshes["dp"]), x=xs, y=ys,
+                              local_batch=True)
+    for name in b.plans:
+        pm = ours(name)
+        runs[name] = step(pm, x=x, y=y, collectives=getattr(pm, "collectives", None))
+    if b.optimizer != "for-loop" and "autopar DP" in b.plans:
+        runs[f"torch {FOR_LOOP_DP}"] = step(DDP(fresh()), "for-loop", x=xs, y=ys,
+                                            local_batch=True)
+        pm = ours("autopar DP")
+        runs[f"autopar {FOR_LOOP_DP}"] = step(pm, "for-loop", x=x, y=y,
+                                              collectives=getattr(pm, "collectives", None))
     return runs
 
 
@@ -274,7 +316,7 @@ def single_process_phases(b: Bench, steps: int = 100) -> dict[str, dict[str, flo
         model: nn.Module = MLP(b.config())
         if name == "autopar":
             model = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), example_inputs=(x, y))
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        runs[name] = (model, b.adamw(model))
     times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in runs}
     for i in range(b.warmup + steps):
         for name, (model, opt) in runs.items():
@@ -311,10 +353,13 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
     comms = res["comms"]
     rows: list[list[str]] = []
     slow: list[str] = []
-    best_torch = min((n for n in med if n.startswith("torch")), key=med.__getitem__)
+    best_torch = min((n for n in med if n.startswith("torch") and FOR_LOOP_DP not in n
+                      and n != DDP_GLOBAL_LOSS), key=med.__getitem__)
     pairs = [(cfg, f"torch {cfg}", f"autopar {cfg}", wrapper) for cfg, wrapper, _, _ in PAIRS]
     pairs.append(("solver plan vs best torch", best_torch, "autopar solver",
                   best_torch.removeprefix("torch ") + " (best torch)"))
+    if f"autopar {FOR_LOOP_DP}" in med:
+        pairs.append((FOR_LOOP_DP, f"torch {FOR_LOOP_DP}", f"autopar {FOR_LOOP_DP}", "DDP"))
     for cfg, t_name, a_name, label in pairs:
         t, a = med.get(t_name), med.get(a_name)
         tl, al = low.get(t_name), low.get(a_name)
@@ -334,6 +379,12 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
                   "autopar collectives/step (bytes per rank)"], rows)
     text += (f"\n\nfirst-step loss of all {len(losses)} runs agrees within {spread:.1e} "
              "(same weights, same global batch)")
+    if DDP_GLOBAL_LOSS in med and "autopar DP" in med:
+        g = med[DDP_GLOBAL_LOSS]
+        text += (f"\n\nDDP returning the whole loss as autopar does (its loss all-reduced each "
+                 f"step, issued after the forward, waited for at the end): {g:.2f} ms/step, "
+                 f"{g / med['torch DP']:.2f}x plain DDP; autopar DP is {med['autopar DP'] / g:.2f}x "
+                 "that")
     lat = res["latency"]
     text += ("\n\ngloo all-reduce over the 4 ranks, median ms: "
              + "; ".join(f"{k}: {v:.2f}" for k, v in lat.items()))
@@ -354,10 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, s")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="fused",
+                   help="AdamW's implementation, for every config (default fused)")
     p.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     args = p.parse_args(argv)
     b = Bench(args.width, args.hidden, args.batch, args.warmup, args.steps, args.rounds,
-              args.seed, {}, {})
+              args.seed, {}, {}, args.optimizer)
     plans, axes, info = make_plans(b, args.time_limit)
     b = Bench(**{**b.__dict__, "plans": plans, "plan_axes": axes})
     print(f"planned in {info['planning dp']} s (dp mesh) + {info['planning tp']} s (tp mesh); "
@@ -393,7 +446,8 @@ def _results_body(b: Bench, cmd: str, text: str, slow: list[str], why: str) -> s
     return f"""`{cmd}`
 
 Machine: {machine()}; {NPROC} gloo processes on 127.0.0.1 (1 intra-op thread each).
-Model: MLP {b.width}-{b.hidden}-{b.width}-{b.hidden}-{b.width}, global batch {b.batch}, AdamW;
+Model: MLP {b.width}-{b.hidden}-{b.width}-{b.hidden}-{b.width}, global batch {b.batch};
+AdamW, {b.optimizer} (the same for every config; the last row: DP with the for-loop AdamW);
 {b.warmup} warm-up steps, then median of {b.rounds} rounds x {b.steps} steps per config,
 configs interleaved; a step is forward + backward + optimizer step of the slowest rank.
 Target: autopar/torch <= 1.0.

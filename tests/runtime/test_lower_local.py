@@ -25,8 +25,8 @@ from spmd_harness import (
     run_case,
 )
 
-from autopar.models import get_preset
 from autopar.mesh import Mesh
+from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
 from autopar.placements import Shard
 from autopar.runtime._compat import reconcile
