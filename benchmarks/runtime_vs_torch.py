@@ -443,11 +443,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _results_body(b: Bench, cmd: str, text: str, slow: list[str], why: str) -> str:
     slower = "; ".join(slow) if slow else "none"
+    extra_row = ("" if b.optimizer == "for-loop" else
+                 " for every config (the last row: DP with AdamW's for-loop implementation)")
     return f"""`{cmd}`
 
 Machine: {machine()}; {NPROC} gloo processes on 127.0.0.1 (1 intra-op thread each).
 Model: MLP {b.width}-{b.hidden}-{b.width}-{b.hidden}-{b.width}, global batch {b.batch};
-AdamW, {b.optimizer} (the same for every config; the last row: DP with the for-loop AdamW);
+AdamW, {b.optimizer}{extra_row};
 {b.warmup} warm-up steps, then median of {b.rounds} rounds x {b.steps} steps per config,
 configs interleaved; a step is forward + backward + optimizer step of the slowest rank.
 Target: autopar/torch <= 1.0.
@@ -485,24 +487,36 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
     plain, ours = phases["plain"], phases["autopar"]
     extra = {p: ours[p] - plain[p] for p in PHASES}
 
-    return f"""What limits the ratios above 1 (figures from this run):
+    g = med.get(DDP_GLOBAL_LOSS)
+    loss_cost = (f"DDP made to return the whole loss too (its loss all-reduced each step, "
+                 f"issued after the forward, waited for at the end) ran "
+                 f"{g / med['torch DP']:.2f}x plain DDP, and autopar DP "
+                 f"{med['autopar DP'] / g:.2f}x that" if g else "")
+    for_loop = med.get(f"autopar {FOR_LOOP_DP}", float("nan")) / med.get(
+        f"torch {FOR_LOOP_DP}", float("nan"))
 
-- **DP synchronises where DDP does.** DDP issues {n("torch DP")} bucketed all-reduces,
-  overlapped with the backward; autopar issues {n("autopar DP")} ({kinds("autopar DP")}): the
-  same DDP-style buckets, started in the backward as each fills and reduced in place, plus
-  the loss, which autopar returns whole on every rank where DDP returns each rank's own. Its
-  all-reduce is issued at the end of the forward and waited for only when read, so it is no
-  synchronisation point (`runtime/deferred_loss.py`; a variant carrying the loss in the first
-  gradient bucket instead measured no faster, and reading the loss on some ranks only would
-  have desynchronised them).
-- **What is left is execution overhead**, measured with no communication in one process
-  (the line under the table): per step autopar spends {extra["forward"]:+.2f} ms in the
-  forward, {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in
-  the optimizer step. The optimizer's share is DTensor's: AdamW runs about 7 ops per
-  parameter and each goes through DTensor's dispatch (the parameters are DTensors placed as
-  the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are plain).
-  The forward and backward share is the per-rank program, interpreted op by op in Python.
-  With 4 processes on 2 cores every ms of CPU costs about two.
+    return f"""What limits the ratios (figures from this run):
+
+- **DP: the same work as DDP, fewer collectives, plus the loss.** DDP issues
+  {n("torch DP")} all-reduces (its fixed 1 MiB first bucket, started early to overlap the
+  backward, then the rest); autopar issues {n("autopar DP")} ({kinds("autopar DP")}). On the
+  `cpu` profile the planner fills one bucket: gloo reduces on the cores the model computes
+  on (a 1 MiB all-reduce costs about 2 ms of CPU per rank, the whole 4 MiB hardly more), so
+  an early bucket hides nothing and costs a collective (`passes/buckets.first_bucket_bytes`;
+  GPU profiles keep DDP's early bucket). The other collective is the loss, which autopar
+  returns whole on every rank where DDP returns each rank's own: {loss_cost}. Its all-reduce
+  is issued at the end of the forward and waited for only when read
+  (`runtime/deferred_loss.py`), so it is no synchronisation point; issuing it still wakes
+  gloo's worker threads on cores that are all busy.
+- **Execution overhead**, measured with no communication in one process (the line under the
+  table): per step autopar spends {extra["forward"]:+.2f} ms in the forward,
+  {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in the
+  optimizer step. The optimizer's share is DTensor's dispatch (the parameters are DTensors
+  placed as the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are
+  plain). With AdamW's for-loop implementation (about 7 ops per parameter, each through that
+  dispatch) the DP ratio was {for_loop:.2f}. The forward and backward share is the per-rank
+  program, interpreted op by op in Python. With 4 processes on 2 cores every ms of CPU costs
+  about two.
 - **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}
   ({kinds("autopar TP (tp=4)")}): the row-parallel layers all-reduce their outputs inside
   the op, once for forward and backward, as Megatron does. The row-parallel biases'
@@ -520,11 +534,13 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",
   "?")}". Measured, its step is {solver_vs_dp:.2f}x the DP run's.
 - **Noise.** Other programs shared the 2 cores during the run (load average
-  {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed figure.
+  {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed
+  figure, and repeated runs of the same code move the DP ratio by about 0.05.
 
-What would bring the DP ratio to 1 or below: a cheaper optimizer step on DTensor parameters
-(a foreach or fused AdamW, which torch picks by itself only on GPUs, or a cheaper DTensor
-dispatch) and the per-rank program compiled to straight-line code."""
+What is left of the DP gap is about that execution overhead (twice its per-rank figure, on
+2 cores) and the loss's collective. What would close it: a cheaper DTensor dispatch for the
+optimizer step, and the per-rank program compiled to code rather than interpreted (or run by
+torch.compile); both matter less as the model grows, since they are per op, not per byte."""
 
 
 if __name__ == "__main__":
