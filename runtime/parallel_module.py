@@ -189,13 +189,14 @@ def _distribute_state(pm: nn.Module, graph: PlanGraph, plan: Plan, mesh: Any) ->
     for bname, n in zip(graph.buffer_names, buf_nodes):
         specs[bname] = plan.nodes[n.name].outs[0]
     new_of: dict[int, torch.Tensor] = {}
+    name_of = _names_by_id(pm)
     for mod in pm.modules():
         for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
             for key, t in list(store.items()):
                 if t is None or isinstance(t, DTensor):
                     continue
                 if id(t) not in new_of:
-                    name = _name_of(pm, t)
+                    name = name_of.get(id(t))
                     if name is None or name not in specs:
                         continue
                     if t.is_meta:
@@ -212,14 +213,12 @@ def _distribute_state(pm: nn.Module, graph: PlanGraph, plan: Plan, mesh: Any) ->
                 store[key] = new_of[id(t)]
 
 
-def _name_of(pm: nn.Module, t: torch.Tensor) -> str | None:
-    for name, p in pm.named_parameters(remove_duplicate=True):
-        if p is t:
-            return name
-    for name, b in pm.named_buffers(remove_duplicate=True):
-        if b is t:
-            return name
-    return None
+def _names_by_id(pm: nn.Module) -> dict[int, str]:
+    """Each parameter's and buffer's name, by tensor id (a tied tensor: its first name)."""
+    out: dict[int, str] = {}
+    for name, t in [*pm.named_parameters(), *pm.named_buffers()]:
+        out.setdefault(id(t), name)
+    return out
 
 
 def _get_tensor(pm: nn.Module, name: str) -> torch.Tensor:
