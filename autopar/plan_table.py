@@ -83,6 +83,15 @@ def render(plan: Plan, max_params: int = 40) -> str:
         )
     else:
         lines.append("  none")
+    if any(x.reason == "gradient sync" for x in plan.collectives):
+        from autopar.passes.cost_model import BUCKET_BYTES
+
+        first, rest = fmt_bytes(plan.first_bucket_bytes), fmt_bytes(BUCKET_BYTES)
+        lines.append("  gradient buckets, filled in reverse parameter order: " + (
+            f"{rest} each (communication does not overlap compute on this device)"
+            if plan.first_bucket_bytes >= BUCKET_BYTES else
+            f"the first closes at {first}, so its collective starts early, the others at "
+            f"{rest}"))
     if plan.missing_rules:
         ops = ", ".join(f"{k} (x{v})" for k, v in sorted(plan.missing_rules.items()))
         lines += ["", f"ops with no sharding rule, planned replicated: {ops}"]

@@ -31,6 +31,16 @@ def test_plan_writes_the_documented_json(tmp_path, capsys):
     assert doc["cost"]["step_s"] <= best_ref * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("device, says", [
+    ("cpu", "25.00 MiB each (communication does not overlap compute"),
+    ("h100", "the first closes at 1.00 MiB, so its collective starts early"),
+])
+def test_plan_table_says_how_gradients_are_bucketed(capsys, device, says):
+    code, out, err = run(capsys, "plan", "mlp-tiny", "--mesh", "dp=2", "--device", device)
+    assert code == 0, err
+    assert "gradient sync" in out and says in out
+
+
 @pytest.mark.parametrize(
     "argv,needle",
     [
