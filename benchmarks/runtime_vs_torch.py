@@ -492,12 +492,15 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
                  f"issued after the forward, waited for at the end) ran "
                  f"{g / med['torch DP']:.2f}x plain DDP, and autopar DP "
                  f"{med['autopar DP'] / g:.2f}x that" if g else "")
-    for_loop = med.get(f"autopar {FOR_LOOP_DP}", float("nan")) / med.get(
-        f"torch {FOR_LOOP_DP}", float("nan"))
+    for_loop = ""
+    if f"autopar {FOR_LOOP_DP}" in med:
+        ratio = med[f"autopar {FOR_LOOP_DP}"] / med[f"torch {FOR_LOOP_DP}"]
+        for_loop = (f" With AdamW's for-loop implementation (about 7 ops per parameter, each "
+                    f"through that dispatch) the DP ratio was {ratio:.2f}.")
 
     return f"""What limits the ratios (figures from this run):
 
-- **DP: the same work as DDP, fewer collectives, plus the loss.** DDP issues
+- **DP: the same work as DDP, fewer gradient collectives, plus the loss.** DDP issues
   {n("torch DP")} all-reduces (its fixed 1 MiB first bucket, started early to overlap the
   backward, then the rest); autopar issues {n("autopar DP")} ({kinds("autopar DP")}). On the
   `cpu` profile the planner fills one bucket: gloo reduces on the cores the model computes
@@ -513,8 +516,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in the
   optimizer step. The optimizer's share is DTensor's dispatch (the parameters are DTensors
   placed as the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are
-  plain). With AdamW's for-loop implementation (about 7 ops per parameter, each through that
-  dispatch) the DP ratio was {for_loop:.2f}. The forward and backward share is the per-rank
+  plain).{for_loop} The forward and backward share is the per-rank
   program, interpreted op by op in Python. With 4 processes on 2 cores every ms of CPU costs
   about two.
 - **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}
@@ -526,7 +528,8 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   again (`passes/bucket_fill.py`).
 - **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
   fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
-  all-gather per layer, gradient reduce-scatters in buckets started during the backward; as
+  all-gather per layer, gradient reduce-scatters in buckets (on the `cpu` profile one, once
+  the last gradient exists, for the reason given under DP); as
   the solver completes this layout, the gathered weights are kept for the backward where
   fully_shard frees them and gathers again (more memory, fewer collectives).
 - **The solver's own plan** here is {solver_plan}, priced by the `cpu` profile (200 us per

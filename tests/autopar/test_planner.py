@@ -8,6 +8,7 @@ import torch
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.models import get_preset
+from autopar.passes.cost_model import BUCKET_BYTES
 from autopar.placements import R, S, Shard
 from autopar.plan import Plan
 from autopar.planner import make_plan
@@ -96,6 +97,10 @@ def test_plan_round_trips_through_json(tmp_path):
     loaded = Plan.load(path)
     assert loaded == planned.plan
     assert "predicted step" in loaded.table()
+    # gloo on CPU cores: one bucket size, also after a JSON round trip
+    on_cpu = _plan("llama3-tiny", Mesh((2,), ("dp",), "cpu"), batch=4, seq=32).plan
+    assert on_cpu.first_bucket_bytes == BUCKET_BYTES
+    assert Plan.from_json(json.loads(json.dumps(on_cpu.to_json()))) == on_cpu
 
 
 def test_plan_json_errors_name_the_fix(tmp_path):

@@ -204,6 +204,7 @@ def test_data_parallel_loss_is_waited_for_only_when_read() -> None:
         loss = pm(*inputs)
         assert isinstance(loss, DeferredLoss)
         assert [r.reason for r in pm.collectives.records] == ["loss"]  # issued, not waited
+        assert loss._held._work is not None  # a sum over one axis: c10d, in place on a copy
         value = reconcile(loss.detach())
         assert f"{loss:.4f}" == f"{value.item():.4f}" and "grad_fn=" in repr(loss)
         assert torch.equal(copy.deepcopy(loss), value)
