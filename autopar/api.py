@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.capture import capture
+from autopar.devices import PROFILES
 from autopar.errors import MeshError, PlanError
 from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
@@ -56,6 +57,7 @@ def parallelize(
     with _compat.outside_local_tensor_mode():
         graph = capture(model, example_inputs, example_kwargs, loss_fn)
         if plan is None:
+            _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
             the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget, time_limit_s))
             replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s)
         else:
@@ -91,6 +93,18 @@ def resolve_mesh(mesh: Mesh | Any) -> tuple[Any, Mesh]:
     backend = str(dist.get_backend())
     device_type = _BACKEND_DEVICE.get(backend, "cuda" if "nccl" in backend else "cpu")
     return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axes), mesh
+
+
+def _warn_if_priced_for_another_device(mesh: Mesh, device_type: str) -> None:
+    """Planning for GPUs while the processes run on CPUs (or the other way round) prices the
+    plan for the wrong speeds and gradient buckets: say so, with the fix."""
+    name = mesh.device.name
+    if name in PROFILES and (name == "cpu") != (device_type == "cpu"):
+        fix = "'cpu'" if device_type == "cpu" else "the GPU's profile ('h100', 'h200', 'a100')"
+        warnings.warn(
+            f"the mesh plans for device {name!r} but the processes run on {device_type}: the "
+            f"plan is priced for the wrong speeds and gradient buckets; pass device={fix} to "
+            "autopar.Mesh (or a DeviceProfile of your own)", stacklevel=3)
 
 
 def _ensure_process_group(mesh: Mesh) -> None:

@@ -32,6 +32,13 @@ def test_mesh_of_another_size_than_the_world() -> None:
         autopar.parallelize(model, mesh_for((2,)), inputs)
 
 
+def test_a_mesh_priced_for_gpus_on_cpu_processes_warns() -> None:
+    model, inputs = _mlp()
+    with fake_world(2), pytest.warns(UserWarning, match=r"plans for device 'h100' but the "
+                                     r"processes run on cpu.*device='cpu'"):
+        autopar.parallelize(model, autopar.Mesh((2,), ("dp",)), inputs, time_limit_s=1.0)
+
+
 def test_mesh_without_a_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
