@@ -516,9 +516,10 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in the
   optimizer step. The optimizer's share is DTensor's dispatch (the parameters are DTensors
   placed as the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are
-  plain).{for_loop} The forward and backward share is the per-rank
-  program, interpreted op by op in Python. With 4 processes on 2 cores every ms of CPU costs
-  about two.
+  plain).{for_loop} The forward and backward share is the per-rank program: Python calling
+  one op at a time (as straight-line generated code, `runtime/step_code.py`) where the plain
+  module's backward runs in autograd's C++ engine, and DTensor's gradient accumulation.
+  With 4 processes on 2 cores every ms of CPU costs about two.
 - **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}
   ({kinds("autopar TP (tp=4)")}): the row-parallel layers all-reduce their outputs inside
   the op, once for forward and backward, as Megatron does. The row-parallel biases'
@@ -540,10 +541,12 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed
   figure, and repeated runs of the same code move the DP ratio by about 0.05.
 
-What is left of the DP gap is about that execution overhead (twice its per-rank figure, on
-2 cores) and the loss's collective. What would close it: a cheaper DTensor dispatch for the
-optimizer step, and the per-rank program compiled to code rather than interpreted (or run by
-torch.compile); both matter less as the model grows, since they are per op, not per byte."""
+What is left between autopar's DP and DDP is about that execution overhead (twice its
+per-rank figure, on 2 cores) and the loss's collective, against DDP's extra gradient
+collective; run to run the ratio moves by about 0.05 either way. What would cut the overhead
+further: a cheaper DTensor dispatch for the optimizer step and for gradient accumulation, and
+the per-rank program compiled below Python (torch.compile); all are per op, not per byte, so
+they matter less as the model grows."""
 
 
 if __name__ == "__main__":

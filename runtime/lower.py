@@ -42,6 +42,7 @@ from autopar.passes.edge_costs import gather_unit
 from autopar.passes.strategies.localize import (
     LocalContext,
     finish_call,
+    is_static,
     local_call,
     localizer_for,
 )
@@ -53,6 +54,7 @@ from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.param_gather import GatherGroup, group_gathers
 from autopar.runtime.plan_check import grad_sync_mode
 from autopar.runtime.redistribute import Comm, redistribute
+from autopar.runtime.step_code import Program, compile_steps
 
 
 @dataclass(slots=True)
@@ -86,6 +88,8 @@ class _Step:
     kwargs: dict = field(default_factory=dict)
     fn: Any = None  # the op's C++ callable (an OpOverload's ``_op``), else the target
     ctx: LocalContext | None = None  # made on first run (the rank's coordinate is fixed)
+    # (args, kwargs) once localized, for an op whose localizer is static (see step_code)
+    localized: tuple[tuple, dict] | None = None
 
 
 class LoweredGraph:
@@ -136,6 +140,7 @@ class LoweredGraph:
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
                                           self.grad_moves(), self.mesh_shape, self.bucketed,
                                           plan.first_bucket_bytes)
+        self._compiled: dict[int, Program] = {}  # id(self.fwd / self.bwd) -> its code
 
     # --- building -----------------------------------------------------------------------------
 
@@ -254,58 +259,86 @@ class LoweredGraph:
     def _run(self, steps: list[_Step], gathers: list[GatherGroup], env: dict[str, Any],
              comm: Comm, grad_loss: torch.Tensor | None = None,
              step_done: Callable[[int], None] | None = None) -> None:
-        gathered: dict[int, list[torch.Tensor]] = {}
-        for k, s in enumerate(steps):
-            vals = []
-            for inp in s.inputs:
-                if inp.group is not None:  # the whole layer's parameters at its first read
-                    g = gathered.get(inp.group)
-                    if g is None:
-                        g = gathered[inp.group] = gathers[inp.group].run(env, comm)
-                    vals.append(g[inp.slot])
-                    continue
-                v = env[inp.producer]
-                if inp.item is not None:
-                    v = v[inp.item]
-                vals.append(redistribute(v, inp.src, inp.dst, comm, inp.reason)
-                            if inp.moves else v)
-            if s.is_getitem:
-                env[s.name] = vals[0]
-            else:
-                if s.flat is not None:  # skip the generic walk over the args
-                    args_list = list(s.args)
-                    for pos, v in zip(s.flat, vals):
-                        args_list[pos] = v
-                    # a localizer may edit its kwargs; a direct call does not
-                    args, kwargs = tuple(args_list), s.kwargs if s.direct else dict(s.kwargs)
-                else:
-                    args, kwargs = _substitute(s.node, iter(vals), env)
-                ctx = None
-                if s.direct:
-                    out = s.fn(*args, **kwargs)
-                else:
-                    ctx = s.ctx
-                    if ctx is None or ctx.coord is not comm.coord:
-                        assert s.info is not None
-                        ctx = s.ctx = LocalContext(s.info, s.strategy, self.mesh_shape,
-                                                   comm.coord)
-                    out = _call(s.node.target, args, kwargs, ctx)
-                if s.strategy.raw_outs:
-                    out = _reduce_in_op(out, s.strategy, comm)
-                    if ctx is not None:
-                        out = finish_call(out, ctx)
-                if s.name == self.seed and grad_loss is not None:
-                    out = out * grad_loss.to(out.dtype)
-                env[s.name] = out
-            for name in s.free_after:
-                env.pop(name, None)
-            for gid in s.drop_gathers:
-                gathered.pop(gid, None)
-            if step_done is not None:
-                step_done(k)
+        """Run one phase: the plain steps as generated code, the others by :meth:`_exec_step`
+        (see :mod:`.step_code`)."""
+        program = self._compiled.get(id(steps))
+        if program is None:
+            for s in steps:
+                s.localized = self._localize_once(s, comm)
+            launches = set(self.grad_sync.by_step) if steps is self.bwd else set()
+            program = self._compiled[id(steps)] = compile_steps(
+                steps, self._exec_step, _call_localized, launches, self.seed)
+        program(env, comm, grad_loss, step_done, {}, gathers)
+
+    def _localize_once(self, s: _Step, comm: Comm) -> tuple[tuple, dict] | None:
+        """The step's args made local once, if its op only needs global sizes rewritten."""
+        if s.direct or s.is_getitem or s.flat is None or any(s.strategy.impls):
+            return None
+        fn = localizer_for(s.node.target)
+        if fn is None or not is_static(fn):
+            return None
+        assert s.info is not None
+        ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
+        return fn(ctx, s.args, dict(s.kwargs))  # the tensor slots are left as they are
+
+    def _exec_step(self, s: _Step, env: dict[str, Any], comm: Comm,
+                   grad_loss: torch.Tensor | None, gathered: dict[int, list[torch.Tensor]],
+                   gathers: list[GatherGroup]) -> None:
+        """One step in general: its inputs resharded or gathered as planned, a rank-aware
+        kernel or localized args where the op needs them, in-op reductions, the loss seed."""
+        vals = []
+        for inp in s.inputs:
+            if inp.group is not None:  # the whole layer's parameters at its first read
+                g = gathered.get(inp.group)
+                if g is None:
+                    g = gathered[inp.group] = gathers[inp.group].run(env, comm)
+                vals.append(g[inp.slot])
+                continue
+            v = env[inp.producer]
+            if inp.item is not None:
+                v = v[inp.item]
+            vals.append(redistribute(v, inp.src, inp.dst, comm, inp.reason)
+                        if inp.moves else v)
+        if s.is_getitem:
+            env[s.name] = vals[0]
+            return
+        if s.flat is not None:  # skip the generic walk over the args
+            args_list = list(s.args)
+            for pos, v in zip(s.flat, vals):
+                args_list[pos] = v
+            # a localizer may edit its kwargs; a direct call does not
+            args, kwargs = tuple(args_list), s.kwargs if s.direct else dict(s.kwargs)
+        else:
+            args, kwargs = _substitute(s.node, iter(vals), env)
+        ctx = None
+        if s.direct:
+            out = s.fn(*args, **kwargs)
+        else:
+            ctx = s.ctx
+            if ctx is None or ctx.coord is not comm.coord:
+                assert s.info is not None
+                ctx = s.ctx = LocalContext(s.info, s.strategy, self.mesh_shape, comm.coord)
+            out = _call(s.node.target, args, kwargs, ctx)
+        if s.strategy.raw_outs:
+            out = _reduce_in_op(out, s.strategy, comm)
+            if ctx is not None:
+                out = finish_call(out, ctx)
+        if s.name == self.seed and grad_loss is not None:
+            out = out * grad_loss.to(out.dtype)
+        env[s.name] = out
 
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _call_localized(fn: Any, target: Any, args: tuple, kwargs: dict) -> Any:
+    """A call with args localized beforehand (with :func:`_call`'s retry for views)."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError:
+        if target not in _VIEWS or args[0].is_contiguous():
+            raise
+        return fn(args[0].contiguous(), *args[1:], **kwargs)
 
 
 def _call(target: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:

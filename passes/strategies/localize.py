@@ -4,7 +4,9 @@ Most ops are SPMD as they are: each rank calls the same op on its shards. Two th
 and are registered here by the rule modules:
 
 - *localizers* rewrite non-tensor arguments that name global sizes (``view(x, [B, S, H])``
-  becomes ``view(x, [B/2, S, H])`` when the batch is split in two). One function per op.
+  becomes ``view(x, [B/2, S, H])`` when the batch is split in two). One function per op. A
+  *static* one reads only the context and the non-tensor arguments and leaves the tensors in
+  place, so the runtime may localize once per program rather than once per call.
 - *special impls* replace the op with a rank-aware kernel, named by ``Rule.impl`` (e.g. a
   vocab-parallel embedding masks the ids outside the rank's vocabulary range).
 
@@ -35,15 +37,18 @@ Localizer = Callable[[LocalContext, tuple, dict], tuple[tuple, dict]]
 SpecialImpl = Callable[[LocalContext, tuple, dict], Any]
 
 _LOCALIZERS: dict[Any, Localizer] = {}
+_STATIC: set[Localizer] = set()  # localizers that read no tensor (see the module docstring)
 _IMPLS: dict[str, SpecialImpl] = {}
 Finisher = Callable[[LocalContext, Any], Any]
 _FINISHERS: dict[str, Finisher] = {}
 
 
-def register_localizer(*ops: Any) -> Callable[[Localizer], Localizer]:
+def register_localizer(*ops: Any, static: bool = False) -> Callable[[Localizer], Localizer]:
     def deco(fn: Localizer) -> Localizer:
         for op in ops:
             _LOCALIZERS[op] = fn
+        if static:
+            _STATIC.add(fn)
         return fn
 
     return deco
@@ -91,6 +96,11 @@ def localizer_for(target: Any) -> Localizer | None:
     if fn is None and hasattr(target, "overloadpacket"):
         fn = _LOCALIZERS.get(target.overloadpacket)
     return fn
+
+
+def is_static(fn: Localizer) -> bool:
+    """Whether ``fn`` reads only the context and the non-tensor arguments."""
+    return fn in _STATIC
 
 
 def local_call(target: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:

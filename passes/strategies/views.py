@@ -54,10 +54,10 @@ def _sizes_to_local(index: int):
 
 
 register_localizer(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-                   aten.expand.default)(_sizes_to_local(1))
+                   aten.expand.default, static=True)(_sizes_to_local(1))
 
 
-@register_localizer(aten.unflatten.int)
+@register_localizer(aten.unflatten.int, static=True)
 def _unflatten_local(ctx: LocalContext, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     dim = norm_dim(args[1], len(ctx.info.inputs[0].shape))
     n = len(args[2])
@@ -66,7 +66,7 @@ def _unflatten_local(ctx: LocalContext, args: tuple, kwargs: dict) -> tuple[tupl
     return tuple(args), kwargs
 
 
-@register_localizer(aten._reshape_alias.default)
+@register_localizer(aten._reshape_alias.default, static=True)
 def _reshape_alias_local(ctx: LocalContext, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     # strides are the contiguous ones of the local shape (the op is only emitted for those)
     shape = local_out_shape(ctx)
@@ -220,7 +220,8 @@ def slice_backward_rules(info: OpInfo) -> list[Rule]:
     return rules + [Rule((P,), (P,))]  # zero padding is linear
 
 
-register_localizer(aten.slice_backward.default, aten.select_backward.default)(_sizes_to_local(1))
+register_localizer(aten.slice_backward.default, aten.select_backward.default,
+                   static=True)(_sizes_to_local(1))
 
 
 @register(aten.select.int)

@@ -1,0 +1,77 @@
+"""A phase of the per-rank program as one generated Python function, written once per program.
+
+Most steps of a lowered program are a plain call of an op on values already in place: no
+reshard, no parameter gather, no rank-aware kernel, no in-op reduction, at most global sizes
+rewritten by a static localizer (a view's shape), which the caller does once beforehand. Interpreting such a
+step (walking its inputs, checking each case) cost more than writing the call out: on the
+benchmark MLP the interpreted forward and backward took 4.99 ms against 4.80 ms for the same
+ops written out in straight-line code. So :func:`compile_steps` writes each plain step as
+one line, ``env['addmm'] = F1(env['p2'], env['x'], env['t'])``, and hands every other step
+to the interpreter's general path (``exec_step``). Frees, dropped parameter groups and
+gradient-sync launches come after each step, as the interpreter ran them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+# run(env, comm, grad_loss, step_done, gathered, gathers): one phase on ``env``
+Program = Callable[[dict, Any, Any, Any, dict, list], None]
+# exec_step(step, env, comm, grad_loss, gathered, gathers): the general path for one step
+ExecStep = Callable[[Any, dict, Any, Any, dict, list], None]
+# call_localized(fn, target, args, kwargs): a call whose args were localized beforehand
+CallLocalized = Callable[[Any, Any, tuple, dict], Any]
+
+
+def compile_steps(steps: list[Any], exec_step: ExecStep, call_localized: CallLocalized,
+                  launches: Collection[int] = (), seed: str | None = None) -> Program:
+    """``steps`` as one function. A step whose ``localized`` holds its args made local runs
+    through ``call_localized``; ``launches``: the steps after which the backward may start
+    gradient syncs (``step_done(k)``); ``seed``: the step that scales by the loss's gradient
+    (run by ``exec_step``, which knows how)."""
+    ns: dict[str, Any] = {"X": exec_step, "S": steps, "C": call_localized}
+    lines = ["def run(env, comm, grad_loss, step_done, gathered, gathers):", "    pop = env.pop"]
+    for k, s in enumerate(steps):
+        call = _plain_call(k, s, seed, ns)
+        if call is None:
+            lines.append(f"    X(S[{k}], env, comm, grad_loss, gathered, gathers)")
+        else:
+            lines.append(f"    env[{s.name!r}] = {call}")
+        lines += [f"    pop({name!r}, None)" for name in s.free_after]
+        lines += [f"    gathered.pop({gid}, None)" for gid in s.drop_gathers]
+        if k in launches:
+            lines.append(f"    step_done({k})")
+    if len(lines) == 2:
+        lines.append("    pass")
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, "<autopar per-rank program>", "exec"), ns)
+    run = ns["run"]
+    run.source = source  # what this rank runs, for reading and debugging
+    return run
+
+
+def _plain_call(k: int, s: Any, seed: str | None, ns: dict[str, Any]) -> str | None:
+    """The step as an expression over ``env``, or None if it needs the general path."""
+    if any(i.group is not None or i.moves for i in s.inputs):
+        return None
+    if s.is_getitem:
+        return _value(s.inputs[0])
+    plain = s.direct or s.localized is not None
+    if not plain or s.flat is None or s.strategy.raw_outs or s.name == seed:
+        return None
+    template, kwargs = (s.args, s.kwargs) if s.localized is None else s.localized
+    at = dict(zip(s.flat, s.inputs))
+    ns[f"F{k}"], ns[f"A{k}"], ns[f"K{k}"] = s.fn, template, kwargs
+    args = [_value(at[i]) if i in at else f"A{k}[{i}]" for i in range(len(template))]
+    if s.localized is not None:
+        ns[f"T{k}"] = s.node.target
+        return f"C(F{k}, T{k}, ({', '.join(args)},), K{k})"
+    if kwargs:
+        args.append(f"**K{k}")
+    return f"F{k}({', '.join(args)})"
+
+
+def _value(i: Any) -> str:
+    v = f"env[{i.producer!r}]"
+    return v if i.item is None else f"{v}[{i.item}]"
