@@ -3,8 +3,10 @@
 Calling it with the inputs a single-device script would use (the whole global batch, on every
 rank) slices this rank's pieces, runs the forward nodes of the lowered graph and returns the
 loss, whole on every rank. ``loss.backward()`` reaches :class:`_JointStep.backward`, which runs
-the backward nodes and hands autograd one ``DTensor`` gradient per parameter, placed like the
-parameter; autograd's own accumulation writes (or adds to) ``.grad``. So any ``torch.optim``
+the backward nodes and makes one ``DTensor`` gradient per parameter, placed like the parameter.
+It stores a fresh one in ``.grad`` itself where that is all autograd would do (no gradient yet,
+no hook, a plain ``backward``); every other goes to autograd, whose accumulation adds to
+``.grad``, runs hooks, or hands it to ``torch.autograd.grad``. So any ``torch.optim``
 optimizer steps it, its state sharded like the parameters, and ``state_dict()`` holds DTensors
 that ``torch.distributed.checkpoint`` saves and loads.
 
@@ -61,7 +63,37 @@ class _JointStep(torch.autograd.Function):
         grads = call.run_backward(saved, grad_loss)
         if ctx.loss is not None:  # done by now; leave no collective unwaited
             ctx.loss.resolve()
-        return (None, *grads)
+        return (None, *_store_fresh_grads(ctx, call.pm._param_list, grads))
+
+
+def _store_fresh_grads(ctx: Any, params: list[torch.Tensor], grads: list) -> list:
+    """Store each gradient in ``.grad`` here where autograd would only store it: the parameter
+    has none yet, no hook watches it, this backward accumulates into it (not
+    ``torch.autograd.grad``) and the layout is the parameter's. Autograd's own accumulation
+    of a DTensor costs a DTensor op per parameter. The others go back to autograd."""
+    edges = ctx.next_functions  # one per tensor input: the parameters, in order
+    if len(edges) != len(params):
+        return grads
+    out = []
+    for (node, _), p, g in zip(edges, params, grads):
+        if (g is not None and node is not None and p.grad is None
+                and not p._backward_hooks and p._post_accumulate_grad_hooks is None
+                and _engine_accumulates(node)
+                and _compat.local_of(g).stride() == _compat.local_of(p).stride()):
+            p.grad = g
+            g = None
+        out.append(g)
+    return out
+
+
+def _engine_accumulates(node: Any) -> bool:
+    """Whether this backward runs the parameter's gradient accumulator: not under
+    ``torch.autograd.grad`` (where torch refuses the question) nor ``backward(inputs=...)``
+    leaving the parameter out."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return False
 
 
 class _Call:

@@ -145,6 +145,50 @@ def test_grad_accumulation_and_no_grad() -> None:
         assert torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-7), n
 
 
+def test_gradients_reach_autograd_grad_hooks_and_chosen_inputs() -> None:
+    """The backward stores fresh gradients in ``.grad`` itself (cheaper than autograd's DTensor
+    accumulation) only where autograd would do just that: ``torch.autograd.grad`` still gets
+    them and leaves ``.grad`` alone, hooks on a parameter still see them, and
+    ``backward(inputs=...)`` still fills only the parameters named."""
+    from autopar.runtime._compat import reconcile
+
+    model, inputs = _mlp()
+    ref = copy.deepcopy(model)
+    ref(*inputs).backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return reconcile(t.full_tensor())
+
+    with fake_world(2):
+        pm = autopar.parallelize(model, mesh_for((2,)), inputs, time_limit_s=1.0)
+        names = [n for n, _ in pm.named_parameters()]
+        params = list(pm.parameters())
+        got = torch.autograd.grad(pm(*inputs), params)
+        assert all(p.grad is None for p in params)
+        for n, g in zip(names, got):
+            assert torch.allclose(whole(g), want[n], rtol=1e-5, atol=1e-7), n
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(g: torch.Tensor) -> None:
+            seen["hook"] = whole(g)
+
+        def post_hook(p: torch.Tensor) -> None:
+            seen["post"] = whole(p.grad)
+
+        params[0].register_hook(hook)
+        params[1].register_post_accumulate_grad_hook(post_hook)
+        pm(*inputs).backward(inputs=params[:2])
+        assert torch.allclose(seen["hook"], want[names[0]], rtol=1e-5, atol=1e-7)
+        assert torch.allclose(seen["post"], want[names[1]], rtol=1e-5, atol=1e-7)
+        assert all(p.grad is not None for p in params[:2])
+        assert all(p.grad is None for p in params[2:])
+        pm.zero_grad(set_to_none=True)
+        pm(*inputs).backward()
+        for n, p in zip(names, params):
+            assert torch.allclose(whole(p.grad), want[n], rtol=1e-5, atol=1e-7), n
+
+
 def test_graph_and_plan_agree_on_every_node() -> None:
     model, inputs = _mlp()
     graph = capture(model, inputs)
