@@ -22,7 +22,9 @@ kernel per step, what torchtitan and Megatron train with), ``foreach``, or ``for
 pick on CPU when none is given: about 7 ops per parameter). Unless it is ``for-loop`` already, the
 DP pair also runs with the for-loop AdamW, as a row of its own.
 A step is forward + backward + optimizer step, timed between barriers, slowest rank; configs are
-interleaved round by round so load from other programs hits them alike; reported is the median.
+interleaved round by round, each autopar run right after the torch run it is compared with, so
+load from other programs hits them alike. Reported: the ratio of the medians, and the median of
+the per-round ratios of those back-to-back blocks ("paired"), the steadier of the two.
 
     python benchmarks/runtime_vs_torch.py                  # prints the table
     python benchmarks/runtime_vs_torch.py --write          # and updates benchmarks/RESULTS.md
@@ -294,7 +296,11 @@ def _build_runs(b: Bench, x: torch.Tensor, y: torch.Tensor) -> dict[str, _Step]:
         pm = ours("autopar DP")
         runs[f"autopar {FOR_LOOP_DP}"] = step(pm, "for-loop", x=x, y=y,
                                               collectives=getattr(pm, "collectives", None))
-    return runs
+    # each autopar run right after the torch run it is compared with, so that the two see
+    # about the same load in every round (see report: the paired ratio)
+    order = ["torch DP", "autopar DP", DDP_GLOBAL_LOSS, "autopar solver", "torch TP (tp=4)",
+             "autopar TP (tp=4)", "torch FSDP", "autopar FSDP"]
+    return {n: runs[n] for n in order + [n for n in runs if n not in order] if n in runs}
 
 
 PHASES = ("forward", "backward", "optimizer")
@@ -364,8 +370,10 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
         t, a = med.get(t_name), med.get(a_name)
         tl, al = low.get(t_name), low.get(a_name)
         c, tc = comms.get(a_name), comms.get(t_name)
+        paired = _paired_ratio(res["times"], a_name, t_name, b.steps)
         rows.append([cfg, label, f"{_ms(t)} / {_ms(tl)}", f"{_ms(a)} / {_ms(al)}",
                      f"{a / t:.2f}" if a is not None and t else "n/a",
+                     f"{paired:.2f}" if paired is not None else "n/a",
                      f"{al / tl:.2f}" if al is not None and tl else "n/a",
                      str(tc[0]) if tc else "?",
                      f"{c[0]} / {c[1] / 2**20:.2f} MiB" if c else "n/a"])
@@ -375,7 +383,7 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
     spread = max(losses.values()) - min(losses.values()) if losses else float("nan")
     text = table(["config", "PyTorch", "torch ms/step median / min",
                   "autopar ms/step median / min", "autopar/torch (median)",
-                  "autopar/torch (min)", "torch collectives/step",
+                  "autopar/torch (paired)", "autopar/torch (min)", "torch collectives/step",
                   "autopar collectives/step (bytes per rank)"], rows)
     text += (f"\n\nfirst-step loss of all {len(losses)} runs agrees within {spread:.1e} "
              "(same weights, same global batch)")
@@ -389,6 +397,18 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
     text += ("\n\ngloo all-reduce over the 4 ranks, median ms: "
              + "; ".join(f"{k}: {v:.2f}" for k, v in lat.items()))
     return text, slow
+
+
+def _paired_ratio(times: dict[str, list[float]], a_name: str, t_name: str,
+                  steps: int) -> float | None:
+    """The median over rounds of autopar's round median over torch's: each round's two
+    blocks of steps ran back to back, so load that comes and goes hits both alike."""
+    a, t = times.get(a_name), times.get(t_name)
+    if not a or not t:
+        return None
+    rounds = [statistics.median(a[i:i + steps]) / statistics.median(t[i:i + steps])
+              for i in range(0, min(len(a), len(t)), steps)]
+    return statistics.median(rounds)
 
 
 def _ms(x: float | None) -> str:
@@ -451,7 +471,9 @@ Machine: {machine()}; {NPROC} gloo processes on 127.0.0.1 (1 intra-op thread eac
 Model: MLP {b.width}-{b.hidden}-{b.width}-{b.hidden}-{b.width}, global batch {b.batch};
 AdamW, {b.optimizer}{extra_row};
 {b.warmup} warm-up steps, then median of {b.rounds} rounds x {b.steps} steps per config,
-configs interleaved; a step is forward + backward + optimizer step of the slowest rank.
+configs interleaved, each autopar config right after its torch one; a step is forward +
+backward + optimizer step of the slowest rank. "paired": the median over rounds of the ratio
+of the two back-to-back blocks, which load from other programs hits alike.
 Target: autopar/torch <= 1.0.
 
 {text}
