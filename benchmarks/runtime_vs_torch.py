@@ -540,7 +540,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   placed as the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are
   plain).{for_loop} The forward and backward share is the per-rank program: Python calling
   one op at a time (as straight-line generated code, `runtime/step_code.py`) where the plain
-  module's backward runs in autograd's C++ engine, and DTensor's gradient accumulation.
+  module's backward runs in autograd's C++ engine, and each gradient made a DTensor.
   With 4 processes on 2 cores every ms of CPU costs about two.
 - **TP** issues {n("autopar TP (tp=4)")} collectives to torch's {n("torch TP (tp=4)")}
   ({kinds("autopar TP (tp=4)")}): the row-parallel layers all-reduce their outputs inside
