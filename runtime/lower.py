@@ -267,8 +267,8 @@ class LoweredGraph:
                 s.localized = self._localize_once(s, comm)
             launches = set(self.grad_sync.by_step) if steps is self.bwd else set()
             program = self._compiled[id(steps)] = compile_steps(
-                steps, self._exec_step, _call_localized, launches, self.seed)
-        program(env, comm, grad_loss, step_done, {}, gathers)
+                steps, _call_localized, launches, self.seed)
+        program(env, comm, grad_loss, step_done, {}, gathers, self._exec_step)
 
     def _localize_once(self, s: _Step, comm: Comm) -> tuple[tuple, dict] | None:
         """The step's args made local once, if its op only needs global sizes rewritten."""

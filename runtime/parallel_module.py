@@ -70,7 +70,9 @@ def _store_fresh_grads(ctx: Any, params: list[torch.Tensor], grads: list) -> lis
     """Store each gradient in ``.grad`` here where autograd would only store it: the parameter
     has none yet, no hook watches it, this backward accumulates into it (not
     ``torch.autograd.grad``) and the layout is the parameter's. Autograd's own accumulation
-    of a DTensor costs a DTensor op per parameter. The others go back to autograd."""
+    of a DTensor costs a DTensor op per parameter. The others go back to autograd. (A pre-hook
+    registered on the parameter's accumulator node itself cannot be seen from here, and does
+    not see a gradient stored here; tensor hooks and post-accumulate hooks are honoured.)"""
     edges = ctx.next_functions  # one per tensor input: the parameters, in order
     if len(edges) != len(params):
         return grads

@@ -16,22 +16,24 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Any
 
-# run(env, comm, grad_loss, step_done, gathered, gathers): one phase on ``env``
-Program = Callable[[dict, Any, Any, Any, dict, list], None]
 # exec_step(step, env, comm, grad_loss, gathered, gathers): the general path for one step
 ExecStep = Callable[[Any, dict, Any, Any, dict, list], None]
+# run(env, comm, grad_loss, step_done, gathered, gathers, exec_step): one phase on ``env``
+Program = Callable[[dict, Any, Any, Any, dict, list, ExecStep], None]
 # call_localized(fn, target, args, kwargs): a call whose args were localized beforehand
 CallLocalized = Callable[[Any, Any, tuple, dict], Any]
 
 
-def compile_steps(steps: list[Any], exec_step: ExecStep, call_localized: CallLocalized,
+def compile_steps(steps: list[Any], call_localized: CallLocalized,
                   launches: Collection[int] = (), seed: str | None = None) -> Program:
-    """``steps`` as one function. A step whose ``localized`` holds its args made local runs
-    through ``call_localized``; ``launches``: the steps after which the backward may start
-    gradient syncs (``step_done(k)``); ``seed``: the step that scales by the loss's gradient
-    (run by ``exec_step``, which knows how)."""
-    ns: dict[str, Any] = {"X": exec_step, "S": steps, "C": call_localized}
-    lines = ["def run(env, comm, grad_loss, step_done, gathered, gathers):", "    pop = env.pop"]
+    """``steps`` as one function, which takes the general path (``exec_step``) as its last
+    argument (so the code holds no reference to its caller). A step whose ``localized`` holds
+    its args made local runs through ``call_localized``; ``launches``: the steps after which
+    the backward may start gradient syncs (``step_done(k)``); ``seed``: the step that scales
+    by the loss's gradient (run by ``exec_step``, which knows how)."""
+    ns: dict[str, Any] = {"S": steps, "C": call_localized}
+    lines = ["def run(env, comm, grad_loss, step_done, gathered, gathers, X):",
+             "    pop = env.pop"]
     for k, s in enumerate(steps):
         call = _plain_call(k, s, seed, ns)
         if call is None:
@@ -66,7 +68,7 @@ def _plain_call(k: int, s: Any, seed: str | None, ns: dict[str, Any]) -> str | N
     args = [_value(at[i]) if i in at else f"A{k}[{i}]" for i in range(len(template))]
     if s.localized is not None:
         ns[f"T{k}"] = s.node.target
-        return f"C(F{k}, T{k}, ({', '.join(args)},), K{k})"
+        return f"C(F{k}, T{k}, ({''.join(a + ', ' for a in args)}), K{k})"
     if kwargs:
         args.append(f"**K{k}")
     return f"F{k}({', '.join(args)})"

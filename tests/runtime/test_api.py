@@ -150,6 +150,7 @@ def test_gradients_reach_autograd_grad_hooks_and_chosen_inputs() -> None:
     accumulation) only where autograd would do just that: ``torch.autograd.grad`` still gets
     them and leaves ``.grad`` alone, hooks on a parameter still see them, and
     ``backward(inputs=...)`` still fills only the parameters named."""
+    from autopar.runtime import parallel_module
     from autopar.runtime._compat import reconcile
 
     model, inputs = _mlp()
@@ -184,7 +185,18 @@ def test_gradients_reach_autograd_grad_hooks_and_chosen_inputs() -> None:
         assert all(p.grad is not None for p in params[:2])
         assert all(p.grad is None for p in params[2:])
         pm.zero_grad(set_to_none=True)
-        pm(*inputs).backward()
+        handed: list = []
+        store = parallel_module._store_fresh_grads
+
+        def spy(*args):
+            handed.append(store(*args))
+            return handed[-1]
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(parallel_module, "_store_fresh_grads", spy)
+            pm(*inputs).backward()
+        (returned,) = handed  # the two hooked parameters' gradients go through autograd
+        assert [g is None for g in returned] == [False, False] + [True] * (len(params) - 2)
         for n, p in zip(names, params):
             assert torch.allclose(whole(p.grad), want[n], rtol=1e-5, atol=1e-7), n
 
