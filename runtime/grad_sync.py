@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from autopar.passes.buckets import BucketKind, GradSync, bucket_kind, sync_groups
-from autopar.placements import Partial, Replicate
 from autopar.runtime import _compat
 from autopar.runtime.redistribute import Comm, redistribute
 
@@ -94,14 +93,7 @@ class GradSyncRun:
                 out = redistribute(grads[0], g.src, g.dst, self.comm, "gradient sync")
             elif kind.kind == "all_reduce":
                 flat = torch.cat([g.reshape(-1) for g in grads])
-                if len(kind.axes) == 1:
-                    out, work = flat, self.comm.start_all_reduce(flat, kind.axes[0],
-                                                                 "gradient sync")
-                else:  # one axis after the other: the second waits for the first
-                    nd = len(s.mesh_shape)
-                    src = tuple(Partial() if k in kind.axes else Replicate() for k in range(nd))
-                    out = redistribute(flat, src, (Replicate(),) * nd, self.comm,
-                                       "gradient sync")
+                out, work = self.comm.start_sum(flat, kind.axes, "gradient sync")
             else:  # reduce-scatter: rank r's block of every gradient lands in row r
                 (ax,) = kind.axes
                 n = s.mesh_shape[ax]

@@ -230,11 +230,8 @@ class LoweredGraph:
         if all(isinstance(p, Replicate) for p in spec):
             return None
         axes = reduce_axes(spec, (Replicate(),) * len(spec))
-        if axes is not None and len(axes) == 1:
-            # a sum over one axis: in place on a copy we own, without the functional
-            # collective's copy and bookkeeping (the same collective the plan lists)
-            mine = local.detach().clone()
-            return LossValue(mine, comm.start_all_reduce(mine, axes[0], "loss"))
+        if axes is not None:  # a sum: reduced in place on a copy we own (Comm.start_sum)
+            return LossValue(*comm.start_sum(local.detach().clone(), axes, "loss"))
         return LossValue(self.whole_loss(local, comm, wait=False))
 
     def backward(self, saved: dict[str, Any], grad_loss: torch.Tensor | None,
@@ -332,7 +329,9 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _call_localized(fn: Any, target: Any, args: tuple, kwargs: dict) -> Any:
-    """A call with args localized beforehand (with :func:`_call`'s retry for views)."""
+    """``fn`` (op ``target``) on args already local. A local kernel may lay memory out
+    otherwise than the fake tensors it was traced on (SDPA on CPU does), so a view that
+    traced fine may need its input made contiguous."""
     try:
         return fn(*args, **kwargs)
     except RuntimeError:
@@ -342,14 +341,8 @@ def _call_localized(fn: Any, target: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _call(target: Any, args: tuple, kwargs: dict, ctx: LocalContext) -> Any:
-    try:
-        return local_call(target, args, kwargs, ctx)
-    except RuntimeError:
-        # a local kernel may lay memory out otherwise than the fake tensors it was traced on
-        # (SDPA on CPU does), so a view that traced fine may need its input made contiguous
-        if target not in _VIEWS or args[0].is_contiguous():
-            raise
-        return local_call(target, (args[0].contiguous(), *args[1:]), kwargs, ctx)
+    """``target`` localized for this rank (see :func:`local_call`), then as above."""
+    return _call_localized(lambda *a, **kw: local_call(target, a, kw, ctx), target, args, kwargs)
 
 
 def _reduce_in_op(out: Any, strategy: Strategy, comm: Comm) -> Any:

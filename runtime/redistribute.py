@@ -115,6 +115,19 @@ class Comm:
         self._record("all_reduce", ax, t, reason)
         return _compat.start_all_reduce(t, self.device_mesh.get_group(ax))
 
+    def start_sum(self, t: torch.Tensor, axes: tuple[int, ...], reason: str
+                  ) -> tuple[torch.Tensor, Any]:
+        """``t`` (ours: changed in place where that saves a copy) summed over mesh ``axes``,
+        issued without waiting: ``(result, work)``. Over one axis, c10d's in-place
+        all-reduce, whose work to wait on is returned; over several, one axis after the
+        other (the second waits for the first), and the result waits itself (work None)."""
+        if len(axes) == 1:
+            return t, self.start_all_reduce(t, axes[0], reason)
+        nd = len(self.shape)
+        src = tuple(Partial() if k in axes else Replicate() for k in range(nd))
+        with self.deferred():
+            return redistribute(t, src, (Replicate(),) * nd, self, reason), None
+
     def start_reduce_scatter(self, t: torch.Tensor, ax: int, reason: str) -> tuple[Any, Any]:
         """This rank's row of ``t`` (rows: the ranks of axis ``ax``) summed over the axis,
         issued without waiting: ``(result, work)``."""
