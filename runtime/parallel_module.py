@@ -8,7 +8,8 @@ It stores a fresh one in ``.grad`` itself where that is all autograd would do (n
 no hook, a plain ``backward``); every other goes to autograd, whose accumulation adds to
 ``.grad``, runs hooks, or hands it to ``torch.autograd.grad``. So any ``torch.optim``
 optimizer steps it, its state sharded like the parameters, and ``state_dict()`` holds DTensors
-that ``torch.distributed.checkpoint`` saves and loads.
+that ``torch.distributed.checkpoint`` saves and loads. torch's fused optimizer kernels
+(``fused=True``) run on the local pieces (:mod:`.fused_optim`).
 
 The submodules of the wrapped model are registered here under their own names, so parameter
 and state-dict keys are the single-device model's keys.
@@ -34,7 +35,7 @@ from autopar.errors import PlanError
 from autopar.graph import PlanGraph
 from autopar.placements import to_torch
 from autopar.plan import Plan
-from autopar.runtime import _compat
+from autopar.runtime import _compat, fused_optim
 from autopar.runtime.deferred_loss import DeferredLoss
 from autopar.runtime.lower import LoweredGraph
 from autopar.runtime.redistribute import CollectiveCounter, Comm
@@ -144,6 +145,7 @@ class ParallelModule(nn.Module):
         _distribute_state(self, graph, plan, device_mesh)
         self._param_list = [self.get_parameter(n) for n in graph.param_names]
         self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
+        fused_optim.install()
 
     @property
     def plan(self) -> Plan:

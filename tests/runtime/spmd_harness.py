@@ -52,8 +52,10 @@ def mesh_for(shape: tuple[int, ...]) -> Mesh:
     return Mesh(shape, AXES[len(shape)], "cpu")
 
 
-def train_single(model: nn.Module, inputs: tuple, steps: int) -> dict[str, Any]:
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+def train_single(model: nn.Module, inputs: tuple, steps: int,
+                 adamw: dict | None = None) -> dict[str, Any]:
+    """``steps`` AdamW steps (``adamw``: more of its options, ``{"fused": True}``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, **(adamw or {}))
     losses, grads = [], {}
     for _ in range(steps):
         loss = model(*inputs)
@@ -67,9 +69,10 @@ def train_single(model: nn.Module, inputs: tuple, steps: int) -> dict[str, Any]:
     return {"losses": losses, "grads": grads, "params": params}
 
 
-def train_parallel(pm: nn.Module, inputs: tuple, steps: int) -> dict[str, Any]:
+def train_parallel(pm: nn.Module, inputs: tuple, steps: int,
+                   adamw: dict | None = None) -> dict[str, Any]:
     """As :func:`train_single`, inside the fake world; results gathered to whole tensors."""
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, **(adamw or {}))
     losses, grads, per_step = [], {}, []
     for _ in range(steps):
         pm.collectives.reset()
@@ -126,14 +129,14 @@ def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs:
 
 
 def run_case(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...],
-             plan: Plan | str | None = None, steps: int = 3, time_limit_s: float = 5.0
-             ) -> tuple[dict, dict, nn.Module]:
+             plan: Plan | str | None = None, steps: int = 3, time_limit_s: float = 5.0,
+             adamw: dict | None = None) -> tuple[dict, dict, nn.Module]:
     """Train a copy on one device and the model on the simulated mesh; return both results."""
-    want = train_single(copy.deepcopy(model), inputs, steps)
+    want = train_single(copy.deepcopy(model), inputs, steps, adamw)
     mesh = mesh_for(mesh_shape)
     with fake_world(mesh.size):
         pm = autopar.parallelize(model, mesh, inputs, plan=plan, time_limit_s=time_limit_s)
-        got = train_parallel(pm, inputs, steps)
+        got = train_parallel(pm, inputs, steps, adamw)
     return got, want, pm
 
 
