@@ -157,7 +157,8 @@ class ParallelModule(nn.Module):
 
     def _install(self, graph: PlanGraph, plan: Plan) -> None:
         self._active = (graph, LoweredGraph(graph, plan))
-        self._programs[_graph_signature(graph)] = self._active
+        self._active_sig = _graph_signature(graph)  # the input (shape, dtype)s it runs on
+        self._programs[self._active_sig] = self._active
 
     # --- calling --------------------------------------------------------------------------
 
@@ -196,11 +197,14 @@ class ParallelModule(nn.Module):
     def _program_for(self, args: tuple, kwargs: dict, leaves: list[torch.Tensor]
                      ) -> LoweredGraph:
         """The program for inputs of these shapes (``leaves``: the flat tensor inputs)."""
-        graph = self._active[0]
+        graph, active = self._active[0], self._active_sig
+        if len(leaves) == len(active) and all(
+                t.shape == shape and t.dtype == dtype for t, (shape, dtype) in zip(leaves, active)):
+            return self._active[1]  # the common call: the shapes of the last one
         sig = tuple((tuple(t.shape), t.dtype) for t in leaves)
         hit = self._programs.get(sig)  # every installed program, the active one included
         if hit is not None:
-            self._active = hit
+            self._active, self._active_sig = hit, sig
             return hit[1]
         traced = _describe(_graph_signature(graph))
         if self._replan is None:
