@@ -536,9 +536,13 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
 - **Execution overhead**, measured with no communication in one process (the line under the
   table): per step autopar spends {extra["forward"]:+.2f} ms in the forward,
   {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in the
-  optimizer step. The optimizer's share is DTensor's dispatch (the parameters are DTensors
-  placed as the plan says, as the issue asks and as torch's TP and FSDP have them; DDP's are
-  plain).{for_loop} The forward and backward share is the per-rank program: Python calling
+  optimizer step. The optimizer's share is the DTensor parameters (placed as the plan says,
+  as the issue asks and as torch's TP and FSDP have them; DDP's are plain): the fused AdamW
+  kernel runs on the local pieces (`runtime/fused_optim.py`, a DTensor op handler that skips
+  DTensor's sharding of the call where every state is placed as its parameter; torch's TP
+  and FSDP runs in these processes take it too, with unchanged results), but the optimizer's
+  Python still walks DTensors and the call still enters DTensor's dispatch before the
+  handler.{for_loop} The forward and backward share is the per-rank program: Python calling
   one op at a time (as straight-line generated code, `runtime/step_code.py`) where the plain
   module's backward runs in autograd's C++ engine, and each gradient made a DTensor.
   With 4 processes on 2 cores every ms of CPU costs about two.
@@ -566,9 +570,9 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
 What is left between autopar's DP and DDP is about that execution overhead (twice its
 per-rank figure, on 2 cores) and the loss's collective, against DDP's extra gradient
 collective; run to run the ratio moves by about 0.05 either way. What would cut the overhead
-further: a cheaper DTensor dispatch for the optimizer step and for gradient accumulation, and
-the per-rank program compiled below Python (torch.compile); all are per op, not per byte, so
-they matter less as the model grows."""
+further: the per-rank program compiled below Python (torch.compile), and for AdamW's
+for-loop implementation a local fast path for the in-place pointwise ops it runs per
+parameter; all are per op, not per byte, so they matter less as the model grows."""
 
 
 if __name__ == "__main__":

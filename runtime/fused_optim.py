@@ -3,8 +3,10 @@
 ``torch.optim.AdamW(params, fused=True)`` (and Adam, SGD, Adagrad with ``fused=True``) updates
 every parameter with one kernel, ``aten._fused_adamw_`` and friends. On DTensor parameters,
 DTensor's dispatch of that one call works out a sharding for every tensor in its lists (a
-spec per tensor, then a Python tail): about 0.3 ms per step for the 8 parameters of the
-benchmark MLP, measured against the same kernel on plain tensors, which takes 0.4 ms.
+spec per tensor, then a Python tail). For the 8 parameters of the benchmark MLP, the step
+took 0.67 ms against 0.51 ms on plain tensors; with the handler below, 0.58 ms (what is left
+is the optimizer's own Python over DTensors and the call's way into the handler). DTensor
+has no sharding rule for fused SGD and Adagrad at all; with the handler they run.
 
 The kernel is elementwise within each list position: parameter ``i`` is updated from gradient
 ``i`` and state ``i``, and nothing else. So where, at every position, the gradient and the
@@ -18,9 +20,11 @@ handler were not there. Scalars beside the lists (``state_steps``, a tensor ``lr
 ``grad_scale``, ``found_inf``) must be plain tensors or replicated DTensors, which hold the
 same value on every rank.
 
-The handler is process-wide (DTensor keeps one op dispatcher) and stays installed: it changes
-no result, only the path to it. ``tests/runtime/test_fused_optim.py`` checks it bit for bit
-against DTensor's own dispatch, and that the fallbacks are taken.
+The handler is process-wide (DTensor keeps one op dispatcher) and stays installed: where
+DTensor's dispatch gives a result, it gives the same, by a shorter path. So torch's own
+DTensor models in the same process (``parallelize_module``, ``fully_shard``) take it too.
+``tests/runtime/test_fused_optim.py`` checks it bit for bit against DTensor's own dispatch
+(and against plain tensors where DTensor has no rule), and that the fallbacks are taken.
 """
 
 from __future__ import annotations
@@ -194,7 +198,8 @@ def _local(t: Any) -> Any:
 
 def _dtensor_dispatch(op: Any, args: tuple, kwargs: dict) -> Any:
     """DTensor's own dispatch of the call, with this handler out of the way for it (the way
-    torch's ``loss_parallel`` swaps its handlers in and out)."""
+    torch's ``loss_parallel`` swaps its handlers in and out; as there, another thread's fused
+    step meanwhile takes DTensor's dispatch too, which gives the same result)."""
     table = _handlers()
     assert table is not None
     mine = table.pop(op, None)
