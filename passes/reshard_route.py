@@ -62,7 +62,7 @@ def _route_uncached(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tu
     perms = _block_permutations(src, dst, ascending, local, mesh_shape)
     if perms is not None:
         return ascending, perms
-    return reshard_steps(src, dst), {}
+    return reshard_steps(src, dst, _full_shape(local, src, mesh_shape), mesh_shape), {}
 
 
 def _block_permutations(src: Spec, dst: Spec, steps: list[tuple[int, Placement]],
@@ -140,32 +140,55 @@ def _invalid(cur: list[Placement], ax: int, target: Placement) -> bool:
     return isinstance(target, Shard) and target != a and target in inner
 
 
-def reshard_steps(src: Spec, dst: Spec) -> list[tuple[int, Placement]]:
+def reshard_steps(src: Spec, dst: Spec, full: list[int] | None = None,
+                  mesh_shape: tuple[int, ...] | None = None) -> list[tuple[int, Placement]]:
     """The ordered ``(axis, new placement)`` steps from ``src`` to ``dst`` (see module doc).
 
-    Takes the lowest axis whose step is valid now. When none is, the inner axes blocking the
-    lowest pending one are gathered to ``R`` first (innermost first, each then the innermost
-    shard of its dim); that axis is then valid and never blocked again, so this terminates.
-    Such a gathered axis may be re-sharded by a later step.
+    Takes the lowest axis whose step is valid now: it interleaves no nested shard's blocks
+    and, given the tensor's ``full`` shape and the ``mesh_shape``, leaves every dim split into
+    pieces it divides into (``(P, S(2), S(0)) -> (R, S(0), S(2))`` on a 2x2x2 tensor and mesh
+    can take neither shard step first: each would split a dim of 2 four ways). When none is,
+    the axes blocking the lowest pending one are gathered to ``R`` first (the inner ones,
+    innermost first; the outer ones where no inner one blocks); that axis is then valid, so
+    this terminates. Such a gathered axis may be re-sharded by a later step.
     """
     cur = list(src)
     steps: list[tuple[int, Placement]] = []
+
+    def valid(ax: int) -> bool:
+        if _invalid(cur, ax, dst[ax]):
+            return False
+        return full is None or _divides(cur[:ax] + [dst[ax]] + cur[ax + 1:], full, mesh_shape)
+
     for _ in range(4 * len(cur) + 4):
         pending = [ax for ax in range(len(cur)) if cur[ax] != dst[ax]]
         if not pending:
             return steps
-        ax = next((a for a in pending if not _invalid(cur, a, dst[a])), None)
+        ax = next((a for a in pending if valid(a)), None)
         if ax is None:
             first = pending[0]
             dims = {p for p in (cur[first], dst[first]) if isinstance(p, Shard)}
-            for j in reversed(range(first + 1, len(cur))):
-                if cur[j] in dims:
-                    steps.append((j, Replicate()))
-                    cur[j] = Replicate()
+            blockers = [j for j in reversed(range(first + 1, len(cur))) if cur[j] in dims]
+            if not blockers:
+                blockers = [j for j in reversed(range(first)) if cur[j] in dims]
+            for j in blockers:
+                steps.append((j, Replicate()))
+                cur[j] = Replicate()
             continue
         steps.append((ax, dst[ax]))
         cur[ax] = dst[ax]
     raise AssertionError(f"internal: no reshard route from {src} to {dst}")
+
+
+def _divides(spec: list[Placement], full: list[int], mesh_shape: tuple[int, ...] | None
+             ) -> bool:
+    """Every dim of a ``full``-shaped tensor splits evenly into the pieces ``spec`` makes."""
+    assert mesh_shape is not None
+    count = [1] * len(full)
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard):
+            count[p.dim] *= n
+    return all(f % c == 0 for f, c in zip(full, count))
 
 
 def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any) -> list:
