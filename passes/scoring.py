@@ -123,8 +123,8 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
             compute -= sum(c.time_s for c in colls) * float(weight[i])
     loss_i = sp.loss_index
     loss_meta = sp.nodes[loss_i].meta["autopar"].out
-    add(cm.reshard_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
-                               (Replicate(),) * sp.mesh.ndim, sp.mesh), "loss")
+    add(cm.loss_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0], sp.mesh),
+        "loss")
     comm = float(sum(v[2] for v in agg.values()))
     mem, _ = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)
     collectives = [

@@ -139,10 +139,10 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         sp.node_cost.append(cost_cache[key])
     sp.loss_index = loss_i = by_name[pg.loss_node]
     loss_meta = nodes[loss_i].meta["autopar"].out
-    rep = (Replicate(),) * mesh.ndim
-    # the loss is reported whole on every rank: a partial loss pays its all-reduce
+    # the loss is reported whole on every rank: a partial loss pays its (deferred) all-reduce
     sp.unary[loss_i] = np.array(
-        [cm.reshard_time(loss_meta, s.outs[0], rep, mesh) for s in strategies[loss_i]]
+        [sum(c.time_s for c in cm.loss_collectives(loss_meta, s.outs[0], mesh))
+         for s in strategies[loss_i]]
     )
     sp.usage = [_usage(n, strategies[i], mesh) for i, n in enumerate(nodes)]
     if pg.proxy is not None:
