@@ -201,7 +201,7 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
         if plan is not None:
             print(plan.table(), flush=True)
         print(flush=True)
-    opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr)
+    opt = _adamw(pm, cfg)
     setup_s = time.perf_counter() - t0
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty) if rank == 0 \
         else None
@@ -209,12 +209,18 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     return RunResult(losses, times, setup_s)
 
 
+def _adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW's fused kernel, on both runs: one kernel per step, where the default on CPU
+    runs about 7 ops per parameter (on DTensors, each through DTensor's dispatch)."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+
+
 def _baseline(cfg: TrainConfig) -> tuple[RunResult, nn.Module]:
     torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
     sampler = BatchSampler.from_corpus(cfg.batch, cfg.seq, cfg.seed)
     model = build_model(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = _adamw(model, cfg)
     setup_s = time.perf_counter() - t0
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="1 proc ", tty=cfg.tty)
     losses, times = _train(model, opt, sampler, cfg.steps, bar)

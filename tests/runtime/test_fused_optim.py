@@ -200,3 +200,16 @@ def test_fused_adamw_training_equals_single_device(source, mesh_shape, local_cal
     got, want, _ = run_case(model, inputs, mesh_shape, plan, adamw={"fused": True})
     assert_same_training(got, want, what=f"fused AdamW, {source} on {mesh_shape}")
     assert local_calls == {"local": 3, "dtensor": 0}
+
+
+def test_fused_adamw_trains_gpt_like_one_device(local_calls) -> None:
+    """The main job's model and mesh (``autopar train``: GPT, dp=2 x tp=2, the solver's plan)."""
+    from autopar.models import get_preset
+
+    preset = get_preset("gpt2-tiny")
+    torch.manual_seed(0)
+    model = preset.build(device="cpu")
+    inputs = preset.example_inputs(4, 8, device="cpu")
+    got, want, _ = run_case(model, inputs, (2, 2), None, adamw={"fused": True})
+    assert_same_training(got, want, what="fused AdamW, gpt2-tiny on 2x2")
+    assert local_calls == {"local": 3, "dtensor": 0}
