@@ -145,21 +145,24 @@ def test_a_reference_that_places_repeated_layers_differently_is_still_scored():
 
 
 def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
-    """On this MLP the solver's own plan (data parallelism) is predicted 0.6% faster than FSDP
-    (FSDP gathers each weight, DP all-reduces its gradients in the same buckets): under the 1%
-    margin for cost-model error, the plan is FSDP, and says why; with no margin it is the
-    solver's own. Either way it is never worse than the reference."""
+    """On this MLP the solver's own plan (data parallelism) is predicted a little faster than
+    FSDP (FSDP gathers each weight, DP all-reduces its gradients in the same buckets; 1-2% on
+    the `cpu` profile). Under a margin for cost-model error larger than that gap the plan is
+    FSDP, and says why; with no margin it is the solver's own. Either way it is never worse
+    than the reference."""
     from autopar.models import MLP, REFERENCE_PLANS, MLPConfig
+    from autopar.planner import MIN_GAIN
 
     with torch.device("meta"):
         model = MLP(MLPConfig(in_dim=256, hidden=(1024, 256, 1024), out_dim=256))
     x = torch.empty(256, 256, device="meta")
     mesh = Mesh((4,), ("dp",), "cpu")
     refs = {"fsdp": REFERENCE_PLANS["fsdp"](model, mesh.shape, mesh.axes, "mlp", batch_size=256)}
-    kept = make_plan(model, mesh, (x, x), references=refs, time_limit_s=5)
     own = make_plan(model, mesh, (x, x), references=refs, time_limit_s=5, min_gain=0.0)
-    ref_cost = kept.plan.references["fsdp"].step_s
-    assert own.plan.cost.step_s < ref_cost < own.plan.cost.step_s * 1.01
+    ref_cost = own.plan.references["fsdp"].step_s
+    gap = ref_cost / own.plan.cost.step_s - 1
+    assert 0 < gap < 5 * MIN_GAIN  # close, so the margin decides
+    kept = make_plan(model, mesh, (x, x), references=refs, time_limit_s=5, min_gain=2 * gap)
     assert kept.plan.cost.step_s == pytest.approx(ref_cost)
     assert "kept fsdp" in kept.plan.solver.method
     assert kept.plan.params["layers.0.weight"] != (R,)
