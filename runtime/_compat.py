@@ -90,11 +90,12 @@ def dtensor_like(ref: Any, local: torch.Tensor) -> Any:
 
 
 def _dtensor_constructor() -> tuple[Any, Any]:
-    """(DTensor, its ``__new__``) where constructing a DTensor is ``__new__(cls, local, spec,
-    requires_grad=...)`` alone: torch 2.13 makes it in C++ and leaves ``__init__`` empty,
-    behind two Python wrappers that cost more than the construction (about 2 us against
-    0.8 us). ``tests/runtime/test_lower_local.py`` checks the result against ``DTensor(...)``.
-    None for a torch where that does not hold (``from_local`` is used instead)."""
+    """(DTensor, its ``__new__``): a DTensor is made by ``__new__(cls, local, spec,
+    requires_grad=...)``; its ``__init__`` does nothing. torch 2.13 makes it in C++ and wraps
+    the empty ``__init__`` in two Python decorators that cost more than the construction
+    (``DTensor(...)`` about 2 us, ``__new__`` alone 0.8 us). ``tests/runtime/
+    test_fused_optim.py`` checks the result against ``DTensor(...)``. (None, None) where
+    DTensor cannot be imported (``from_local`` is used then)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed

@@ -166,21 +166,8 @@ def _placed_as(t: Any, spec: Any) -> bool:
         return spec is None and other is None and isinstance(t, torch.Tensor)
     if other is spec:  # autopar's gradients share their parameter's spec
         return True
-    seen = _SAME_PLACEMENT.get((id(other), id(spec)))
-    if seen is not None and seen[0] is other and seen[1] is spec:
-        return True  # an optimizer state, checked at an earlier step: specs do not change
-    same = (other.placements == spec.placements and other.shape == spec.shape
+    return (other.placements == spec.placements and other.shape == spec.shape
             and (other.mesh is spec.mesh or other.mesh == spec.mesh))
-    if same:
-        if len(_SAME_PLACEMENT) >= _SAME_PLACEMENT_MAX:
-            _SAME_PLACEMENT.clear()
-        _SAME_PLACEMENT[(id(other), id(spec))] = (other, spec)
-    return same
-
-
-# (id, id) -> the two specs found alike (held, so that their ids are not reused)
-_SAME_PLACEMENT: dict[tuple[int, int], tuple[Any, Any]] = {}
-_SAME_PLACEMENT_MAX = 1 << 16
 
 
 def _one_value(t: Any) -> bool:

@@ -146,10 +146,9 @@ def test_a_reference_that_places_repeated_layers_differently_is_still_scored():
 
 def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
     """On this MLP the solver's own plan (data parallelism) is predicted a little faster than
-    FSDP (FSDP gathers each weight, DP all-reduces its gradients in the same buckets; 1-2% on
-    the `cpu` profile). Under a margin for cost-model error larger than that gap the plan is
-    FSDP, and says why; with no margin it is the solver's own. Either way it is never worse
-    than the reference."""
+    FSDP (FSDP gathers each weight, DP all-reduces its gradients in the same buckets). Under a
+    margin for cost-model error larger than that gap the plan is FSDP, and says why; with no
+    margin it is the solver's own. Either way it is never worse than the reference."""
     from autopar.models import MLP, REFERENCE_PLANS, MLPConfig
     from autopar.planner import MIN_GAIN
 
