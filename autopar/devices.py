@@ -63,28 +63,27 @@ PROFILES: dict[str, DeviceProfile] = {
                  4800 * GBps, 141 * GiB, 450 * GBps, 50 * GBps),
     "a100": _gpu("a100", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,
                  2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps),
-    # A CPU process talking gloo over loopback, as `autopar train` runs: gloo's per-call
-    # overhead is large (0.5-4 ms per collective measured on a 2-core machine, ~0.3 GB/s),
-    # so each ring step is charged 200 us and the link 0.5 GB/s. Gloo reduces on the CPU
+    # A CPU process talking gloo over loopback, as `autopar train` runs, measured with 4 ranks
+    # on a 2-core machine: a synchronous collective costs 2.5-4 ms whatever its size up to
+    # 64 KiB (16 B all-reduce 3.4 ms, 64 KiB all-gather 3.9 ms; 7 ms right after compute, when
+    # the ranks are out of step), and about 1 GB/s beyond (1 MiB all-reduce 5.3 ms, 1 MiB
+    # all-gather into 4 MiB 6.3 ms, 4 MiB all-reduce 7-8 ms). So each collective is charged
+    # 2.5 ms, each ring step 200 us and the link 1.2 GB/s (mean error over those 10 cases
+    # 0.2, where the earlier 1 ms and 0.5 GB/s were off by half). Gloo reduces on the CPU
     # cores the model computes on (a 1 MiB all-reduce over 4 ranks measured about 2 ms of CPU
     # per process, a 3 MiB one about 2.5 ms), so communication does not overlap compute for
     # free: gradients go out in as few buckets as the bucket size allows.
-    # Measured later on the same box, a synchronous collective cost 2.5-4 ms up to 64 KiB and
-    # ~1 GB/s beyond (2.5 ms and 1.2 GB/s fit 10 kinds and sizes within 19%, these numbers
-    # within 45%). Not adopted yet: with dearer collectives the tp-axis plan of the runtime
-    # benchmark becomes data parallel, and bucket repricing, which follows the chosen plan
-    # only, then leaves the megatron reference's completion with a near-empty bucket.
     "cpu": DeviceProfile(
         "cpu",
         {"float32": 50e9, "bfloat16": 10e9, "float16": 5e9},
         mem_bandwidth=10 * GBps,
         mem_capacity=16 * GiB,
-        intra_node_bandwidth=0.5 * GBps,
-        inter_node_bandwidth=0.2 * GBps,
+        intra_node_bandwidth=1.2 * GBps,
+        inter_node_bandwidth=0.5 * GBps,
         intra_node_latency=200e-6,
         inter_node_latency=400e-6,
         devices_per_node=64,
-        collective_overhead=1e-3,
+        collective_overhead=2.5e-3,
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
         comm_overlaps_compute=False,
