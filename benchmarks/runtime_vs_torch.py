@@ -48,6 +48,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, update_results  # noqa: E402
 
+from autopar.devices import get_profile  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
 from autopar.models import MLP, REFERENCE_PLANS, MLPConfig  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
@@ -507,6 +508,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
     flat_mib = float(flat_key.split("(")[1].split()[0])
     gbps = flat_mib * 2**20 / (lat[flat_key] / 1e3) / 1e9
     plain, ours = phases["plain"], phases["autopar"]
+    cpu = get_profile("cpu")
     extra = {p: ours[p] - plain[p] for p in PHASES}
 
     g = med.get(DDP_GLOBAL_LOSS)
@@ -559,9 +561,11 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   the last gradient exists, for the reason given under DP); as
   the solver completes this layout, the gathered weights are kept for the backward where
   fully_shard frees them and gathers again (more memory, fewer collectives).
-- **The solver's own plan** here is {solver_plan}, priced by the `cpu` profile (200 us per
-  ring step, 1 ms per collective, 0.5 GB/s; gloo here: {tiny:.2f} ms for a tiny all-reduce,
-  about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",
+- **The solver's own plan** here is {solver_plan}, priced by the `cpu` profile
+  ({cpu.intra_node_latency * 1e6:.0f} us per ring step, {cpu.collective_overhead * 1e3:g} ms
+  per collective, {cpu.intra_node_bandwidth / 1e9:g} GB/s; the loss's all-reduce, which runs
+  beside the backward, at most the per-collective cost; gloo here: {tiny:.2f} ms for a tiny
+  all-reduce, about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",
   "?")}". Measured, its step is {solver_vs_dp:.2f}x the DP run's.
 - **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed
