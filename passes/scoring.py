@@ -22,7 +22,6 @@ from autopar.passes.buckets import (
 from autopar.passes.edge_costs import edge_collectives, gather_unit, is_param_gather
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
-from autopar.placements import Replicate
 from autopar.plan import CollectiveUse, PlanCost
 
 

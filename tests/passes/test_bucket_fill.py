@@ -18,7 +18,6 @@ from autopar.passes.scoring import score_assignment
 from autopar.planner import make_plan
 from autopar.solver import evaluate
 
-
 # These tests are about repricing buckets at their fill, whichever layout wins. They need the
 # tensor-parallel layout to win on this MLP, as it did under the `cpu` profile's first
 # calibration (1 ms per collective, 0.5 GB/s); the measured one (2.5 ms, 1.2 GB/s) makes each
