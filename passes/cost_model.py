@@ -153,7 +153,7 @@ def loss_collectives(meta: TensorMeta, src: Spec, mesh: Mesh) -> list[Collective
     communication overlaps compute, the backward hides them (priced 0). Where it does not
     (``cpu``: gloo works on the cores the model computes on), each costs at most the
     profile's per-collective overhead, not its latency: no rank waits for another there.
-    (Measured on 4 gloo processes: DDP made to all-reduce its loss this way ran 0.96-1.02x
+    (Measured on 4 gloo processes: DDP made to all-reduce its loss this way ran 0.96-1.03x
     plain DDP, where a synchronous collective mid-step costs 3-7 ms.)"""
     colls = reshard_collectives(meta, src, (Replicate(),) * mesh.ndim, mesh)
     cap = 0.0 if mesh.device.comm_overlaps_compute else mesh.device.collective_overhead
