@@ -42,6 +42,7 @@ def parallelize(
     plan: Plan | str | Path | None = None,
     memory_budget: float | None = None,
     time_limit_s: float = 30.0,
+    compile: bool = False,
 ) -> ParallelModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
 
@@ -50,6 +51,11 @@ def parallelize(
     parameters are replaced in place by DTensors (keep a copy if you need the original).
     Calling the result with other input shapes retraces and replans, keeping the parameter
     layouts, unless a plan was given (then it raises :class:`PlanError`).
+
+    ``compile=True`` compiles the per-rank program with Inductor between its collectives
+    (fused C++ kernels on CPU, Triton on CUDA; see :mod:`autopar.runtime.inductor_segments`):
+    faster steps, after a compile of some seconds on the first call. Under ``LocalTensorMode``
+    (simulated ranks) the program runs eagerly.
     """
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
@@ -69,7 +75,7 @@ def parallelize(
             "no sharding rule for " + ", ".join(sorted(the_plan.missing_rules)) + ": these ops "
             "run replicated (whole on every rank), which is correct but may be slow",
             stacklevel=2)
-    return ParallelModule(model, device_mesh, graph, the_plan, replan)
+    return ParallelModule(model, device_mesh, graph, the_plan, replan, compile)
 
 
 # --- meshes -----------------------------------------------------------------------------------

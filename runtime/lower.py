@@ -49,6 +49,7 @@ from autopar.passes.strategies.localize import (
 from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
 from autopar.placements import Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
+from autopar.runtime import _compat
 from autopar.runtime.deferred_loss import LossValue
 from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.param_gather import GatherGroup, group_gathers
@@ -96,8 +97,9 @@ class LoweredGraph:
     """The per-rank program for one (graph, plan) pair; between calls it holds no tensors but
     the graph's lifted constants."""
 
-    def __init__(self, pg: PlanGraph, plan: Plan) -> None:
+    def __init__(self, pg: PlanGraph, plan: Plan, compile: bool = False) -> None:
         validate(pg, plan)
+        self.compile = compile  # runs of plain steps compiled by Inductor (inductor_segments)
         self.pg = pg
         self.plan = plan
         self.mesh_shape = tuple(plan.mesh_shape)
@@ -140,7 +142,8 @@ class LoweredGraph:
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
                                           self.grad_moves(), self.mesh_shape, self.bucketed,
                                           plan.first_bucket_bytes)
-        self._compiled: dict[int, Program] = {}  # id(self.fwd / self.bwd) -> its code
+        # (id(self.fwd / self.bwd), Inductor-compiled runs) -> its code
+        self._compiled: dict[tuple[int, bool], Program] = {}
 
     # --- building -----------------------------------------------------------------------------
 
@@ -258,13 +261,15 @@ class LoweredGraph:
              step_done: Callable[[int], None] | None = None) -> None:
         """Run one phase: the plain steps as generated code, the others by :meth:`_exec_step`
         (see :mod:`.step_code`)."""
-        program = self._compiled.get(id(steps))
+        # Inductor cannot compile for LocalTensorMode's simulated ranks: they run eagerly
+        key = (id(steps), self.compile and not _compat.local_tensor_mode_active())
+        program = self._compiled.get(key)
         if program is None:
             for s in steps:
                 s.localized = self._localize_once(s, comm)
             launches = set(self.grad_sync.by_step) if steps is self.bwd else set()
-            program = self._compiled[id(steps)] = compile_steps(
-                steps, _call_localized, launches, self.seed)
+            program = self._compiled[key] = compile_steps(
+                steps, _call_localized, launches, self.seed, fuse=key[1])
         program(env, comm, grad_loss, step_done, {}, gathers, self._exec_step)
 
     def _localize_once(self, s: _Step, comm: Comm) -> tuple[tuple, dict] | None:

@@ -125,8 +125,9 @@ class ParallelModule(nn.Module):
     """A model whose step runs as a planned SPMD program on a device mesh."""
 
     def __init__(self, model: nn.Module, device_mesh: Any, graph: PlanGraph, plan: Plan,
-                 replan: Replanner | None = None) -> None:
+                 replan: Replanner | None = None, compile: bool = False) -> None:
         super().__init__()
+        self._compile = compile  # Inductor compiles the per-rank program's runs of plain steps
         for name, child in model.named_children():
             self.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
@@ -156,7 +157,7 @@ class ParallelModule(nn.Module):
         return self._active[0]
 
     def _install(self, graph: PlanGraph, plan: Plan) -> None:
-        self._active = (graph, LoweredGraph(graph, plan))
+        self._active = (graph, LoweredGraph(graph, plan, self._compile))
         self._active_sig = _graph_signature(graph)  # the input (shape, dtype)s it runs on
         self._programs[self._active_sig] = self._active
 

@@ -1,0 +1,122 @@
+"""``parallelize(..., compile=True)``: runs of plain steps compiled by Inductor
+(``runtime/inductor_segments.py``). Where the runs are cut, what a run reads, hands out and
+frees, and that a compiled program trains as the eager one does. The multi-process runs (the
+collectives between compiled runs) are in ``test_gloo.py::test_gloo_compiled_program``."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from spmd_harness import EPS, LR, assert_same_training, train_single
+
+import autopar
+from autopar.mesh import Mesh
+from autopar.models import get_preset
+from autopar.runtime.inductor_segments import CompiledRun, fusible, runs
+from autopar.runtime.step_code import _template
+
+aten = torch.ops.aten
+
+
+def _step(name: str, target=aten.relu.default, reads=(), free_after=(), val=None,
+          getitem_of: tuple[str, int] | None = None) -> SimpleNamespace:
+    """A lowered step as ``CompiledRun`` and ``runs`` see it (``lower._Step``'s fields)."""
+    g = fx.Graph()
+    node = g.call_function(target, ())
+    node.meta["val"] = torch.empty(2) if val is None else val
+    if getitem_of is not None:
+        inputs = [SimpleNamespace(producer=getitem_of[0], item=getitem_of[1])]
+        return SimpleNamespace(name=name, node=node, is_getitem=True, inputs=inputs,
+                               free_after=list(free_after), args=(), kwargs={}, flat=[],
+                               localized=None)
+    inputs = [SimpleNamespace(producer=r, item=None) for r in reads]
+    return SimpleNamespace(name=name, node=node, is_getitem=False, inputs=inputs,
+                           free_after=list(free_after), args=(None,) * len(reads), kwargs={},
+                           flat=list(range(len(reads))), localized=None)
+
+
+def test_runs_are_cut_at_unplain_steps_and_gradient_sync_launches() -> None:
+    steps = [_step(f"s{k}") for k in range(9)]
+    plain = {k: k != 4 for k in range(9)}
+    by_name = {s.name: k for k, s in enumerate(steps)}
+    got = runs(steps, lambda s: plain[by_name[s.name]], launches={1})
+    # 0-1 (cut after the launch at 1), 2-3 (cut by the general-path step 4), 5-8
+    assert got == {0: 2, 2: 4, 5: 9}
+
+
+def test_a_run_of_one_op_stays_eager_and_getitems_do_not_count() -> None:
+    pair = torch.empty(2), torch.empty(2)
+    steps = [_step("ln", aten.native_layer_norm.default, val=pair),
+             _step("g0", getitem_of=("ln", 0)), _step("g1", getitem_of=("ln", 1)),
+             _step("x", aten.bernoulli.default),  # random: eager, to match one device
+             _step("a"), _step("b")]
+    assert not fusible(steps[3])
+    assert runs(steps, lambda s: True) == {4: 6}
+
+
+def test_a_run_reads_hands_out_and_frees_what_the_program_around_it_needs() -> None:
+    # mm = x @ w; r = relu(mm); s = sum(r): mm is made and last read inside the run, x is
+    # made before it and last read inside it, r and s are read after it
+    steps = [_step("mm", aten.mm.default, reads=("x", "w"), free_after=("x",)),
+             _step("r", aten.relu.default, reads=("mm",), free_after=("mm",)),
+             _step("s", aten.sum.default, reads=("r",))]
+    run = CompiledRun(steps, _template)
+    assert run.reads == [("x", None), ("w", None)]
+    assert run.writes == [("r", None), ("s", None)]
+    assert run.frees == ["x"]
+    assert run.code("G0", lambda p, i: f"env[{p!r}]") == [
+        "    _o = G0(env['x'], env['w'], )", "    env['r'] = _o[0]", "    env['s'] = _o[1]"]
+    x, w = torch.randn(8, 4), torch.randn(4, 3)
+    r, s = run(x, w)
+    torch.testing.assert_close(r, torch.relu(x @ w))
+    torch.testing.assert_close(s, torch.relu(x @ w).sum())
+    # other strides (a transposed input): compiled again for them, not run on wrong ones
+    xt = torch.randn(4, 8).t()
+    r2, _ = run(xt, w)
+    torch.testing.assert_close(r2, torch.relu(xt @ w))
+    assert len(run._compiled) == 2
+
+
+@pytest.fixture
+def one_rank_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_compiled_gpt_trains_as_one_device(one_rank_group) -> None:
+    """Views, layer norms, embeddings, the MLPs and the loss through Inductor, on one rank (no
+    collectives). The attention kernels stay eager: they take a dropout probability, so they
+    are tagged random, and each cuts a run."""
+    preset = get_preset("gpt2-tiny").replace(n_positions=16)
+    torch.manual_seed(0)
+    model = preset.build(device="cpu")
+    inputs = preset.example_inputs(4, 8, device="cpu")
+    want = train_single(copy.deepcopy(model), inputs, 3)
+    pm = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), inputs, compile=True)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    losses, grads = [], {}
+    for _ in range(3):
+        loss = pm(*inputs)
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
+    assert_same_training({"losses": losses, "grads": grads, "params": params}, want,
+                         what="compiled")
+    programs = list(pm._active[1]._compiled.values())
+    n_layers = preset.config.n_layer
+    # forward and backward: one run before, between and after the layers' attention kernels
+    assert [len(p.compiled_runs) for p in programs] == [n_layers + 1] * 2
+    assert all(r._compiled for p in programs for r in p.compiled_runs)
