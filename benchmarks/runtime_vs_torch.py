@@ -17,7 +17,10 @@ The model is the MLP of ``autopar.models`` with widths ``in, H, in, H, out``: la
 (2, 3) are the column-then-row pairs torch's tensor parallelism expects. Every config trains the
 same initial weights on the same global batch with the same AdamW (the torch wrappers get each
 rank's share of the batch, as their users would pass it; autopar gets the whole batch on every
-rank). ``--optimizer`` picks AdamW's implementation for every config: ``fused`` (the default, one
+rank). The DP pair also runs compiled, both sides: ``torch.compile(DDP(model))`` against
+``parallelize(..., compile=True)`` (its per-rank program's runs of plain steps compiled by
+Inductor between the collectives); ``--no-compiled`` leaves that pair out. ``--optimizer``
+picks AdamW's implementation for every config: ``fused`` (the default, one
 kernel per step, what torchtitan and Megatron train with), ``foreach``, or ``for-loop`` (torch's
 pick on CPU when none is given: about 7 ops per parameter). Unless it is ``for-loop`` already, the
 DP pair also runs with the for-loop AdamW, as a row of its own.
@@ -62,6 +65,8 @@ PAIRS = (("DP", "DDP", "data_parallel", "dp"),
 OPTIMIZERS = {"fused": {"fused": True}, "foreach": {"foreach": True},
               "for-loop": {"foreach": False, "fused": False}}
 FOR_LOOP_DP = "DP, AdamW for-loop"  # the extra DP pair run with the for-loop AdamW
+# the DP pair compiled: torch.compile(DDP(model)) vs parallelize(..., compile=True)
+COMPILED_DP = "DP, compiled"
 # DDP whose step also all-reduces its loss, as autopar returns the whole loss: what that costs
 DDP_GLOBAL_LOSS = "torch DP, global loss"
 
@@ -78,6 +83,7 @@ class Bench:
     plans: dict[str, dict]  # run name -> Plan JSON ("autopar DP", ..., "autopar solver")
     plan_axes: dict[str, str]  # run name -> mesh axis name the plan was made on
     optimizer: str = "fused"  # a key of OPTIMIZERS
+    compiled: bool = True  # also run the DP pair compiled (COMPILED_DP)
 
     def adamw(self, model: nn.Module, optimizer: str | None = None) -> torch.optim.AdamW:
         return torch.optim.AdamW(model.parameters(), lr=1e-3,
@@ -271,9 +277,10 @@ def _build_runs(b: Bench, x: torch.Tensor, y: torch.Tensor) -> dict[str, _Step]:
     def step(model: nn.Module, optimizer: str | None = None, **kw: Any) -> _Step:
         return _Step(model, b.adamw(model, optimizer), **kw)
 
-    def ours(plan_name: str) -> nn.Module:
+    def ours(plan_name: str, compile: bool = False) -> nn.Module:
         return autopar.parallelize(fresh(), meshes[b.plan_axes[plan_name]],
-                                   example_inputs=(x, y), plan=Plan.from_json(b.plans[plan_name]))
+                                   example_inputs=(x, y), plan=Plan.from_json(b.plans[plan_name]),
+                                   compile=compile)
 
     runs: dict[str, _Step] = {}
     runs["torch DP"] = step(DDP(fresh()), x=xs, y=ys, local_batch=True)
@@ -297,6 +304,11 @@ def _build_runs(b: Bench, x: torch.Tensor, y: torch.Tensor) -> dict[str, _Step]:
         pm = ours("autopar DP")
         runs[f"autopar {FOR_LOOP_DP}"] = step(pm, "for-loop", x=x, y=y,
                                               collectives=getattr(pm, "collectives", None))
+    if b.compiled and "autopar DP" in b.plans:
+        runs[f"torch {COMPILED_DP}"] = step(torch.compile(DDP(fresh())), x=xs, y=ys,
+                                            local_batch=True)
+        pm = ours("autopar DP", compile=True)
+        runs[f"autopar {COMPILED_DP}"] = step(pm, x=x, y=y, collectives=pm.collectives)
     # each autopar run right after the torch run it is compared with, so that the two see
     # about the same load in every round (see report: the paired ratio)
     order = ["torch DP", "autopar DP", DDP_GLOBAL_LOSS, "autopar solver", "torch TP (tp=4)",
@@ -318,11 +330,12 @@ def single_process_phases(b: Bench, steps: int = 100) -> dict[str, dict[str, flo
     share = b.batch // NPROC
     x, y = torch.randn(share, b.width), torch.randn(share, b.width)
     runs = {}
-    for name in ("plain", "autopar"):
+    for name in ("plain", "autopar", "autopar compiled")[:3 if b.compiled else 2]:
         torch.manual_seed(b.seed + 1)
         model: nn.Module = MLP(b.config())
-        if name == "autopar":
-            model = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), example_inputs=(x, y))
+        if name != "plain":
+            model = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), example_inputs=(x, y),
+                                        compile=name == "autopar compiled")
         runs[name] = (model, b.adamw(model))
     times: dict[str, dict[str, list[float]]] = {n: {p: [] for p in PHASES} for n in runs}
     for i in range(b.warmup + steps):
@@ -346,9 +359,15 @@ def phases_text(ph: dict[str, dict[str, float]], share: int) -> str:
     parts = [f"{p} {plain[p]:.2f} vs {ours[p]:.2f} ms ({ours[p] / plain[p]:.2f}x)"
              for p in PHASES]
     total = sum(ours.values()) / sum(plain.values())
-    return (f"one process, one thread, no communication, batch {share} (one rank's share), "
+    text = (f"one process, one thread, no communication, batch {share} (one rank's share), "
             f"plain module vs autopar on a 1-device mesh (DTensor parameters): "
             f"{'; '.join(parts)}; step {total:.2f}x")
+    comp = ph.get("autopar compiled")
+    if comp is not None:
+        parts = [f"{p} {comp[p]:.2f} ms ({comp[p] / plain[p]:.2f}x)" for p in PHASES]
+        text += (f"; compiled (`compile=True`): {'; '.join(parts)}; step "
+                 f"{sum(comp.values()) / sum(plain.values()):.2f}x")
+    return text
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -361,12 +380,15 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
     rows: list[list[str]] = []
     slow: list[str] = []
     best_torch = min((n for n in med if n.startswith("torch") and FOR_LOOP_DP not in n
-                      and n != DDP_GLOBAL_LOSS), key=med.__getitem__)
+                      and COMPILED_DP not in n and n != DDP_GLOBAL_LOSS), key=med.__getitem__)
     pairs = [(cfg, f"torch {cfg}", f"autopar {cfg}", wrapper) for cfg, wrapper, _, _ in PAIRS]
     pairs.append(("solver plan vs best torch", best_torch, "autopar solver",
                   best_torch.removeprefix("torch ") + " (best torch)"))
     if f"autopar {FOR_LOOP_DP}" in med:
         pairs.append((FOR_LOOP_DP, f"torch {FOR_LOOP_DP}", f"autopar {FOR_LOOP_DP}", "DDP"))
+    if f"autopar {COMPILED_DP}" in med:
+        pairs.append((COMPILED_DP, f"torch {COMPILED_DP}", f"autopar {COMPILED_DP}",
+                      "torch.compile(DDP)"))
     for cfg, t_name, a_name, label in pairs:
         t, a = med.get(t_name), med.get(a_name)
         tl, al = low.get(t_name), low.get(a_name)
@@ -394,6 +416,12 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
                  f"step, issued after the forward, waited for at the end): {g:.2f} ms/step, "
                  f"{g / med['torch DP']:.2f}x plain DDP; autopar DP is {med['autopar DP'] / g:.2f}x "
                  "that")
+    if f"autopar {COMPILED_DP}" in med:
+        c = med[f"autopar {COMPILED_DP}"]
+        text += (f"\n\nautopar DP compiled against eager DDP: {c / med['torch DP']:.2f}x; "
+                 f"against its own eager run: {c / med['autopar DP']:.2f}x; "
+                 f"torch.compile(DDP) against eager DDP: "
+                 f"{med[f'torch {COMPILED_DP}'] / med['torch DP']:.2f}x")
     lat = res["latency"]
     text += ("\n\ngloo all-reduce over the 4 ranks, median ms: "
              + "; ".join(f"{k}: {v:.2f}" for k, v in lat.items()))
@@ -428,10 +456,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=20.0, help="solver time limit, s")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="fused",
                    help="AdamW's implementation, for every config (default fused)")
+    p.add_argument("--no-compiled", dest="compiled", action="store_false",
+                   help="leave out the compiled DP pair (it compiles for a minute first)")
     p.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     args = p.parse_args(argv)
     b = Bench(args.width, args.hidden, args.batch, args.warmup, args.steps, args.rounds,
-              args.seed, {}, {}, args.optimizer)
+              args.seed, {}, {}, args.optimizer, args.compiled)
     plans, axes, info = make_plans(b, args.time_limit)
     b = Bench(**{**b.__dict__, "plans": plans, "plan_axes": axes})
     print(f"planned in {info['planning dp']} s (dp mesh) + {info['planning tp']} s (tp mesh); "
@@ -522,6 +552,20 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
         for_loop = (f" With AdamW's for-loop implementation (about 7 ops per parameter, each "
                     f"through that dispatch) the DP ratio was {ratio:.2f}.")
 
+    compiled = ""
+    if f"autopar {COMPILED_DP}" in med and "autopar compiled" in phases:
+        comp = phases["autopar compiled"]
+        fb = (comp["forward"] + comp["backward"]) / (ours["forward"] + ours["backward"])
+        compiled = f"""- **Compiled** (`parallelize(..., compile=True)`, `runtime/inductor_segments.py`): the
+  per-rank program's runs of plain ops between collectives compiled by Inductor (here the
+  whole forward, and the backward after the loss's seed step), the collectives as before.
+  In one process its forward and backward take {fb:.2f}x the eager program's; on the 4
+  ranks its step is {med[f"autopar {COMPILED_DP}"] / med["autopar DP"]:.2f}x autopar's eager DP
+  and {med[f"autopar {COMPILED_DP}"] / med["torch DP"]:.2f}x eager DDP, and
+  `torch.compile(DDP(model))` runs {med[f"torch {COMPILED_DP}"] / med["torch DP"]:.2f}x eager DDP
+  (dynamo splits DDP's graph at its buckets; the optimizer step is eager in both).
+"""
+
     return f"""What limits the ratios (figures from this run):
 
 - **DP: the same work as DDP, fewer gradient collectives, plus the loss.** DDP issues
@@ -567,16 +611,18 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
   beside the backward, at most the per-collective cost; gloo here: {tiny:.2f} ms for a tiny
   all-reduce, about {gbps:.2f} GB/s for the gradient buffer). The planner says: "{res.get("solver_method",
   "?")}". Measured, its step is {solver_vs_dp:.2f}x the DP run's.
-- **Noise.** Other programs shared the 2 cores during the run (load average
+{compiled}- **Noise.** Other programs shared the 2 cores during the run (load average
   {res.get("load", float("nan")):.1f} at the end); the min columns are the less disturbed
   figure, and repeated runs of the same code move the DP ratio by about 0.05.
 
-What is left between autopar's DP and DDP is about that execution overhead (twice its
+What is left between autopar's eager DP and DDP is about that execution overhead (twice its
 per-rank figure, on 2 cores) and the loss's collective, against DDP's extra gradient
-collective; run to run the ratio moves by about 0.05 either way. What would cut the overhead
-further: the per-rank program compiled below Python (torch.compile), and for AdamW's
-for-loop implementation a local fast path for the in-place pointwise ops it runs per
-parameter; all are per op, not per byte, so they matter less as the model grows."""
+collective; run to run the ratio moves by about 0.05 either way. Compiling the per-rank
+program (`compile=True`) takes off more than the overhead in one process, but here the
+step is mostly gloo's all-reduce of 4 MiB and 4 processes sharing 2 cores, so it shows as
+a few percent. For AdamW's for-loop implementation a local fast path for the in-place
+pointwise ops it runs per parameter would help; these are per op, not per byte, so they
+matter less as the model grows."""
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 ``parallelize(..., compile=True)`` compiles what the per-rank program runs between its
 collectives. A *run* is a maximal stretch of consecutive plain steps (an op on values already
 in place: no reshard, no parameter gather, no rank-aware kernel, no in-op reduction, not the
-loss seed; see :mod:`.step_code`), cut after every step that may start a gradient sync so the
-syncs still start where the plan put them. Each run becomes one FX graph of ATen ops, compiled
+loss seed; see :mod:`.step_code`; ops taking tensors in lists, like ``cat``, included), cut
+after every step that may start a gradient sync so the syncs still start where the plan put
+them. Each run becomes one FX graph of ATen ops, compiled
 by ``torch._inductor.compile`` on the first call with that call's local tensors (fused C++
 kernels on CPU, Triton on CUDA), and called as one function: its inputs the values it reads
 from before the run, its outputs the values read after it (by later steps, by the backward,
@@ -14,8 +15,8 @@ Python.
 What stays eager: every collective (it runs between runs, as planned, so the collectives
 executed are still exactly the predicted ones) and random ops (Inductor's generator differs
 from eager's; running them eagerly keeps the program's numbers equal to one device's). ATen's
-fused attention kernels count as random (they take a dropout probability), so each cuts a
-run; Inductor would call the same kernel. Views
+fused attention kernels are tagged random for their dropout; called with ``dropout_p=0`` they
+are not, and join the run. Views
 are written as ``reshape``: a local kernel may lay memory out otherwise than the fake tensors
 the graph was traced on (see ``lower._call_localized``), and a reshape copies only then.
 
@@ -26,6 +27,7 @@ strides (a non-contiguous input, say) compiles again for those.
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -70,10 +72,15 @@ class CompiledRun:
                 i = s.inputs[0]
                 nodes[(s.name, None)] = value(i.producer, i.item)
                 continue
-            args, kwargs = template(s)
-            args = list(args)
-            for pos, i in zip(s.flat, s.inputs):
-                args[pos] = value(i.producer, i.item)
+            if s.flat is not None:
+                args, kwargs = template(s)
+                args = list(args)
+                for pos, i in zip(s.flat, s.inputs):
+                    args[pos] = value(i.producer, i.item)
+            else:  # tensors in lists (cat): the node's own args, in tensor_inputs order
+                fill = iter([value(i.producer, i.item) for i in s.inputs])
+                args, kwargs = fx.node.map_arg((s.node.args, s.node.kwargs),
+                                               lambda _, fill=fill: next(fill))
             target = _VIEWS.get(s.node.target, s.node.target)
             nodes[(s.name, None)] = graph.call_function(target, tuple(args), dict(kwargs))
         self.writes: list[tuple[str, int | None]] = []
@@ -95,10 +102,28 @@ class CompiledRun:
         key = tuple(a.stride() for a in args)
         fn = self._compiled.get(key)
         if fn is None:
-            from torch._inductor import compile as inductor_compile
-
-            fn = self._compiled[key] = inductor_compile(self.graph_module, list(args))
+            fn = self._compiled[key] = self._compile(list(args))
         return fn(*args)
+
+    def _compile(self, args: list[torch.Tensor]) -> Callable[..., Any]:
+        """Inductor's function for these inputs; where Inductor fails (no C++ compiler, an op
+        it cannot lower), the run's graph as it is, eagerly, with a warning: every rank still
+        runs the same collectives, so no rank waits for another that stopped."""
+        import torch._inductor
+
+        try:
+            return torch._inductor.compile(self.graph_module, args)
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler, reported below
+            ops = sorted({str(n.target) for n in self.graph_module.graph.nodes
+                          if n.op == "call_function"})
+            warnings.warn(
+                f"Inductor could not compile a run of the per-rank program ({len(self.names)} "
+                f"steps from {self.names[0]!r}: {', '.join(ops[:6])}"
+                f"{', ...' if len(ops) > 6 else ''}), so it runs eagerly: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                "parallelize(..., compile=False) runs the whole program eagerly without trying",
+                stacklevel=2)
+            return self.graph_module
 
     def code(self, label: str, read: Callable[[str, int | None], str]) -> list[str]:
         """The lines of the generated program that call this run (``label``: its name there;
@@ -117,14 +142,28 @@ class CompiledRun:
 
 
 def fusible(s: Any) -> bool:
-    """A plain step Inductor may run: not random, and its result a tensor or tensors."""
+    """A plain step Inductor may run: not random, its result a tensor or tensors, and every
+    graph value it reads a tensor."""
     if s.is_getitem:
         return True
+    nodes: list[fx.Node] = []
+    fx.node.map_arg((s.node.args, s.node.kwargs), nodes.append)
+    if len(nodes) != len(s.inputs):  # a SymInt or other non-tensor value among the args
+        return False
     target = s.node.target
     if isinstance(target, torch._ops.OpOverload) and (
-            torch.Tag.nondeterministic_seeded in target.tags):
+            torch.Tag.nondeterministic_seeded in target.tags) and not _no_dropout(s, target):
         return False
     return _n_items(s) is not None or isinstance(s.node.meta.get("val"), torch.Tensor)
+
+
+def _no_dropout(s: Any, target: torch._ops.OpOverload) -> bool:
+    """An op tagged random only for its dropout (fused attention), called without it."""
+    for k, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = s.node.args[k] if k < len(s.node.args) else s.node.kwargs.get("dropout_p", 0.0)
+            return isinstance(p, (int, float)) and p == 0
+    return False
 
 
 def runs(steps: list[Any], plain: Callable[[Any], bool],

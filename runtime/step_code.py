@@ -41,7 +41,7 @@ def compile_steps(steps: list[Any], call_localized: CallLocalized,
     ns: dict[str, Any] = {"S": steps, "C": call_localized}
     lines = ["def run(env, comm, grad_loss, step_done, gathered, gathers, X):",
              "    pop = env.pop"]
-    fused = runs(steps, lambda s: _is_plain(s, seed), launches) if fuse else {}
+    fused = runs(steps, lambda s: _is_plain(s, seed, nested=True), launches) if fuse else {}
     compiled: list[CompiledRun] = []
     k = 0
     while k < len(steps):
@@ -75,14 +75,17 @@ def compile_steps(steps: list[Any], call_localized: CallLocalized,
     return run
 
 
-def _is_plain(s: Any, seed: str | None) -> bool:
-    """The step is a call of its op on values in place (see the module docstring)."""
+def _is_plain(s: Any, seed: str | None, nested: bool = False) -> bool:
+    """The step is a call of its op on values in place (see the module docstring); with
+    ``nested``, also one whose tensors sit in lists (``cat``), which the generated call does
+    not take but a compiled run does."""
     if any(i.group is not None or i.moves for i in s.inputs):
         return False
     if s.is_getitem:
         return True
     plain = s.direct or s.localized is not None
-    return plain and s.flat is not None and not s.strategy.raw_outs and s.name != seed
+    flat = s.flat is not None or (nested and s.direct)
+    return plain and flat and not s.strategy.raw_outs and s.name != seed
 
 
 def _template(s: Any) -> tuple[tuple, dict]:

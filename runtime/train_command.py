@@ -51,6 +51,7 @@ class TrainConfig:
     tty: bool
     timeout_s: float | None
     time_limit_s: float = DEFAULTS["time_limit"]
+    compile: bool = False  # parallelize(..., compile=True)
 
     @property
     def mesh_text(self) -> str:
@@ -90,6 +91,9 @@ def register(subparsers: Any) -> None:
                    help=f"plan solver time limit in seconds (default {d['time_limit']:g})")
     p.add_argument("--timeout", type=float, default=None,
                    help="stop everything after this many seconds (default: no limit)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile each rank's program with Inductor between its collectives "
+                        "(faster steps after a compile of some seconds)")
     p.set_defaults(func=run)
 
 
@@ -159,7 +163,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
               file=sys.stderr)
     return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
-                       args.timeout, args.time_limit)
+                       args.timeout, args.time_limit, args.compile)
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -195,7 +199,7 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     model = build_model(cfg)
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
     pm = autopar.parallelize(model, mesh, example_inputs=sampler.batch(0),
-                             time_limit_s=cfg.time_limit_s)
+                             time_limit_s=cfg.time_limit_s, compile=cfg.compile)
     if rank == 0:
         plan = getattr(pm, "plan", None)
         if plan is not None:

@@ -59,6 +59,15 @@ def test_a_run_of_one_op_stays_eager_and_getitems_do_not_count() -> None:
     assert runs(steps, lambda s: True) == {4: 6}
 
 
+def test_attention_joins_a_run_only_without_dropout() -> None:
+    def sdpa(p: float) -> SimpleNamespace:
+        s = _step("attn", aten._scaled_dot_product_flash_attention_for_cpu.default)
+        s.node.args = (None, None, None, p)  # (query, key, value, dropout_p)
+        return s
+
+    assert fusible(sdpa(0.0)) and not fusible(sdpa(0.1))
+
+
 def test_a_run_reads_hands_out_and_frees_what_the_program_around_it_needs() -> None:
     # mm = x @ w; r = relu(mm); s = sum(r): mm is made and last read inside the run, x is
     # made before it and last read inside it, r and s are read after it
@@ -82,6 +91,24 @@ def test_a_run_reads_hands_out_and_frees_what_the_program_around_it_needs() -> N
     assert len(run._compiled) == 2
 
 
+def test_a_run_inductor_cannot_compile_runs_eagerly_with_a_warning(monkeypatch) -> None:
+    import torch._inductor
+
+    def fails(gm, args):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch._inductor, "compile", fails)
+    steps = [_step("mm", aten.mm.default, reads=("x", "w")),
+             _step("r", aten.relu.default, reads=("mm",), free_after=("mm",))]
+    run = CompiledRun(steps, _template)
+    x, w = torch.randn(8, 4), torch.randn(4, 3)
+    with pytest.warns(UserWarning, match=r"2 steps from 'mm'.*aten\.mm\.default.*runs "
+                      r"eagerly: RuntimeError: no C\+\+ compiler found\. "
+                      r"parallelize\(\.\.\., compile=False\)"):
+        got = run(x, w)
+    torch.testing.assert_close(got[0], torch.relu(x @ w))
+
+
 @pytest.fixture
 def one_rank_group():
     if dist.is_initialized():
@@ -94,9 +121,9 @@ def one_rank_group():
 
 
 def test_a_compiled_gpt_trains_as_one_device(one_rank_group) -> None:
-    """Views, layer norms, embeddings, the MLPs and the loss through Inductor, on one rank (no
-    collectives). The attention kernels stay eager: they take a dropout probability, so they
-    are tagged random, and each cuts a run."""
+    """Views, layer norms, attention (its kernel called without dropout), embeddings, ``cat``
+    and the loss through Inductor, on one rank: no collectives, so the forward is one run and
+    the backward one after its seed step."""
     preset = get_preset("gpt2-tiny").replace(n_positions=16)
     torch.manual_seed(0)
     model = preset.build(device="cpu")
@@ -116,7 +143,6 @@ def test_a_compiled_gpt_trains_as_one_device(one_rank_group) -> None:
     assert_same_training({"losses": losses, "grads": grads, "params": params}, want,
                          what="compiled")
     programs = list(pm._active[1]._compiled.values())
-    n_layers = preset.config.n_layer
-    # forward and backward: one run before, between and after the layers' attention kernels
-    assert [len(p.compiled_runs) for p in programs] == [n_layers + 1] * 2
+    assert [len(p.compiled_runs) for p in programs] == [1, 1]
+    assert all(p.source.count("X(S[") == n for p, n in zip(programs, (0, 1)))
     assert all(r._compiled for p in programs for r in p.compiled_runs)
