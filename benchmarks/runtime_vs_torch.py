@@ -618,11 +618,12 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]]) -> str:
 What is left between autopar's eager DP and DDP is about that execution overhead (twice its
 per-rank figure, on 2 cores) and the loss's collective, against DDP's extra gradient
 collective; run to run the ratio moves by about 0.05 either way. Compiling the per-rank
-program (`compile=True`) takes off more than the overhead in one process, but here the
-step is mostly gloo's all-reduce of 4 MiB and 4 processes sharing 2 cores, so it shows as
-a few percent. For AdamW's for-loop implementation a local fast path for the in-place
-pointwise ops it runs per parameter would help; these are per op, not per byte, so they
-matter less as the model grows."""
+program (`compile=True`) fuses its pointwise ops into the matmuls' neighbours and calls
+each run at once, but this MLP's compute is mostly its matmuls (the same kernels either
+way) and the step mostly gloo's all-reduce of 4 MiB with 4 processes sharing 2 cores, so
+it shows as a few percent at most. For AdamW's for-loop implementation a local fast path
+for the in-place pointwise ops it runs per parameter would help; these are per op, not per
+byte, so they matter less as the model grows."""
 
 
 if __name__ == "__main__":
