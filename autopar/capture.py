@@ -111,11 +111,16 @@ def _capture(model, example_inputs, example_kwargs, loss_fn) -> PlanGraph:
     except CaptureError:
         raise
     except Exception as e:  # the user's model failed under tracing: say where, keep the cause
+        if loss_fn is not None and isinstance(e, TypeError):
+            hint = (f"with loss_fn, the last of the {len(example_inputs)} example inputs is the "
+                    "target, handed to loss_fn(output, target), and the model is called with "
+                    "the others: pass example_inputs=(inputs..., target)")
+        else:
+            hint = ("autopar traces on fake tensors: data-dependent shapes (nonzero, boolean "
+                    "masks) and .item() calls cannot be traced; make the shapes static or pass "
+                    "them in as inputs")
         raise CaptureError(
-            f"tracing the training step failed with {type(e).__name__}: {e}. autopar traces on "
-            "fake tensors: data-dependent shapes (nonzero, boolean masks) and .item() calls "
-            "cannot be traced; make the shapes static or pass them in as inputs"
-        ) from e
+            f"tracing the training step failed with {type(e).__name__}: {e}. {hint}") from e
     finally:
         for h in hooks:
             h.remove()

@@ -102,6 +102,13 @@ def test_non_scalar_output_is_a_clear_error():
         capture(model, (torch.randn(3, 4),))
 
 
+def test_loss_fn_without_a_target_among_the_inputs_says_where_the_target_goes():
+    model = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(CaptureError, match=r"last of the 1 example inputs is the target.*"
+                       r"example_inputs=\(inputs\.\.\., target\)"):
+        capture(model, (torch.randn(3, 4),), loss_fn=lambda out, target: out.sum())
+
+
 class _DataDependent(nn.Module):
     """A block whose output shape depends on the values: it cannot be traced."""
 
