@@ -120,6 +120,16 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
 _ROUTE_SIM_DEVICES = 64
 
 
+def reshard_price_key(meta: TensorMeta, mesh: Mesh) -> tuple:
+    """What of a tensor its reshards' prices (:func:`reshard_collectives`) depend on: its
+    bytes alone on a mesh above ``_ROUTE_SIM_DEVICES`` (the moves run in ascending axis order
+    there, see :func:`_steps`), else its shape too (a nested route depends on it). Tensors of
+    one key price every move alike, so a cache keyed by it prices each move once."""
+    if math.prod(mesh.shape) > _ROUTE_SIM_DEVICES:
+        return (meta.nbytes,)
+    return (meta.shape, meta.dtype)
+
+
 def _nested(spec: Spec, ndim: int) -> bool:
     dims = [p.dim % max(ndim, 1) for p in spec if isinstance(p, Shard)]
     return len(dims) != len(set(dims))

@@ -53,6 +53,8 @@ class ShardingProblem:
     unary: dict[int, np.ndarray] = field(default_factory=dict)  # communication tied to one node
     group_cost: list[np.ndarray] = field(default_factory=list)  # root: its group's total cost
     reshard_cache: dict = field(default_factory=dict, repr=False)
+    # spec -> int, the ids reshard_cache is keyed by: reset or share the two together
+    spec_ids: dict = field(default_factory=dict, repr=False)
     matrix_cache: dict = field(default_factory=dict, repr=False)
     # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found
     # them under-full (passes.bucket_fill); absent: full buckets

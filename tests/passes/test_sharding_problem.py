@@ -29,6 +29,20 @@ def test_reduced_objective_equals_the_full_graph_score(name):
         assert reduced == pytest.approx(full, rel=1e-9)
 
 
+def test_on_a_mesh_too_large_to_route_moves_are_priced_by_bytes_alone():
+    """Above 64 devices a reshard's price depends on the tensor's bytes only, so the edge
+    matrices share it between tensors of one size (``cost_model.reshard_price_key``); the
+    reduced objective must still be the full graph's score, each move priced on its own."""
+    _, sp = _problem("gpt2-tiny", Mesh((16, 8), ("dp", "tp")), batch=16)
+    assert {len(k[0]) for k in sp.reshard_cache} == {1}  # keyed by bytes
+    rng = np.random.default_rng(1)
+    p = sp.problem
+    for _ in range(5):
+        a = [int(rng.integers(len(c))) for c in p.costs]
+        full = score_assignment(sp, sp.expand(a)).cost.step_s
+        assert evaluate(p, a)[0] == pytest.approx(full, rel=1e-9)
+
+
 def test_solver_variables_do_not_grow_with_depth():
     mesh = Mesh((2, 4), ("dp", "tp"))
     _, shallow = _problem("llama3-tiny", mesh, n_layers=3)
