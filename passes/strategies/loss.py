@@ -14,8 +14,11 @@ Batch sharding (and the spatial dims of ``nll_loss2d`` / every dim of a pointwis
   ``total_weight``, the number of targets not equal to ``ignore_index`` (a causal LM's shifted
   labels always hold some), known only from the data: the op all-reduces each rank's count
   inside it (priced as an in-op collective, ``Rule.raw_outs``) and then divides, so the loss
-  is exact and ``total_weight`` comes out whole (``R``), as the backward reads it. With a
-  class ``weight`` the mean rule is not offered.
+  is exact and ``total_weight`` comes out whole (``R``), as the backward reads it. With the
+  target whole on every rank instead (a model's input is given whole to every rank, so
+  keeping the labels replicated costs nothing), each rank counts the whole target itself,
+  cuts it to its rows of ``self`` for the sum, and needs no collective at all. With a
+  class ``weight`` neither mean rule is offered.
 
 The backwards read ``total_weight`` (global, ``R``) and are exact. Every loss is linear in its
 incoming gradient, and nll_loss is linear in its log-probabilities: those pass ``P`` through.
@@ -27,7 +30,16 @@ import math
 
 import torch
 
-from autopar.passes.strategies._common import PSUM, bcast, dedupe, ins_for, meta_at, outs_for, slots
+from autopar.passes.strategies._common import (
+    PSUM,
+    bcast,
+    dedupe,
+    ins_for,
+    meta_at,
+    outs_for,
+    shard_offset,
+    slots,
+)
 from autopar.passes.strategies.localize import LocalContext, register_finish, register_impl
 from autopar.passes.strategies.registry import OpInfo, Rule, register
 from autopar.placements import Placement, R, Shard
@@ -61,6 +73,9 @@ def nll_forward_rule(info: OpInfo) -> list[Rule]:
             # total_weight all-reduced inside the op, then the exact mean (see the docstring)
             rules.append(Rule(ins, outs_for(info, [PSUM, R]), "nll_loss_mean_global",
                               outs_for(info, PSUM)))
+            # the target whole: every rank counts all of it, no collective (the docstring)
+            rules.append(Rule(ins_for(info, {0: Shard(d)}), outs_for(info, [PSUM, R]),
+                              "nll_loss_mean_whole_target"))
     # linear in the log-probabilities; total_weight depends on target and weight only
     rules.append(Rule(ins_for(info, {0: PSUM}), outs_for(info, [PSUM, R])))
     return dedupe(rules)
@@ -80,6 +95,25 @@ def nll_loss_mean_global(ctx: LocalContext, args: tuple, kwargs: dict) -> tuple:
 def nll_loss_mean_finish(ctx: LocalContext, out: tuple) -> tuple:
     """The rank's sum divided by the global count of kept targets: a partial of the mean."""
     total_sum, total_weight = out
+    return total_sum / total_weight, total_weight
+
+
+@register_impl("nll_loss_mean_whole_target")
+def nll_loss_mean_whole_target(ctx: LocalContext, args: tuple, kwargs: dict) -> tuple:
+    """The rank's sum over its rows of ``self`` (the target cut to the same rows) divided by
+    the count of kept targets in the whole target, which every rank holds: a partial of the
+    mean, and ``total_weight`` whole, without a collective."""
+    a = list(args) + [None] * (5 - len(args))
+    x, target = a[0], a[1]
+    ignore_index = a[4] if a[4] is not None else kwargs.get("ignore_index", -100)
+    rows = target
+    for d in sorted({p.dim for p in ctx.strategy.ins[0] if isinstance(p, Shard)}):
+        t = d if d == 0 else d - 1  # the target has no class dim (dim 1 of self)
+        n = ctx.info.inputs[1].shape[t]
+        first = shard_offset(ctx.strategy.ins[0], ctx.mesh_shape, ctx.coord, d, n)
+        rows = rows.narrow(t, first, x.shape[d])
+    total_sum, _ = ctx.info.target(x, rows, None, SUM, ignore_index)
+    total_weight = (target != ignore_index).sum().to(total_sum.dtype)
     return total_sum / total_weight, total_weight
 
 

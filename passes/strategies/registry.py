@@ -257,8 +257,10 @@ def expand(info: OpInfo, rules: Iterable[Rule], mesh_shape: tuple[int, ...]) -> 
         key = (ins, outs)
         if key in seen:
             continue
-        seen.add(key)
         impls = tuple(r.impl for r in combo)
+        if len({i for i in impls if i}) > 1:
+            continue  # one rank-aware kernel runs per op (localize.local_call): not two
+        seen.add(key)
         raw: tuple[Spec, ...] = ()
         if any(r.raw_outs for r in combo):
             raw = tuple(tuple((r.raw_outs or r.outs)[j] for r in combo)

@@ -317,6 +317,40 @@ def test_nll_loss_mean_with_ignored_targets_is_exact():
     assert torch.allclose(loss, want_loss)
 
 
+def test_nll_loss_mean_with_the_target_whole_needs_no_collective():
+    """Batch-sharded log-probabilities, the target whole on every rank: each rank counts the
+    kept targets itself, so the op all-reduces nothing, and the mean is still exact though
+    the ranks keep different numbers of targets."""
+    from autopar.passes.strategies import simulate
+    from autopar.passes.strategies.registry import op_info
+
+    lp = randn(4, 6).log_softmax(1)
+    t = torch.tensor([1, -100, -100, 3])
+    node = traced_node(aten.nll_loss_forward.default, lp, t, None, 1, -100)
+    for mesh in ((2,), (2, 2)):
+        s = next(s for s in node_strategies(node, mesh).strategies
+                 if s.ins == (((S(0),) * len(mesh)), (R,) * len(mesh)))
+        assert s.impls == ("nll_loss_mean_whole_target",) * len(mesh) and not s.raw_outs
+        loss, total = simulate.run_sharded(aten.nll_loss_forward.default,
+                                           (lp, t, None, 1, -100), {}, op_info(node), s, mesh)
+        want_loss, want_total = aten.nll_loss_forward(lp, t, None, 1, -100)
+        assert s.outs == ((Partial(),) * len(mesh), (R,) * len(mesh))
+        assert torch.equal(total, want_total)
+        assert torch.allclose(loss, want_loss)
+
+
+def test_one_rank_aware_kernel_per_op_never_two_across_mesh_axes():
+    """Only the first named impl of a strategy runs, so a strategy naming two different ones
+    (one per mesh axis) would run half its layout wrong: none is made."""
+    lp = randn(4, 6).log_softmax(1)
+    node = traced_node(aten.nll_loss_forward.default, lp, torch.tensor([1, 2, 0, 3]),
+                       None, 1, -100)
+    strategies = node_strategies(node, (2, 2)).strategies
+    assert {i for s in strategies for i in s.impls if i} == {
+        "nll_loss_mean_global", "nll_loss_mean_whole_target"}
+    assert all(len({i for i in s.impls if i}) <= 1 for s in strategies)
+
+
 # --- random ops and factories ------------------------------------------------------------------
 
 
