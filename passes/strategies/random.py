@@ -6,19 +6,30 @@ built directly in any shard: a localizer rewrites the size argument to the rank'
 rank's range at its offset. ``*_like`` ops follow their input's shard and, since they read only
 its shape, turn a ``P`` input into an ``R`` output without reducing it.
 
-Random ops (dropout, bernoulli, rand...) may be sharded on any dim. Their values on a rank are
-not those of the single-device run at the same positions: equality holds only in distribution.
-The runtime must draw *identical* values on ranks that hold replicas (an ``R`` output: same seed
-and offset across that mesh axis) and independent ones across shards, which is what DTensor's
-offset-based RNG tracker does. The validator therefore checks shapes and dtypes for every
-strategy, and values only where they are deterministic (``p=0`` dropout is the identity,
-``bernoulli(p=1)`` is all ones). No Partial passes through a random op: each rank would draw
-its own mask for its addend.
+Random ops (dropout, bernoulli, rand...) may be sharded on any dim, and then draw *the whole
+tensor* on every rank and keep their piece (impl ``random_whole_draw``): every rank consumes its
+generator exactly as the single-device run does, so with the same seed each rank's values are
+the single device's at its positions, replicas agree, and shards are independent of one another
+(a local draw would give every shard the same values: a dropout mask repeated across the
+ranks). The price is the whole draw on every rank, work and a transient buffer the size of the
+whole tensor, which the cost model does not charge. DTensor gets the same values on CUDA by
+moving the Philox offset instead; the CPU generator cannot skip ahead. ``multinomial`` stays a
+local draw (rows of zeros would be invalid distributions), and so do the fused attention
+kernels' own dropout, where they take one (on CPU a dropout > 0 traces as explicit ops, which
+this covers). The validator checks shapes and dtypes for every strategy, and values where they
+are deterministic (``p=0`` dropout is the identity, ``bernoulli(p=1)`` is all ones); the
+runtime tests check dropout against one device. No Partial passes through a random op: each
+rank would draw its own mask for its addend.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+from typing import Any
+
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autopar.passes.strategies._common import (
     PSUM,
@@ -36,7 +47,7 @@ from autopar.passes.strategies.localize import (
 )
 from autopar.passes.strategies.pointwise import shard_rules
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import R, Shard
+from autopar.placements import Placement, R, Shard, Spec
 
 aten = torch.ops.aten
 
@@ -54,9 +65,15 @@ _NEW = (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
         aten.new_full.default, aten.new_empty_strided.default)
 
 
+_RANDOM_FACTORIES = {op for op in _SIZE_POS
+                     if op.overloadpacket in (aten.rand, aten.randn, aten.randint, aten.normal)}
+
+
 @register(*_SIZE_POS)
 def size_factory_rule(info: OpInfo) -> list[Rule]:
     rules = [Rule((R,) * len(info.inputs), (Shard(d),)) for d in shardable_dims(info.out.shape)]
+    if info.target in _RANDOM_FACTORIES:
+        return whole_draw(rules)
     if info.target in _NEW:
         # new_*(self, size) reads only self's dtype and device, so self need not be gathered
         # or reduced; a few layouts suffice (each extra one is an ILP variable)
@@ -140,7 +157,8 @@ _LIKE_RANDOM = [
 @register(*_LIKE_RANDOM)
 def like_random_rule(info: OpInfo) -> list[Rule]:
     # only the input's shape matters
-    return dedupe(shard_rules(info) + [Rule((PSUM,) + (R,) * (len(info.inputs) - 1), (R,))])
+    rules = dedupe(shard_rules(info) + [Rule((PSUM,) + (R,) * (len(info.inputs) - 1), (R,))])
+    return rules if info.target is aten.empty_like.default else whole_draw(rules)
 
 
 _OVERWRITE = [aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default,
@@ -150,7 +168,7 @@ _OVERWRITE = [aten.bernoulli_.float, aten.uniform_.default, aten.normal_.default
 @register(*_OVERWRITE)
 def overwrite_random_rule(info: OpInfo) -> list[Rule]:
     # the input's values are overwritten, so a partial input needs no reduction
-    return dedupe(shard_rules(info) + [Rule((PSUM,), (R,))])
+    return whole_draw(dedupe(shard_rules(info) + [Rule((PSUM,), (R,))]))
 
 
 @register(aten.bernoulli.default, aten.bernoulli.p, aten.bernoulli.Tensor,
@@ -160,11 +178,73 @@ def random_pointwise_rule(info: OpInfo) -> list[Rule]:
     if info.target is aten.multinomial.default:  # rows are independent, samples are not
         x = info.inputs[0]
         return [Rule((Shard(0),), (Shard(0),))] if len(x.shape) == 2 and x.shape[0] > 1 else []
-    return shard_rules(info)
+    return whole_draw(shard_rules(info))
 
 
 @register(aten.native_dropout.default)
 def dropout_rule(info: OpInfo) -> list[Rule]:
     x = info.inputs[0]
-    return [Rule((bcast(Shard(d), x, x.shape),), outs_for(info, Shard(d)))
-            for d in shardable_dims(x.shape)]
+    return whole_draw([Rule((bcast(Shard(d), x, x.shape),), outs_for(info, Shard(d)))
+                       for d in shardable_dims(x.shape)])
+
+
+# --- the whole draw ----------------------------------------------------------------------------
+
+WHOLE_DRAW = "random_whole_draw"
+
+
+def whole_draw(rules: list[Rule]) -> list[Rule]:
+    """``rules`` with every one that shards an output drawing the whole tensor (see the module
+    docstring); replicated outputs are whole already."""
+    return [replace(r, impl=WHOLE_DRAW) if any(isinstance(p, Shard) for p in r.outs) else r
+            for r in rules]
+
+
+@register_impl(WHOLE_DRAW)
+def random_whole_draw(ctx: LocalContext, args: tuple, kwargs: dict) -> Any:
+    """The op on whole tensors (each sharded input's piece set in zeros: the random ops read
+    their inputs elementwise, or only their shape), then this rank's piece of its outputs. An
+    in-place op writes its piece back into its local input."""
+    leaves, tree = tree_flatten((args, kwargs))
+    places = iter(zip(ctx.info.inputs, ctx.strategy.ins))
+    whole = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            meta, spec = next(places)
+            leaf = _whole(leaf, spec, tuple(meta.shape), ctx)
+        whole.append(leaf)
+    wargs, wkwargs = tree_unflatten(whole, tree)
+    out = ctx.info.target(*wargs, **wkwargs)
+    if ctx.info.target._schema.is_mutable:  # bernoulli_, uniform_, ...: self is the output
+        return args[0].copy_(_piece(out, ctx.strategy.outs[0], ctx))
+    if isinstance(out, torch.Tensor):
+        return _piece(out, ctx.strategy.outs[0], ctx)
+    return type(out)(_piece(o, spec, ctx) for o, spec in zip(out, ctx.strategy.outs))
+
+
+def _extent(spec: Spec, mesh_shape: tuple[int, ...], dim: int, size: int) -> int:
+    return size // math.prod(n for p, n in zip(spec, mesh_shape) if p == Shard(dim))
+
+
+def _sharded_dims(spec: Spec) -> list[int]:
+    return sorted({p.dim for p in spec if isinstance(p, Shard)})
+
+
+def _piece(full: torch.Tensor, spec: Spec, ctx: LocalContext) -> torch.Tensor:
+    """This rank's piece of ``full`` placed as ``spec`` (nested shards in mesh-axis order)."""
+    for d in _sharded_dims(spec):
+        n = full.shape[d]
+        first = shard_offset(spec, ctx.mesh_shape, ctx.coord, d, n)
+        full = full.narrow(d, first, _extent(spec, ctx.mesh_shape, d, n))
+    return full
+
+
+def _whole(local: torch.Tensor, spec: tuple[Placement, ...], shape: tuple[int, ...],
+           ctx: LocalContext) -> torch.Tensor:
+    """A tensor of the whole ``shape`` holding ``local`` at this rank's place, zeros elsewhere
+    (``local`` itself where nothing is sharded)."""
+    if not _sharded_dims(spec):
+        return local
+    full = local.new_zeros(shape)
+    _piece(full, spec, ctx).copy_(local)
+    return full

@@ -30,6 +30,7 @@ LR = 1e-3
 # which differs with the reduction order, blown up to a full-size update, on one device as on
 # many, and the comparison would measure that noise (1e-5 relative at eps=1e-6, 1e-6 at 1e-4).
 EPS = 1e-4
+RNG_SEED = 1234  # the generator's state at the start of both trainings (run_case)
 
 
 @contextlib.contextmanager
@@ -131,11 +132,14 @@ def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs:
 def run_case(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...],
              plan: Plan | str | None = None, steps: int = 3, time_limit_s: float = 5.0,
              adamw: dict | None = None) -> tuple[dict, dict, nn.Module]:
-    """Train a copy on one device and the model on the simulated mesh; return both results."""
+    """Train a copy on one device and the model on the simulated mesh; return both results.
+    Both start from the same generator state, so random ops (dropout) draw alike."""
+    torch.manual_seed(RNG_SEED)
     want = train_single(copy.deepcopy(model), inputs, steps, adamw)
     mesh = mesh_for(mesh_shape)
     with fake_world(mesh.size):
         pm = autopar.parallelize(model, mesh, inputs, plan=plan, time_limit_s=time_limit_s)
+        torch.manual_seed(RNG_SEED)
         got = train_parallel(pm, inputs, steps, adamw)
     return got, want, pm
 

@@ -2,7 +2,8 @@
 
 One spawn of 4 processes runs several configurations in turn (process start-up dominates on
 2 cores): data parallel, Megatron tensor parallel, FSDP on a 2x2 mesh (nested shards), 2-D
-dp x tp on a GPT, and the solver's own plan made on rank 0 and broadcast. For each, every rank
+dp x tp on a GPT (also with dropout, its masks drawn whole on every rank), and the solver's own
+plan made on rank 0 and broadcast. For each, every rank
 trains 3 AdamW steps and compares with the single-device run it also does itself, and counts
 the collectives it executed per step against ``plan.collectives``. Then a state dict saved
 with ``torch.distributed.checkpoint`` is loaded into a fresh parallelized model.
@@ -24,6 +25,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from spmd_harness import (
+    RNG_SEED,
     assert_same_training,
     check_collectives,
     collective_totals,
@@ -43,12 +45,16 @@ CONFIGS = [  # (name, preset, mesh, plan source)
     ("tp", "mlp-tiny", (4,), "megatron_tp"),
     ("fsdp-2x2", "mlp-tiny", (2, 2), "fsdp"),
     ("2d-gpt", "gpt2-tiny", (2, 2), "dp_tp_2d"),
+    ("2d-gpt-dropout", "gpt2-tiny+dropout", (2, 2), "dp_tp_2d"),  # masks drawn whole
     ("solver", "mlp-tiny", (2, 2), "solver"),  # plan=None: rank 0 solves and broadcasts
 ]
 
 
 def _build(preset_name: str, seed: int = 0):
+    preset_name, _, extra = preset_name.partition("+")
     preset = get_preset(preset_name)
+    if extra == "dropout":
+        preset = preset.replace(dropout=0.1)
     if preset.family == "gpt2":
         preset = preset.replace(n_positions=16)
     torch.manual_seed(seed)
@@ -79,10 +85,12 @@ def _worker(rank: int, port: int, plans: dict, out_dir: str, configs: list = CON
     try:
         for name, preset_name, mesh_shape, _source in configs:
             _, model, inputs = _build(preset_name)
+            torch.manual_seed(RNG_SEED)  # both trainings draw dropout masks alike
             want = train_single(copy.deepcopy(model), inputs, 3)
             plan = Plan.from_json(plans[name]) if name in plans else None
             pm = autopar.parallelize(model, mesh_for(mesh_shape), inputs, plan=plan,
                                      time_limit_s=2.0, compile=compile)
+            torch.manual_seed(RNG_SEED)
             got = _train(pm, inputs)
             assert_same_training(got, want, what=f"gloo {name}")
             records = got["collectives"][-1]

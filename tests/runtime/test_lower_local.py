@@ -83,6 +83,7 @@ def gpt_cases(draw: st.DrawFn):
     n_head = draw(st.sampled_from([2, 3, 4]))  # 3 heads: not divisible by the mesh
     cfg = dict(n_layer=draw(st.integers(1, 2)), n_head=n_head, d_model=8 * n_head,
                vocab_size=draw(st.sampled_from([48, 64])), n_positions=16)
+    cfg["dropout"] = draw(st.sampled_from([0.0, 0.1]))  # drawn whole, so equal to one device
     batch = draw(st.sampled_from([2, 4]))
     source = draw(st.sampled_from(PLANS))
     return mesh_shape, cfg, batch, source
@@ -97,6 +98,24 @@ def test_gpt_equals_single_device(case) -> None:
     model = preset.build(device="cpu")
     tokens, targets = preset.example_inputs(batch, 8, device="cpu")
     _check(model, "gpt2", (tokens, targets), mesh_shape, source)
+
+
+@pytest.mark.parametrize("mesh_shape, source", [((2,), "data_parallel"),
+                                                ((2,), "megatron_tp"), ((2, 2), "dp_tp_2d")])
+def test_gpt_with_dropout_equals_single_device(mesh_shape, source: str) -> None:
+    """Dropout sharded over the batch, the heads or the hidden units: each rank draws the
+    whole mask from a generator in the single device's state and keeps its piece, so the
+    parallel step equals the single-device one (``passes/strategies/random.py``)."""
+    preset = get_preset("gpt2-tiny").replace(n_positions=16, dropout=0.1)
+    torch.manual_seed(0)
+    model = preset.build(device="cpu")
+    inputs = preset.example_inputs(4, 8, device="cpu")
+    plan = reference_plan(model, "gpt2", source, mesh_for(mesh_shape), inputs)
+    assert plan is not None
+    # dropout traces as bernoulli_ on CPU; the plan shards it
+    assert any(i == "random_whole_draw" for p in plan.nodes.values() for i in p.impls)
+    got, want, _ = run_case(model, inputs, mesh_shape, plan)
+    assert_same_training(got, want, what=f"gpt2 with dropout, {source} on {mesh_shape}")
 
 
 @pytest.mark.parametrize("source", PLANS)

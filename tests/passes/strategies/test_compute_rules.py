@@ -354,6 +354,51 @@ def test_one_rank_aware_kernel_per_op_never_two_across_mesh_axes():
 # --- random ops and factories ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+@pytest.mark.parametrize("target, make_args", [
+    (aten.native_dropout.default, lambda x: (x, 0.3, True)),
+    (aten.bernoulli.p, lambda x: (x, 0.5)),
+    (aten.bernoulli.default, lambda x: (x.abs().clamp(max=1),)),
+    (aten.rand_like.default, lambda x: (x,)),
+    (aten.randn_like.default, lambda x: (x,)),
+    (aten.normal.Tensor_float, lambda x: (x, 2.0)),
+    (aten.uniform_.default, lambda x: (x, -1.0, 1.0)),
+    (aten.bernoulli_.float, lambda x: (x, 0.4)),
+    (aten.randn.default, lambda x: (list(x.shape),)),
+])
+def test_a_sharded_random_op_draws_the_single_device_values_on_every_rank(target, make_args, mesh):
+    """Each rank draws the whole tensor from a generator in the single device's state and
+    keeps its piece: with the same seed, its values are the single device's at its place, so
+    shards differ from one another (a local draw would repeat one mask on every shard)."""
+    from autopar.passes.strategies import simulate
+    from autopar.passes.strategies.localize import LocalContext, local_call
+    from autopar.passes.strategies.registry import op_info
+
+    torch.manual_seed(0)
+    call = make_args(randn(4, 8))
+    tensors = [a for a in call if isinstance(a, torch.Tensor)]  # first in these ops' args
+    node = traced_node(target, *call)
+    info = op_info(node)
+    torch.manual_seed(5)
+    want = target(*[a.clone() if isinstance(a, torch.Tensor) else a for a in call])
+    want = [want] if isinstance(want, torch.Tensor) else list(want)
+    checked = 0
+    for s in node_strategies(node, mesh).strategies:
+        if not any(isinstance(p, Shard) for p in s.outs[0]):
+            continue
+        assert {i for i in s.impls if i} == {"random_whole_draw"}
+        pieces = [simulate.shard(t, spec, mesh) for t, spec in zip(tensors, s.ins)]
+        for coord in simulate.coords(mesh):
+            args = [p[coord] for p in pieces] + list(call[len(tensors):])
+            torch.manual_seed(5)  # every rank's generator in the single device's state
+            got = local_call(target, tuple(args), {}, LocalContext(info, s, mesh, coord))
+            got = [got] if isinstance(got, torch.Tensor) else list(got)
+            for g, w, spec in zip(got, want, s.outs):
+                assert torch.equal(g, simulate.shard(w, spec, mesh)[coord]), (s, coord)
+        checked += 1
+    assert checked
+
+
 @SETTINGS
 @given(meshes, st.lists(size, min_size=1, max_size=3))
 def test_random_and_factories(mesh, shape):
