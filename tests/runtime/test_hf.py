@@ -10,16 +10,17 @@ import copy
 
 import pytest
 import torch
-from spmd_harness import EPS, LR, _whole, fake_world, mesh_for, reconcile, rel_err
+from spmd_harness import EPS, LR, RNG_SEED, _whole, fake_world, mesh_for, reconcile, rel_err
 
 import autopar
 
 transformers = pytest.importorskip("transformers")
 
 
-def _gpt2():
+def _gpt2(dropout: bool = False):
+    pdrop = {} if dropout else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                  **pdrop)  # with dropout: GPT-2's own 0.1 everywhere
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -49,6 +50,7 @@ def _check(build, mesh_shape) -> None:
     kw = _kw()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    torch.manual_seed(RNG_SEED)  # both trainings draw dropout masks alike
     want = []
     for _ in range(3):
         loss = ref(**kw).loss
@@ -60,6 +62,7 @@ def _check(build, mesh_shape) -> None:
     with fake_world(mesh.size):
         pm = autopar.parallelize(model, mesh, example_kwargs=kw, time_limit_s=2.0)
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        torch.manual_seed(RNG_SEED)
         got = []
         for _ in range(3):
             loss = pm(**kw)
@@ -75,6 +78,12 @@ def _check(build, mesh_shape) -> None:
 
 def test_hf_gpt2_on_2x2() -> None:
     _check(_gpt2, (2, 2))
+
+
+def test_hf_gpt2_with_its_default_dropout_on_2x2() -> None:
+    """Attention, residual and embedding dropout at GPT-2's 0.1: each rank draws the whole
+    masks and keeps its piece, so training still equals one device's."""
+    _check(lambda: _gpt2(dropout=True), (2, 2))
 
 
 def test_hf_llama_on_2() -> None:
