@@ -90,7 +90,19 @@ class Plan:
     # the first gradient bucket's size the plan was priced with (passes.buckets); the runtime
     # fills its buckets the same way, so it issues the collectives the plan lists
     first_bucket_bytes: int = 2**20
+    # axis sets whose sums run as one all-reduce over the flattened group, as the plan was
+    # priced (passes.cost_model.merged_sums); the runtime does the same. Absent: axis by axis
+    merged_sums: tuple[tuple[str, ...], ...] = ()
     version: int = PLAN_VERSION
+
+    def merged_axes(self) -> tuple[tuple[int, ...], ...]:
+        """:attr:`merged_sums` as mesh-axis indices."""
+        pos = {a: k for k, a in enumerate(self.mesh_axes)}
+        try:
+            return tuple(tuple(pos[a] for a in names) for names in self.merged_sums)
+        except KeyError as e:
+            raise PlanError(f"the plan merges sums over axis {e.args[0]!r}, which its mesh "
+                            f"{self.mesh_axes} does not have: make the plan again") from None
 
     # --- JSON ---------------------------------------------------------------------------------
 
@@ -106,6 +118,7 @@ class Plan:
             "cost": self.cost.to_json(),
             "memory_budget": self.memory_budget,
             "first_bucket_bytes": self.first_bucket_bytes,
+            "merged_sums": [list(a) for a in self.merged_sums],
             "solver": asdict(self.solver),
             "timings": self.timings,
             "collectives": [asdict(c) for c in self.collectives],
@@ -151,6 +164,7 @@ class Plan:
                 input_shapes=dict(d.get("input_shapes", {})),
                 memory_budget=d.get("memory_budget"),
                 first_bucket_bytes=int(d["first_bucket_bytes"]),
+                merged_sums=tuple(tuple(a) for a in d.get("merged_sums", ())),
                 version=version,
             )
         except PlanError:

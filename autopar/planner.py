@@ -22,6 +22,7 @@ from autopar.errors import PlanError
 from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import bucket_fill, sharding_problem
+from autopar.passes import cost_model as cm
 from autopar.passes.axis_search import solve_axiswise
 from autopar.passes.buckets import first_bucket_bytes
 from autopar.passes.problem_reduction import refine_followers
@@ -375,4 +376,6 @@ def assemble_plan(
         missing_rules=dict(sp.missing_rules), references=references,
         input_shapes=input_shapes, memory_budget=memory_budget,
         first_bucket_bytes=first_bucket_bytes(mesh.device),
+        merged_sums=tuple(tuple(mesh.axes[k] for k in axes)
+                          for axes in cm.merged_sums(mesh)),
     )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from autopar.devices import DeviceProfile
 from autopar.graph import TensorMeta
-from autopar.passes.cost_model import BUCKET_BYTES
+from autopar.passes.cost_model import BUCKET_BYTES, sum_axes
 from autopar.placements import Partial, Replicate, Shard, Spec, num_shards
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, so communication starts early
@@ -51,15 +51,7 @@ class GradSync:
 
 def reduce_axes(src: Spec, dst: Spec) -> tuple[int, ...] | None:
     """The axes a pure all-reduce move runs over, or None if the move needs anything else."""
-    axes = []
-    for k, (a, b) in enumerate(zip(src, dst)):
-        if a == b:
-            continue
-        if isinstance(a, Partial) and a.reduce == "sum" and isinstance(b, Replicate):
-            axes.append(k)
-        else:
-            return None
-    return tuple(axes) or None
+    return sum_axes(src, dst)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +78,18 @@ def bucket_kind(src: Spec, dst: Spec) -> BucketKind | None:
     return BucketKind("reduce_scatter", (k,), b.dim)
 
 
-def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...]
-                       ) -> list[tuple[str, int, float]]:
-    """``(kind, mesh axis, bytes each rank hands in)`` of the collectives one bucket runs."""
+def bucket_collectives(bucket: list[GradSync], mesh_shape: tuple[int, ...],
+                       merged: tuple[tuple[int, ...], ...] = ()
+                       ) -> list[tuple[str, tuple[int, ...], float]]:
+    """``(kind, mesh axes, bytes each rank hands in)`` of the collectives one bucket runs:
+    one per axis, or one over all its axes where they are ``merged``
+    (:func:`autopar.passes.cost_model.merged_sums`)."""
     kind = bucket_kind(bucket[0].src, bucket[0].dst)
     assert kind is not None
     nbytes = sum(g.weight * g.meta.nbytes / num_shards(g.src, mesh_shape) for g in bucket)
-    return [(kind.kind, ax, nbytes) for ax in kind.axes]
+    if kind.kind == "all_reduce" and kind.axes in merged:
+        return [(kind.kind, kind.axes, nbytes)]
+    return [(kind.kind, (ax,), nbytes) for ax in kind.axes]
 
 
 def sync_groups(syncs: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool = True,

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from autopar.graph import TensorMeta
 from autopar.mesh import Mesh
@@ -59,11 +61,61 @@ def collective_time(
     return overhead + (n - 1) * lat + (n - 1) / n * nbytes / bw
 
 
+def sum_axes(src: Spec, dst: Spec) -> tuple[int, ...] | None:
+    """The mesh axes of a move that only sums partial values into whole ones (``P(sum) ->
+    R`` on each, every other axis unchanged), or None if the move does anything else."""
+    axes = []
+    for k, (a, b) in enumerate(zip(src, dst)):
+        if a == b:
+            continue
+        if isinstance(a, Partial) and a.reduce == "sum" and isinstance(b, Replicate):
+            axes.append(k)
+        else:
+            return None
+    return tuple(axes) or None
+
+
+def merged_sums(mesh: Mesh) -> tuple[tuple[int, ...], ...]:
+    """The sets of two or more mesh axes over which a sum runs as one all-reduce over the
+    flattened group rather than axis by axis: those where one ring is no dearer at any size
+    (its fixed cost, ``overhead + 2(N-1)`` ring steps at the slowest axis's latency, and its
+    per-byte cost, ``2(N-1)/N`` over the slowest bandwidth, both at most the per-axis
+    collectives' sums). On ``cpu`` (gloo: a large fixed cost per collective) a 2x2 mesh
+    merges; on GPU profiles the extra ring steps, or a slower link on one axis, keep the
+    sums axis by axis. The plan records the result (``Plan.merged_sums``) and the runtime
+    follows it."""
+    return _merged_sums(mesh.shape, mesh.bandwidth, mesh.latency, mesh.device.collective_overhead)
+
+
+@lru_cache(maxsize=256)
+def _merged_sums(shape: tuple[int, ...], bw: tuple[float, ...], lat: tuple[float, ...],
+                 overhead: float) -> tuple[tuple[int, ...], ...]:
+    live = [k for k, n in enumerate(shape) if n > 1]
+    out = []
+    for size in range(2, len(live) + 1):
+        for axes in itertools.combinations(live, size):
+            n = math.prod(shape[k] for k in axes)
+            fixed = overhead + 2 * (n - 1) * max(lat[k] for k in axes)
+            per_byte = 2 * (n - 1) / n / min(bw[k] for k in axes)
+            fixed_apart = sum(overhead + 2 * (shape[k] - 1) * lat[k] for k in axes)
+            per_byte_apart = sum(2 * (shape[k] - 1) / shape[k] / bw[k] for k in axes)
+            if fixed <= fixed_apart and per_byte <= per_byte_apart:
+                out.append(axes)
+    return tuple(out)
+
+
+def axes_label(names: tuple[str, ...], axes: tuple[int, ...]) -> str:
+    """How plans and counters name a collective over ``axes`` (``"dp+tp"`` when merged)."""
+    return "+".join(names[k] for k in axes)
+
+
 def reshard_collectives(
     meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False,
-    bucket_bytes: float = BUCKET_BYTES,
+    bucket_bytes: float = BUCKET_BYTES, merged: tuple[tuple[int, ...], ...] | None = None,
 ) -> list[Collective]:
-    """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis.
+    """The collectives that turn a tensor placed as ``src`` into ``dst``, axis by axis; a
+    sum over a set of axes in ``merged`` (default: :func:`merged_sums` of ``mesh``) as one
+    all-reduce over them.
 
     ``bucketed``: a move the runtime batches with others (gradient reductions in buckets of
     up to ``BUCKET_BYTES``, parameter gathers per layer, as DDP and FSDP do;
@@ -71,9 +123,19 @@ def reshard_collectives(
     latency: its bytes over ``bucket_bytes``, what the batch it joins holds."""
     if src == dst:
         return []
+    full = float(meta.nbytes)
+    axes = sum_axes(src, dst)
+    if axes is not None and len(axes) > 1 and axes in (
+            merged_sums(mesh) if merged is None else merged):
+        buf = full / num_shards(src, mesh.shape)
+        share = min(1.0, buf / bucket_bytes) if bucketed else 1.0
+        t = collective_time("all_reduce", buf, math.prod(mesh.shape[k] for k in axes),
+                            min(mesh.bandwidth[k] for k in axes),
+                            max(mesh.latency[k] for k in axes) * share,
+                            mesh.device.collective_overhead * share)
+        return [Collective("all_reduce", axes_label(mesh.axes, axes), buf, t)]
     out: list[Collective] = []
     cur = list(src)
-    full = float(meta.nbytes)
     for ax, b in _steps(meta, src, dst, mesh.shape):
         a = cur[ax]
         n = mesh.shape[ax]

@@ -191,9 +191,10 @@ def _divides(spec: list[Placement], full: list[int], mesh_shape: tuple[int, ...]
     return all(f % c == 0 for f, c in zip(full, count))
 
 
-def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any) -> list:
+def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any,
+                      merged: tuple[tuple[int, ...], ...] | None = None) -> list:
     """The collectives :func:`route` issues (``cost_model.reshard_collectives`` prices every
-    reshard by its route, so the two are one function)."""
+    reshard by its route, so the two are one function); ``merged`` as there."""
     from autopar.passes.cost_model import reshard_collectives
 
-    return reshard_collectives(meta, src, dst, mesh)
+    return reshard_collectives(meta, src, dst, mesh, merged=merged)

@@ -56,8 +56,8 @@ def _add_gradient_syncs(
                 slot[1] += c.bytes * g.weight
                 slot[2] += c.time_s * g.weight
             continue
-        for kind, ax, _ in bucket_collectives(group, sp.mesh.shape):
-            name = sp.mesh.axes[ax]
+        for kind, axes, _ in bucket_collectives(group, sp.mesh.shape, cm.merged_sums(sp.mesh)):
+            name = cm.axes_label(sp.mesh.axes, axes)
             mine = [(c, g.weight) for g in group for c in per_edge[g.index] if c.axis == name]
             slot = agg.setdefault((kind, name, "gradient sync"), [0, 0.0, 0.0])
             slot[0] += 1

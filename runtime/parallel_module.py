@@ -139,7 +139,7 @@ class ParallelModule(nn.Module):
         self.collectives = CollectiveCounter()
         coord = tuple(device_mesh.get_coordinate())
         self._comm = Comm(device_mesh, tuple(plan.mesh_axes), tuple(plan.mesh_shape), coord,
-                          self.collectives)
+                          self.collectives, plan.merged_axes())
         self._replan = replan
         self._programs: dict[tuple, tuple[PlanGraph, LoweredGraph]] = {}
         self._install(graph, plan)

@@ -38,9 +38,10 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
     from autopar.passes.buckets import bucket_collectives, sync_groups
-    from autopar.passes.cost_model import reshard_collectives
+    from autopar.passes.cost_model import axes_label, reshard_collectives
 
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    merged = lowered.plan.merged_axes()  # as the plan was priced, whatever this mesh's links
     out: Totals = {}
 
     def add(kind: str, axis: str, reason: str, nbytes: float) -> None:
@@ -50,17 +51,18 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
 
     for meta, src, dst, reason in lowered.edges():
         if src != dst and meta is not None:
-            for c in reshard_collectives(meta, src, dst, mesh):
+            for c in reshard_collectives(meta, src, dst, mesh, merged=merged):
                 add(c.kind, c.axis, reason, c.bytes)
     for ax, nbytes in lowered.gather_collectives():
         add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
     for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed,
                                    lowered.plan.first_bucket_bytes):
         if kind is not None:
-            for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
-                add(ckind, mesh.axes[ax], "gradient sync", nbytes)
+            for ckind, axes, nbytes in bucket_collectives(group, mesh.shape, merged):
+                add(ckind, axes_label(mesh.axes, axes), "gradient sync", nbytes)
         else:
-            for c in reshard_collectives(group[0].meta, group[0].src, group[0].dst, mesh):
+            for c in reshard_collectives(group[0].meta, group[0].src, group[0].dst, mesh,
+                                         merged=merged):
                 add(c.kind, c.axis, "gradient sync", c.bytes)
     return out
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from autopar.passes.cost_model import sum_axes
 from autopar.passes.reshard_route import route
 from autopar.placements import Partial, Placement, Replicate, Shard, Spec, normalize_spec
 from autopar.runtime import _compat
@@ -71,13 +72,21 @@ class Comm:
     """This rank's view of the mesh: axis groups, its coordinate, the collective counter."""
 
     def __init__(self, device_mesh: Any, axes: tuple[str, ...], shape: tuple[int, ...],
-                 coord: tuple[Any, ...], counter: CollectiveCounter) -> None:
+                 coord: tuple[Any, ...], counter: CollectiveCounter,
+                 merged: tuple[tuple[int, ...], ...] = ()) -> None:
+        """``merged``: the axis sets whose sums run as one all-reduce over the flattened group
+        (``Plan.merged_sums``); their groups are made here, on every rank at once."""
         self.device_mesh = device_mesh
         self.axes = axes
         self.shape = shape
         self.coord = coord  # ints on a real rank; SymInts under LocalTensorMode
         self.counter = counter
         self._sync = True  # False inside deferred(): collectives are issued, not waited for
+        self._flat = {a: _flattened(device_mesh, axes, a) for a in merged}
+
+    @property
+    def merged(self) -> Any:
+        return self._flat.keys()
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -115,14 +124,26 @@ class Comm:
         self._record("all_reduce", ax, t, reason)
         return _compat.start_all_reduce(t, self.device_mesh.get_group(ax))
 
+    def sum_over(self, t: torch.Tensor, axes: tuple[int, ...], reason: str) -> torch.Tensor:
+        """``t`` summed over the ``merged`` axis set ``axes``: one all-reduce."""
+        self.counter.add(ExecutedCollective("all_reduce", "+".join(self.axes[k] for k in axes),
+                                            t.numel() * t.element_size(), reason))
+        return _compat.all_reduce(t, "sum", (self._flat[axes], 0), self._sync)
+
     def start_sum(self, t: torch.Tensor, axes: tuple[int, ...], reason: str
                   ) -> tuple[torch.Tensor, Any]:
         """``t`` (ours: changed in place where that saves a copy) summed over mesh ``axes``,
-        issued without waiting: ``(result, work)``. Over one axis, c10d's in-place
-        all-reduce, whose work to wait on is returned; over several, one axis after the
-        other (the second waits for the first), and the result waits itself (work None)."""
+        issued without waiting: ``(result, work)``. Over one axis, or a ``merged`` set of
+        them, c10d's in-place all-reduce, whose work to wait on is returned; over several
+        others, one axis after the other (the second waits for the first), and the result
+        waits itself (work None)."""
         if len(axes) == 1:
             return t, self.start_all_reduce(t, axes[0], reason)
+        if axes in self._flat:
+            self.counter.add(ExecutedCollective(
+                "all_reduce", "+".join(self.axes[k] for k in axes),
+                t.numel() * t.element_size(), reason))
+            return t, _compat.start_all_reduce(t, self._flat[axes].get_group())
         nd = len(self.shape)
         src = tuple(Partial() if k in axes else Replicate() for k in range(nd))
         with self.deferred():
@@ -158,6 +179,17 @@ class Comm:
         return torch.stack([t] + [torch.zeros_like(t)] * (n - 1)).select(0, c)
 
 
+def _flattened(device_mesh: Any, axes: tuple[str, ...], merged: tuple[int, ...]) -> Any:
+    """A 1-D DeviceMesh over the ``merged`` dims of ``device_mesh`` (every rank makes it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if device_mesh.mesh_dim_names is None:  # slicing needs names: the same mesh, named
+        device_mesh = DeviceMesh(device_mesh.device_type, device_mesh.mesh,
+                                 mesh_dim_names=axes)
+    names = tuple(device_mesh.mesh_dim_names[k] for k in merged)
+    return device_mesh[names]._flatten("+".join(names))
+
+
 def _reduce_op(op: str) -> str:
     try:
         return _REDUCE_OPS[op]
@@ -173,6 +205,9 @@ def redistribute(t: torch.Tensor, src: Spec, dst: Spec, comm: Comm,
     nd = t.dim()
     if nd:
         src, dst = normalize_spec(src, nd), normalize_spec(dst, nd)
+    axes = sum_axes(src, dst)
+    if axes is not None and axes in comm.merged:  # one all-reduce over the flattened group
+        return comm.sum_over(t, axes, reason)
     steps, perms = route(src, dst, tuple(t.shape), comm.shape)
     cur = list(src)
     for ax, b in steps:

@@ -59,4 +59,4 @@ def test_single_reduce_scatters_are_bucketed_by_axis_whatever_dim_they_shard():
     assert sorted(sorted(g.index for g in b) for b in buckets) == [[0, 1], [2]]
     rs = next(b for b in buckets if len(b) == 2)
     # each rank hands in its whole partial gradients: 2 x 128 B
-    assert bucket_collectives(rs, (2,)) == [("reduce_scatter", 0, 256.0)]
+    assert bucket_collectives(rs, (2,)) == [("reduce_scatter", (0,), 256.0)]

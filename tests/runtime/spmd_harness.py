@@ -154,11 +154,13 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     """What the lowered program should issue per step, priced by ``route_collectives``, and
     whether any reshard leaves the cost model's ascending axis order (nested shards)."""
     from autopar.passes.buckets import bucket_collectives, sync_groups
+    from autopar.passes.cost_model import axes_label
     from autopar.passes.reshard_route import route, route_collectives
     from autopar.placements import local_shape
 
     lowered = pm._active[1]
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    merged = lowered.plan.merged_axes()  # sums over these axis sets run as one collective
     out: dict[tuple[str, str], list] = {}
     deviates = False
     edges = [(m, a, b) for m, a, b, _ in lowered.edges()]
@@ -168,8 +170,8 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
         if kind is None:
             syncs.append((group[0].meta, group[0].src, group[0].dst))
             continue
-        for ckind, ax, nbytes in bucket_collectives(group, mesh.shape):
-            slot = out.setdefault((ckind, mesh.axes[ax]), [0, 0.0])
+        for ckind, axes, nbytes in bucket_collectives(group, mesh.shape, merged):
+            slot = out.setdefault((ckind, axes_label(mesh.axes, axes)), [0, 0.0])
             slot[0] += 1
             slot[1] += nbytes
     for ax, nbytes in lowered.gather_collectives():  # parameter gathers batched per layer
@@ -181,7 +183,7 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
             continue
         steps, _ = route(src, dst, local_shape(meta.shape, src, mesh.shape), mesh.shape)
         deviates |= steps != [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
-        for c in route_collectives(meta, src, dst, mesh):
+        for c in route_collectives(meta, src, dst, mesh, merged):
             slot = out.setdefault((c.kind, c.axis), [0, 0.0])
             slot[0] += 1
             slot[1] += c.bytes
