@@ -139,7 +139,7 @@ class ParallelModule(nn.Module):
         self.collectives = CollectiveCounter()
         coord = tuple(device_mesh.get_coordinate())
         self._comm = Comm(device_mesh, tuple(plan.mesh_axes), tuple(plan.mesh_shape), coord,
-                          self.collectives, plan.merged_axes())
+                          self.collectives)
         self._replan = replan
         self._programs: dict[tuple, tuple[PlanGraph, LoweredGraph]] = {}
         self._install(graph, plan)
@@ -157,6 +157,7 @@ class ParallelModule(nn.Module):
         return self._active[0]
 
     def _install(self, graph: PlanGraph, plan: Plan) -> None:
+        self._comm.merge(plan.merged_axes())  # its sums over several axes: one collective
         self._active = (graph, LoweredGraph(graph, plan, self._compile))
         self._active_sig = _graph_signature(graph)  # the input (shape, dtype)s it runs on
         self._programs[self._active_sig] = self._active
@@ -206,6 +207,7 @@ class ParallelModule(nn.Module):
         hit = self._programs.get(sig)  # every installed program, the active one included
         if hit is not None:
             self._active, self._active_sig = hit, sig
+            self._comm.merge(hit[1].plan.merged_axes())
             return hit[1]
         traced = _describe(_graph_signature(graph))
         if self._replan is None:

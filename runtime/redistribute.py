@@ -82,10 +82,22 @@ class Comm:
         self.coord = coord  # ints on a real rank; SymInts under LocalTensorMode
         self.counter = counter
         self._sync = True  # False inside deferred(): collectives are issued, not waited for
-        self._flat = {a: _flattened(device_mesh, axes, a) for a in merged}
+        self._groups: dict[tuple[int, ...], Any] = {}  # flattened meshes made so far
+        self._flat: dict[tuple[int, ...], Any] = {}  # those the active plan merges
+        self.merge(merged)
+
+    def merge(self, merged: tuple[tuple[int, ...], ...]) -> None:
+        """Sum over each of these axis sets (and no others) as one collective from now on, as
+        the plan being run was priced. Every rank calls this at the same point: making a group
+        is collective."""
+        for axes in merged:
+            if axes not in self._groups:
+                self._groups[axes] = _flattened(self.device_mesh, self.axes, axes)
+        self._flat = {axes: self._groups[axes] for axes in merged}
 
     @property
     def merged(self) -> Any:
+        """The axis sets summed as one collective."""
         return self._flat.keys()
 
     @contextlib.contextmanager

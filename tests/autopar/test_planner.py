@@ -103,6 +103,25 @@ def test_plan_round_trips_through_json(tmp_path):
     assert Plan.from_json(json.loads(json.dumps(on_cpu.to_json()))) == on_cpu
 
 
+def test_a_plan_records_which_sums_run_as_one_collective():
+    """On the cpu profile's 2x2 mesh a sum over both axes is one all-reduce (one ring over 4
+    ranks beats two over 2 at any size); the plan records it, keeps it through JSON, lists
+    such collectives on ``dp+tp``, and a plan JSON without the record sums axis by axis."""
+    plan = _plan("llama3-tiny", Mesh((2, 2), ("dp", "tp"), "cpu"), batch=4, seq=32).plan
+    assert plan.merged_sums == (("dp", "tp"),) and plan.merged_axes() == ((0, 1),)
+    assert {c.axis for c in plan.collectives} <= {"dp", "tp", "dp+tp"}
+    doc = plan.to_json()
+    assert Plan.from_json(json.loads(json.dumps(doc))) == plan
+    del doc["merged_sums"]
+    assert Plan.from_json(doc).merged_axes() == ()
+    doc["merged_sums"] = [["dp", "pp"]]
+    with pytest.raises(PlanError, match="merges sums over axis 'pp'.*make the plan again"):
+        Plan.from_json(doc).merged_axes()
+    # NVLink: the extra ring steps of one ring over 8 cost more than the overheads saved
+    assert _plan("llama3-tiny", Mesh((2, 4), ("dp", "tp")), batch=4, seq=32
+                 ).plan.merged_sums == ()
+
+
 def test_plan_json_errors_name_the_fix(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

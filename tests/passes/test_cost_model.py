@@ -107,3 +107,21 @@ def test_solver_keeps_the_loss_partial_rather_than_gather_mid_step_on_cpu():
                      time_limit_s=10, model_name="MLP").plan
     reasons = sorted((c.kind, c.reason) for c in plan.collectives)
     assert reasons == [("all_reduce", "gradient sync"), ("all_reduce", "loss")]
+
+
+def test_a_sum_over_two_axes_is_one_ring_only_where_it_is_no_dearer_at_any_size():
+    from autopar.passes.cost_model import merged_sums, reshard_collectives
+
+    P = Partial("sum")
+    even = Mesh((2, 2), ("dp", "tp"), "cpu")
+    assert merged_sums(even) == ((0, 1),)
+    meta = TensorMeta((1024, 1024), torch.float32)
+    (one,) = reshard_collectives(meta, (P, P), (R, R), even)
+    apart = reshard_collectives(meta, (P, P), (R, R), even, merged=())
+    assert (one.kind, one.axis, one.bytes) == ("all_reduce", "dp+tp", 4 * 2**20)
+    assert [c.axis for c in apart] == ["dp", "tp"]
+    assert one.time_s < sum(c.time_s for c in apart)
+    # a slow link on one axis: one ring would run all of it at that speed
+    slow = Mesh((2, 2), ("dp", "tp"), "cpu", bandwidth=(0.1e9, 1.2e9), latency=(2e-4, 2e-4))
+    assert merged_sums(slow) == ()
+    assert [c.axis for c in reshard_collectives(meta, (P, P), (R, R), slow)] == ["dp", "tp"]
