@@ -4,8 +4,9 @@
   which any of its operands is sharded (or its output is sharded/partial); on an axis where
   everything is replicated each device repeats the whole op.
 - Communication: alpha-beta per mesh axis, ring algorithms. Resharding between two specs is
-  decomposed axis by axis into all-gather, all-reduce, reduce-scatter and all-to-all. The
-  loss's own collective runs beside the backward (:func:`loss_collectives`).
+  decomposed axis by axis into all-gather, all-reduce, reduce-scatter and all-to-all, except
+  a sum over a set of axes that :func:`merged_sums` merges: one all-reduce over the flattened
+  group. The loss's own collective runs beside the backward (:func:`loss_collectives`).
 - Memory per device: parameters with their gradients and optimizer state (Adam: two fp32
   moments), plus activations while they are live.
 """
