@@ -191,6 +191,8 @@ def test_gloo_four_processes(tmp_path: Path) -> None:
         rep = reports[0][name]
         assert not rep["fallback"] and rep["executed"] == rep["planned"], name
     assert all(rep["compiled runs"] == 0 for rep in reports[0].values())
+    # sums over both axes of the 2x2 mesh ran as one all-reduce over the flattened group
+    assert any(axis == "dp+tp" for _, axis, *_ in reports[0]["fsdp-2x2"]["executed"])
 
 
 def test_gloo_compiled_program(tmp_path: Path) -> None:
