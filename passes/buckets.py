@@ -49,11 +49,6 @@ class GradSync:
     weight: float = 1.0  # real gradients it stands for (depth proxy)
 
 
-def reduce_axes(src: Spec, dst: Spec) -> tuple[int, ...] | None:
-    """The axes a pure all-reduce move runs over, or None if the move needs anything else."""
-    return sum_axes(src, dst)
-
-
 @dataclass(frozen=True, slots=True)
 class BucketKind:
     kind: str  # "all_reduce" | "reduce_scatter"
@@ -63,7 +58,7 @@ class BucketKind:
 
 def bucket_kind(src: Spec, dst: Spec) -> BucketKind | None:
     """How a gradient move joins a bucket, or None if it must run on its own."""
-    axes = reduce_axes(src, dst)
+    axes = sum_axes(src, dst)
     if axes is not None:
         return BucketKind("all_reduce", axes)
     changed = [k for k, (a, b) in enumerate(zip(src, dst)) if a != b]

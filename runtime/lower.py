@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph, TensorMeta
-from autopar.passes.buckets import GradSync, reduce_axes
+from autopar.passes.buckets import GradSync
+from autopar.passes.cost_model import sum_axes
 from autopar.passes.edge_costs import gather_unit
 from autopar.passes.strategies.localize import (
     LocalContext,
@@ -232,7 +233,7 @@ class LoweredGraph:
         spec = self.spec(self.loss)
         if all(isinstance(p, Replicate) for p in spec):
             return None
-        axes = reduce_axes(spec, (Replicate(),) * len(spec))
+        axes = sum_axes(spec, (Replicate(),) * len(spec))
         if axes is not None:  # a sum: reduced in place on a copy we own (Comm.start_sum)
             return LossValue(*comm.start_sum(local.detach().clone(), axes, "loss"))
         return LossValue(self.whole_loss(local, comm, wait=False))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from autopar.passes.cost_model import sum_axes
+from autopar.passes.cost_model import axes_label, sum_axes
 from autopar.passes.reshard_route import route
 from autopar.placements import Partial, Placement, Replicate, Shard, Spec, normalize_spec
 from autopar.runtime import _compat
@@ -117,6 +117,12 @@ class Comm:
         self.counter.add(ExecutedCollective(kind, self.axes[ax], t.numel() * t.element_size(),
                                             reason))
 
+    def _record_over(self, kind: str, axes: tuple[int, ...], t: torch.Tensor,
+                     reason: str) -> None:
+        """One collective over a merged axis set, named as the plan names it."""
+        self.counter.add(ExecutedCollective(kind, axes_label(self.axes, axes),
+                                            t.numel() * t.element_size(), reason))
+
     def all_gather(self, t: torch.Tensor, dim: int, ax: int, reason: str) -> torch.Tensor:
         self._record("all_gather", ax, t, reason)
         return _compat.all_gather(t, dim, self._group(ax), self._sync)
@@ -138,8 +144,7 @@ class Comm:
 
     def sum_over(self, t: torch.Tensor, axes: tuple[int, ...], reason: str) -> torch.Tensor:
         """``t`` summed over the ``merged`` axis set ``axes``: one all-reduce."""
-        self.counter.add(ExecutedCollective("all_reduce", "+".join(self.axes[k] for k in axes),
-                                            t.numel() * t.element_size(), reason))
+        self._record_over("all_reduce", axes, t, reason)
         return _compat.all_reduce(t, "sum", (self._flat[axes], 0), self._sync)
 
     def start_sum(self, t: torch.Tensor, axes: tuple[int, ...], reason: str
@@ -152,9 +157,7 @@ class Comm:
         if len(axes) == 1:
             return t, self.start_all_reduce(t, axes[0], reason)
         if axes in self._flat:
-            self.counter.add(ExecutedCollective(
-                "all_reduce", "+".join(self.axes[k] for k in axes),
-                t.numel() * t.element_size(), reason))
+            self._record_over("all_reduce", axes, t, reason)
             return t, _compat.start_all_reduce(t, self._flat[axes].get_group())
         nd = len(self.shape)
         src = tuple(Partial() if k in axes else Replicate() for k in range(nd))
@@ -199,7 +202,7 @@ def _flattened(device_mesh: Any, axes: tuple[str, ...], merged: tuple[int, ...])
         device_mesh = DeviceMesh(device_mesh.device_type, device_mesh.mesh,
                                  mesh_dim_names=axes)
     names = tuple(device_mesh.mesh_dim_names[k] for k in merged)
-    return device_mesh[names]._flatten("+".join(names))
+    return device_mesh[names]._flatten(axes_label(device_mesh.mesh_dim_names, merged))
 
 
 def _reduce_op(op: str) -> str:
@@ -217,9 +220,10 @@ def redistribute(t: torch.Tensor, src: Spec, dst: Spec, comm: Comm,
     nd = t.dim()
     if nd:
         src, dst = normalize_spec(src, nd), normalize_spec(dst, nd)
-    axes = sum_axes(src, dst)
-    if axes is not None and axes in comm.merged:  # one all-reduce over the flattened group
-        return comm.sum_over(t, axes, reason)
+    if comm.merged:  # a sum over a merged axis set: one all-reduce over the flattened group
+        axes = sum_axes(src, dst)
+        if axes is not None and axes in comm.merged:
+            return comm.sum_over(t, axes, reason)
     steps, perms = route(src, dst, tuple(t.shape), comm.shape)
     cur = list(src)
     for ax, b in steps:

@@ -7,20 +7,20 @@ from autopar.passes.buckets import (
     bucket_collectives,
     bucket_kind,
     gradient_buckets,
-    reduce_axes,
 )
+from autopar.passes.cost_model import sum_axes
 from autopar.placements import Partial, R, S
 
 P = Partial()
 
 
 def test_only_pure_all_reduce_moves_can_be_bucketed():
-    assert reduce_axes((P, R), (R, R)) == (0,)
-    assert reduce_axes((P, S(0)), (R, S(0))) == (0,)
-    assert reduce_axes((P, P), (R, R)) == (0, 1)
-    assert reduce_axes((P, R), (S(0), R)) is None  # a reduce-scatter
-    assert reduce_axes((S(0), R), (R, R)) is None  # a gather
-    assert reduce_axes((R, R), (R, R)) is None  # nothing to do
+    assert sum_axes((P, R), (R, R)) == (0,)
+    assert sum_axes((P, S(0)), (R, S(0))) == (0,)
+    assert sum_axes((P, P), (R, R)) == (0, 1)
+    assert sum_axes((P, R), (S(0), R)) is None  # a reduce-scatter
+    assert sum_axes((S(0), R), (R, R)) is None  # a gather
+    assert sum_axes((R, R), (R, R)) is None  # nothing to do
 
 
 def test_buckets_fill_in_order_up_to_the_size_and_split_by_axes_and_dtype():

@@ -33,6 +33,7 @@ from spmd_harness import (
     planned_totals,
     reference_plan,
     routed_totals,
+    train_parallel,
     train_single,
 )
 
@@ -91,7 +92,7 @@ def _worker(rank: int, port: int, plans: dict, out_dir: str, configs: list = CON
             pm = autopar.parallelize(model, mesh_for(mesh_shape), inputs, plan=plan,
                                      time_limit_s=2.0, compile=compile)
             torch.manual_seed(RNG_SEED)
-            got = _train(pm, inputs)
+            got = train_parallel(pm, inputs, 3)
             assert_same_training(got, want, what=f"gloo {name}")
             records = got["collectives"][-1]
             check_collectives(records, pm, f"gloo {name}")
@@ -116,24 +117,6 @@ def _compiled_runs(pm) -> int:
 
 def _flat(totals: dict) -> list:
     return [(*k, v[0], v[1]) for k, v in totals.items()]
-
-
-def _train(pm, inputs) -> dict:
-    from spmd_harness import EPS, LR
-
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads, per_step = [], {}, []
-    for _ in range(3):
-        pm.collectives.reset()
-        loss = pm(*inputs)
-        loss.backward()
-        per_step.append(list(pm.collectives.records))
-        grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "collectives": per_step}
 
 
 def _checkpoint_round_trip(pm, preset_name, mesh_shape, plan, out_dir, dcp) -> None:

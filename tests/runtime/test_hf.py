@@ -7,6 +7,7 @@ object with ``.loss``; autopar traces that as it is.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -44,32 +45,31 @@ def _kw() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+def train_steps(loss_of: Callable[[], torch.Tensor], params, steps: int = 3) -> list:
+    """``steps`` AdamW steps on ``loss_of()``; the losses, detached."""
+    opt = torch.optim.AdamW(params, lr=LR, eps=EPS)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def _check(build, mesh_shape) -> None:
     torch.manual_seed(0)
     model = build().train()
     kw = _kw()
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     torch.manual_seed(RNG_SEED)  # both trainings draw dropout masks alike
-    want = []
-    for _ in range(3):
-        loss = ref(**kw).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = [loss.item() for loss in train_steps(lambda: ref(**kw).loss, ref.parameters())]
     mesh = mesh_for(mesh_shape)
     with fake_world(mesh.size):
         pm = autopar.parallelize(model, mesh, example_kwargs=kw, time_limit_s=2.0)
-        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
         torch.manual_seed(RNG_SEED)
-        got = []
-        for _ in range(3):
-            loss = pm(**kw)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(reconcile(loss.detach()).item())
+        got = [reconcile(loss).item() for loss in train_steps(lambda: pm(**kw), pm.parameters())]
         params = {n: _whole(p) for n, p in pm.named_parameters()}
     assert got == pytest.approx(want, rel=1e-5)
     for n, p in ref.named_parameters():

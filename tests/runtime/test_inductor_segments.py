@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from spmd_harness import EPS, LR, assert_same_training, rel_err, train_single
+from spmd_harness import assert_same_training, rel_err, train_parallel, train_single
 
 import autopar
 from autopar.mesh import Mesh
@@ -130,18 +130,7 @@ def test_a_compiled_gpt_trains_as_one_device(one_rank_group) -> None:
     inputs = preset.example_inputs(4, 8, device="cpu")
     want = train_single(copy.deepcopy(model), inputs, 3)
     pm = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), inputs, compile=True)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
-    for _ in range(3):
-        loss = pm(*inputs)
-        loss.backward()
-        grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    params = {n: p.detach().full_tensor() for n, p in pm.named_parameters()}
-    assert_same_training({"losses": losses, "grads": grads, "params": params}, want,
-                         what="compiled")
+    assert_same_training(train_parallel(pm, inputs, 3), want, what="compiled")
     programs = list(pm._active[1]._compiled.values())
     assert [len(p.compiled_runs) for p in programs] == [1, 1]
     assert all(p.source.count("X(S[") == n for p, n in zip(programs, (0, 1)))
@@ -162,26 +151,12 @@ def test_hugging_face_models_compiled_train_as_one_device(build: str, one_rank_g
     model = getattr(test_hf, build)().train()
     kw = test_hf._kw()
     ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    want = []
-    for _ in range(3):
-        loss = ref(**kw).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = [loss.item() for loss in test_hf.train_steps(lambda: ref(**kw).loss, ref.parameters())]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Inductor could not compile")
         pm = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), example_kwargs=kw,
                                  compile=True)
-        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-        got = []
-        for _ in range(3):
-            loss = pm(**kw)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.item())
+        got = [loss.item() for loss in test_hf.train_steps(lambda: pm(**kw), pm.parameters())]
     assert got == pytest.approx(want, rel=1e-5)
     for (name, p), q in zip(pm.named_parameters(), ref.parameters()):
         assert rel_err(p.detach().full_tensor(), q.detach()) < 1e-5, name
