@@ -57,7 +57,7 @@ def fused_optimizer_ops() -> list[Any]:
     return ops
 
 
-def _handlers() -> dict | None:
+def handler_table() -> dict | None:
     from torch.distributed.tensor import DTensor
 
     return getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
@@ -66,7 +66,7 @@ def _handlers() -> dict | None:
 def install() -> bool:
     """Register the local fast path for every fused optimizer kernel (idempotent). False when
     this torch's DTensor has no op handler table (then its own dispatch runs, as before)."""
-    table = _handlers()
+    table = handler_table()
     if table is None:  # pragma: no cover - a torch without custom op handlers
         return False
     for op in fused_optimizer_ops():
@@ -76,14 +76,14 @@ def install() -> bool:
 
 def uninstall() -> None:
     """Remove the handlers :func:`install` registered (DTensor's own dispatch runs again)."""
-    table = _handlers()
+    table = handler_table()
     for op in fused_optimizer_ops():
         if table is not None and table.get(op) is _fused_step_on_locals:
             del table[op]
 
 
 def installed() -> bool:
-    table = _handlers()
+    table = handler_table()
     return bool(table) and all(table.get(op) is _fused_step_on_locals
                                for op in fused_optimizer_ops())
 
@@ -93,7 +93,7 @@ def _fused_step_on_locals(op: Any, args: tuple, kwargs: dict) -> None:
     dispatch would run, DTensor's dispatch otherwise."""
     call = _local_call(op, args, kwargs)
     if call is None:
-        return _dtensor_dispatch(op, args, kwargs)
+        return dtensor_dispatch(op, args, kwargs)
     op(*call[0], **call[1])
     return None
 
@@ -115,7 +115,7 @@ def _local_call(op: Any, args: tuple, kwargs: dict) -> tuple[list, dict] | None:
         ts = bound.get(name)
         if not ts:  # absent, or empty (Adam's max_exp_avg_sqs without amsgrad)
             continue
-        if len(ts) != len(params) or not all(_placed_as(t, s) for s, t in zip(specs, ts)):
+        if len(ts) != len(params) or not all(placed_as(t, s) for s, t in zip(specs, ts)):
             return None
         bound[name] = [_local(t) for t in ts]
     for name in _SCALAR_LIST_ARGS:
@@ -159,7 +159,7 @@ def _spec_of(t: Any) -> Any:
     return spec
 
 
-def _placed_as(t: Any, spec: Any) -> bool:
+def placed_as(t: Any, spec: Any) -> bool:
     """``t`` is split across ranks exactly as the tensor of ``spec`` (plain with plain)."""
     other = getattr(t, "_spec", None)
     if spec is None or other is None:
@@ -183,11 +183,11 @@ def _local(t: Any) -> Any:
     return t if local is None else local
 
 
-def _dtensor_dispatch(op: Any, args: tuple, kwargs: dict) -> Any:
+def dtensor_dispatch(op: Any, args: tuple, kwargs: dict) -> Any:
     """DTensor's own dispatch of the call, with this handler out of the way for it (the way
     torch's ``loss_parallel`` swaps its handlers in and out; as there, another thread's fused
     step meanwhile takes DTensor's dispatch too, which gives the same result)."""
-    table = _handlers()
+    table = handler_table()
     assert table is not None
     mine = table.pop(op, None)
     try:

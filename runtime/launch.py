@@ -129,6 +129,8 @@ def launch(
     child. Each child gets ``threads_per_proc`` intra-op threads (default: the CPU cores
     divided among the ranks) so N ranks do not oversubscribe the cores N-fold.
     """
+    if _importing_main_in_child():
+        raise _unguarded_call()
     if nproc < 1:
         raise LaunchError(f"nproc must be at least 1, got {nproc}")
     backend = backend or ("nccl" if _enough_gpus(nproc) else "gloo")
@@ -150,6 +152,34 @@ class _PortTaken(Exception):
     pass
 
 
+_RUN_DIR_VAR = "AUTOPAR_LAUNCH_RUN_DIR"  # where a child importing the script reports to
+_UNGUARDED_MARK = "unguarded-launch"
+
+
+def _importing_main_in_child() -> bool:
+    """This process was spawned and is still importing the parent's script (the check
+    multiprocessing makes before it refuses to start processes from there)."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _unguarded_call() -> LaunchError:
+    """The error for a script that calls :func:`launch` at its top level: each spawned process
+    imports the script again, and would launch processes of its own. Also left where the
+    parent looks, so it raises the same error rather than "died without reporting"."""
+    err = LaunchError(
+        "launch() ran while a launched process was importing the script that calls it: every "
+        "process launch() starts imports that script again, so its top-level code runs in "
+        "each of them; put the call (and whatever should run once) under "
+        "`if __name__ == \"__main__\":`")
+    run_dir = os.environ.get(_RUN_DIR_VAR)
+    if run_dir and Path(run_dir).is_dir():
+        with contextlib.suppress(OSError):
+            (Path(run_dir) / _UNGUARDED_MARK).touch()
+    return err
+
+
 def _enough_gpus(nproc: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= nproc
 
@@ -162,11 +192,20 @@ def _launch_once(
     env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ctx = None
+    saved_var = os.environ.get(_RUN_DIR_VAR)
     try:
-        ctx = mp.start_processes(
-            _child, args=(fn, args, env, backend, collective_timeout_s, threads, str(run_dir)),
-            nprocs=nproc, join=False, start_method=start_method,
-        )
+        os.environ[_RUN_DIR_VAR] = str(run_dir)  # children inherit it while they import
+        try:
+            ctx = mp.start_processes(
+                _child, args=(fn, args, env, backend, collective_timeout_s, threads,
+                              str(run_dir)),
+                nprocs=nproc, join=False, start_method=start_method,
+            )
+        finally:
+            if saved_var is None:
+                os.environ.pop(_RUN_DIR_VAR, None)
+            else:
+                os.environ[_RUN_DIR_VAR] = saved_var
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
@@ -241,6 +280,8 @@ class _ErrorRecord:
 
 def _child_error(run_dir: Path, nproc: int, e: Exception) -> BaseException:
     records = [r for i in range(nproc) if (r := _read(run_dir / f"error{i}.pkl")) is not None]
+    if not records and (run_dir / _UNGUARDED_MARK).exists():
+        return _unguarded_call()
     if not records:
         rank = getattr(e, "error_index", None)
         return LaunchError(f"rank {rank} died without reporting an error ({e}); "

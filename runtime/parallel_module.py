@@ -9,7 +9,8 @@ no hook, a plain ``backward``); every other goes to autograd, whose accumulation
 ``.grad``, runs hooks, or hands it to ``torch.autograd.grad``. So any ``torch.optim``
 optimizer steps it, its state sharded like the parameters, and ``state_dict()`` holds DTensors
 that ``torch.distributed.checkpoint`` saves and loads. torch's fused optimizer kernels
-(``fused=True``) run on the local pieces (:mod:`.fused_optim`).
+(``fused=True``) run on the local pieces (:mod:`.fused_optim`), and so do the elementwise and
+``_foreach_`` ops of the others (:mod:`.elementwise_fast_path`).
 
 The submodules of the wrapped model are registered here under their own names, so parameter
 and state-dict keys are the single-device model's keys.
@@ -35,7 +36,7 @@ from autopar.errors import PlanError
 from autopar.graph import PlanGraph
 from autopar.placements import to_torch
 from autopar.plan import Plan
-from autopar.runtime import _compat, fused_optim
+from autopar.runtime import _compat, elementwise_fast_path, fused_optim
 from autopar.runtime.deferred_loss import DeferredLoss
 from autopar.runtime.lower import LoweredGraph
 from autopar.runtime.redistribute import CollectiveCounter, Comm
@@ -147,6 +148,7 @@ class ParallelModule(nn.Module):
         self._param_list = [self.get_parameter(n) for n in graph.param_names]
         self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
         fused_optim.install()
+        elementwise_fast_path.install()
 
     @property
     def plan(self) -> Plan:

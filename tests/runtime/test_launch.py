@@ -89,6 +89,26 @@ def test_bad_nproc_is_a_clear_error() -> None:
     assert issubclass(LaunchError, AutoparError)
 
 
+def test_launch_at_a_scripts_top_level_names_the_guard(tmp_path) -> None:
+    """Each spawned child imports the script again; a launch() at its top level must say so
+    (multiprocessing's own error reaches only the children's stderr)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""
+        from autopar.runtime.launch import launch
+        def work():
+            return 1
+        print("results", launch(work, 2, timeout_s=60))
+    """))
+    full = {k: v for k, v in os.environ.items() if k not in ENV}
+    r = subprocess.run([sys.executable, str(script)], env=full, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("autopar.runtime.launch.LaunchError: launch() ran while"), r.stderr
+    assert 'if __name__ == "__main__":' in last
+    assert "results" not in r.stdout
+
+
 def test_free_port_is_bindable() -> None:
     import socket
 
