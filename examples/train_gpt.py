@@ -16,7 +16,9 @@ on several machines (run this on each, with its own --node-rank; HOST is node 0'
 
 (or ``--rdzv-backend c10d --rdzv-endpoint HOST:29500`` instead of the node rank and master).
 Two "nodes" on one machine, ``--nnodes 2 --nproc-per-node 2`` with node ranks 0 and 1 on
-127.0.0.1, train exactly as ``--nproc 4`` does (same losses).
+127.0.0.1, train exactly as ``--nproc 4`` does (same losses;
+``tests/runtime/test_torchrun_example.py`` runs one node and two nodes of one process each
+against ``--nproc 2``).
 
 On one process, ``python examples/train_gpt.py``. The mesh defaults to ``dp=N/2,tp=2`` for
 an even N >= 4 processes and ``dp=N`` otherwise. Data: the byte-level corpus shipped with
