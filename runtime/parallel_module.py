@@ -9,8 +9,8 @@ no hook, a plain ``backward``); every other goes to autograd, whose accumulation
 ``.grad``, runs hooks, or hands it to ``torch.autograd.grad``. So any ``torch.optim``
 optimizer steps it, its state sharded like the parameters, and ``state_dict()`` holds DTensors
 that ``torch.distributed.checkpoint`` saves and loads. torch's fused optimizer kernels
-(``fused=True``) run on the local pieces (:mod:`.fused_optim`), and so do the elementwise and
-``_foreach_`` ops of the others (:mod:`.elementwise_fast_path`).
+(``fused=True``) run on the local pieces (:mod:`.fused_optim`), and so do the elementwise ops
+of their for-loop implementations (:mod:`.elementwise_fast_path`).
 
 The submodules of the wrapped model are registered here under their own names, so parameter
 and state-dict keys are the single-device model's keys.
