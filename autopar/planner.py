@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -233,6 +233,10 @@ def planner_solve(
         other = solve(problem, timeout_s=max(polish, 0.5), hint=hint)
         if best is None or (other.feasible and (not best.feasible or other.cost < best.cost)):
             return other
+        if other.status == "optimal" and best.feasible and best.cost <= other.cost:
+            # the exact solve proved that no plan beats the sweep's
+            return replace(best, status="optimal", lower_bound=best.cost,
+                           method=f"{best.method}, proven optimal by {other.method}")
     return best
 
 

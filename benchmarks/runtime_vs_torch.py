@@ -22,12 +22,13 @@ rank). The DP pair also runs compiled, both sides: ``torch.compile(DDP(model))``
 Inductor between the collectives); ``--no-compiled`` leaves that pair out. ``--optimizer``
 picks AdamW's implementation for every config: ``fused`` (the default, one
 kernel per step, what torchtitan and Megatron train with), ``foreach``, or ``for-loop`` (torch's
-pick on CPU when none is given: about 7 ops per parameter). Unless it is ``for-loop`` already, the
+pick on CPU when none is given: 8 ops per parameter). Unless it is ``for-loop`` already, the
 DP pair also runs with the for-loop AdamW, as a row of its own.
 A step is forward + backward + optimizer step, timed between barriers, slowest rank; configs are
 interleaved round by round, each autopar run right after the torch run it is compared with, so
 load from other programs hits them alike. Reported: the ratio of the medians, and the median of
-the per-round ratios of those back-to-back blocks ("paired"), the steadier of the two.
+the per-round ratios of those back-to-back blocks ("paired"), the steadier of the two, with
+a bootstrap 95% interval for it.
 
     python benchmarks/runtime_vs_torch.py                  # prints the table
     python benchmarks/runtime_vs_torch.py --write          # and updates benchmarks/RESULTS.md
@@ -456,9 +457,11 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
         tl, al = low.get(t_name), low.get(a_name)
         c, tc = comms.get(a_name), comms.get(t_name)
         paired = _paired_ratio(res["times"], a_name, t_name, b.steps)
+        band = _median_interval(_round_ratios(res["times"], a_name, t_name, b.steps))
         rows.append([cfg, label, f"{_ms(t)} / {_ms(tl)}", f"{_ms(a)} / {_ms(al)}",
                      f"{a / t:.2f}" if a is not None and t else "n/a",
-                     f"{paired:.2f}" if paired is not None else "n/a",
+                     (f"{paired:.2f}" if paired is not None else "n/a")
+                     + (f" [{band[0]:.2f}, {band[1]:.2f}]" if band else ""),
                      f"{al / tl:.2f}" if al is not None and tl else "n/a",
                      str(tc[0]) if tc else "?",
                      f"{c[0]} / {c[1] / 2**20:.2f} MiB" if c else "n/a"])
@@ -468,7 +471,7 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
     spread = max(losses.values()) - min(losses.values()) if losses else float("nan")
     text = table(["config", "PyTorch", "torch ms/step median / min",
                   "autopar ms/step median / min", "autopar/torch (median)",
-                  "autopar/torch (paired)", "autopar/torch (min)", "torch collectives/step",
+                  "autopar/torch (paired) [95% interval]", "autopar/torch (min)", "torch collectives/step",
                   "autopar collectives/step (bytes per rank)"], rows)
     text += (f"\n\nfirst-step loss of all {len(losses)} runs agrees within {spread:.1e} "
              "(same weights, same global batch)")
@@ -490,16 +493,37 @@ def report(b: Bench, res: dict[str, Any]) -> tuple[str, list[str]]:
     return text, slow
 
 
-def _paired_ratio(times: dict[str, list[float]], a_name: str, t_name: str,
-                  steps: int) -> float | None:
-    """The median over rounds of autopar's round median over torch's: each round's two
-    blocks of steps ran back to back, so load that comes and goes hits both alike."""
+def _round_ratios(times: dict[str, list[float]], a_name: str, t_name: str,
+                  steps: int) -> list[float]:
+    """Per round, autopar's median step over torch's: each round's two blocks of steps ran
+    back to back, so load that comes and goes hits both alike."""
     a, t = times.get(a_name), times.get(t_name)
     if not a or not t:
+        return []
+    return [statistics.median(a[i:i + steps]) / statistics.median(t[i:i + steps])
+            for i in range(0, min(len(a), len(t)), steps)]
+
+
+def _paired_ratio(times: dict[str, list[float]], a_name: str, t_name: str,
+                  steps: int) -> float | None:
+    """The median over rounds of the per-round ratios."""
+    rounds = _round_ratios(times, a_name, t_name, steps)
+    return statistics.median(rounds) if rounds else None
+
+
+def _median_interval(xs: list[float], level: float = 0.95, resamples: int = 4000
+                     ) -> tuple[float, float] | None:
+    """A bootstrap interval for the median of ``xs`` (percentile method, fixed seed): how
+    far the paired ratio could move were the rounds drawn again."""
+    import random
+
+    if len(xs) < 4:
         return None
-    rounds = [statistics.median(a[i:i + steps]) / statistics.median(t[i:i + steps])
-              for i in range(0, min(len(a), len(t)), steps)]
-    return statistics.median(rounds)
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    lo = meds[int((1 - level) / 2 * resamples)]
+    hi = meds[min(resamples - 1, int((1 + level) / 2 * resamples))]
+    return lo, hi
 
 
 def _ms(x: float | None) -> str:
@@ -568,7 +592,9 @@ AdamW, {b.optimizer}{extra_row};
 {b.warmup} warm-up steps, then median of {b.rounds} rounds x {b.steps} steps per config,
 configs interleaved, each autopar config right after its torch one; a step is forward +
 backward + optimizer step of the slowest rank. "paired": the median over rounds of the ratio
-of the two back-to-back blocks, which load from other programs hits alike.
+of the two back-to-back blocks, which load from other programs hits alike; in brackets a
+bootstrap 95% interval for it (rounds drawn again with replacement): a ratio whose interval
+holds 1.0 is at parity within this run's noise.
 Target: autopar/torch <= 1.0.
 
 {text}

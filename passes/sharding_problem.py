@@ -28,6 +28,7 @@ from autopar.passes.problem_reduction import (
     node_layer,
     reduced_problem,
 )
+from autopar.passes.strategies.random import WHOLE_DRAW
 from autopar.passes.strategies.registry import Strategy, all_specs, node_strategies, tensor_inputs
 from autopar.placements import Replicate
 from autopar.solver.problem import Problem
@@ -201,9 +202,13 @@ def _node_costs(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarra
     if n.target is operator.getitem:
         return np.zeros(len(strategies))
     out = np.empty(len(strategies))
+    whole = (Replicate(),) * len(mesh.shape)
     for k, s in enumerate(strategies):
-        out[k] = cm.compute_time(facts.op, facts.flops, in_metas, facts.outputs, s.ins,
-                                 s.op_outs, mesh) + in_op_reduction_time(facts, s, mesh)
+        ins, outs = s.ins, s.op_outs
+        if WHOLE_DRAW in s.impls:  # every rank draws the whole tensor (strategies/random.py)
+            ins, outs = (whole,) * len(ins), (whole,) * len(outs)
+        out[k] = cm.compute_time(facts.op, facts.flops, in_metas, facts.outputs, ins, outs,
+                                 mesh) + in_op_reduction_time(facts, s, mesh)
     return out
 
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from ortools.sat.python import cp_model
@@ -123,6 +123,10 @@ class SubModel:
     xs: list[list[cp_model.IntVar]]
     scale: float
     offset: float  # objective = offset + scaled-integer objective / scale
+    # every pair variable with the two choice variables it is the AND of, for a complete
+    # hint (``solve_sub(whole=True)``)
+    pairs: list[tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar]] = field(
+        default_factory=list)
 
 
 def build(
@@ -195,7 +199,7 @@ def build(
                 if w:
                     obj.append(x)
                     coefs.append(w)
-    _add_edges(m, xu, unit_e, weight, obj, coefs, forbid, lex)
+    pairs = _add_edges(m, xu, unit_e, weight, obj, coefs, forbid, lex)
     xs: list[list] = []
     for k, c in enumerate(node_c):
         row: list = [None] * len(c)
@@ -206,7 +210,7 @@ def build(
     if cap is not None:
         _add_memory(m, q, free, xs, memory_rows(q, free, cap))
     m.Minimize(cp_model.LinearExpr.WeightedSum(obj, coefs))
-    return SubModel(m, free, xs, scale, offset)
+    return SubModel(m, free, xs, scale, offset, pairs)
 
 
 def _add_nodes(m: cp_model.CpModel, node_c: list[np.ndarray], forbid: float, lex: bool) -> list:
@@ -221,7 +225,8 @@ def _add_nodes(m: cp_model.CpModel, node_c: list[np.ndarray], forbid: float, lex
     return xs
 
 
-def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> None:
+def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> list[tuple]:
+    pairs_out: list[tuple] = []
     for a, b, mat in inner:
         xa, xb = xs[a], xs[b]
         ok = mat < forbid
@@ -239,11 +244,13 @@ def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> None:
                 coefs.append(w)
             by_row[s].append(y)
             by_col[t].append(y)
+            pairs_out.append((y, xa[s], xb[t]))
         # each side's choice equals the sum of its pair variables (0 when it has none)
         for side, pairs in ((xa, by_row), (xb, by_col)):
             for x, ys in zip(side, pairs):
                 if x is not None:
                     m.Add(sum(ys) == x if ys else x == 0)
+    return pairs_out
 
 
 def _add_memory(m, q: Problem, free, xs, rows) -> None:
@@ -301,20 +308,34 @@ def capacity_profile(q: Problem, free: np.ndarray, assign: np.ndarray) -> np.nda
 
 
 def solve_sub(
-    sm: SubModel, time_limit: float, workers: int, seed: int, hint: np.ndarray | None
+    sm: SubModel, time_limit: float, workers: int, seed: int, hint: np.ndarray | None,
+    whole: bool = False,
 ) -> tuple[int, np.ndarray | None, float | None]:
-    """Solve; returns (cp status, chosen strategy per free node or None, objective bound)."""
+    """Solve; returns (cp status, chosen strategy per free node or None, objective bound).
+
+    ``whole``: the model is the whole problem (``solve._exact``), tens of thousands of pair
+    variables. The hint then sets the pair variables too, so CP-SAT starts from a complete
+    solution, and CP-SAT's probing presolve is off: it took most of a second there and fixed
+    nothing. Before, autopar train's problem (gpt2-tiny on 2x2) ran out of its 1.4 s with no
+    solution at all (UNKNOWN); now it is proven optimal in about 0.5 s. The small models of
+    the heuristic's neighbourhoods keep the defaults (hinting every pair there cost more than
+    it saved)."""
     if hint is not None:
-        done: set[int] = set()  # tied nodes share variables: hint each once
+        on: dict[int, int] = {}  # tied nodes share variables: hint each once
         for k, i in enumerate(sm.free):
             for s, x in enumerate(sm.xs[k]):
-                if x is not None and x.Index() not in done:
-                    done.add(x.Index())
-                    sm.model.AddHint(x, int(s == hint[i]))
+                if x is not None and x.Index() not in on:
+                    on[x.Index()] = int(s == hint[i])
+                    sm.model.AddHint(x, on[x.Index()])
+        if whole:
+            for y, xa, xb in sm.pairs:
+                sm.model.AddHint(y, on.get(xa.Index(), 0) & on.get(xb.Index(), 0))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
     solver.parameters.num_workers = max(1, int(workers))
     solver.parameters.random_seed = int(seed)
+    if whole:
+        solver.parameters.cp_model_probing_level = 0
     st = solver.Solve(sm.model)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return st, None, None

@@ -99,7 +99,7 @@ def _exact(
     left = deadline - time.monotonic() - 0.3
     if left <= 0.05:
         return best
-    st, sub, bound = ilp.solve_sub(sm, left, workers, seed, hint)
+    st, sub, bound = ilp.solve_sub(sm, left, workers, seed, hint, whole=True)
     if sub is None:
         return best
     b = a.copy()

@@ -12,7 +12,8 @@ generator exactly as the single-device run does, so with the same seed each rank
 the single device's at its positions, replicas agree, and shards are independent of one another
 (a local draw would give every shard the same values: a dropout mask repeated across the
 ranks). The price is the whole draw on every rank, work and a transient buffer the size of the
-whole tensor, which the cost model does not charge. DTensor gets the same values on CUDA by
+whole tensor: the cost model charges the work (``sharding_problem._node_costs`` prices such a
+strategy's compute as the replicated op's), not yet the buffer. DTensor gets the same values on CUDA by
 moving the Philox offset instead; the CPU generator cannot skip ahead. ``multinomial`` stays a
 local draw (rows of zeros would be invalid distributions), and so do the fused attention
 kernels' own dropout, where they take one (on CPU a dropout > 0 traces as explicit ops, which

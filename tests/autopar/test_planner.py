@@ -185,3 +185,21 @@ def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
     assert "kept fsdp" in kept.plan.solver.method
     assert kept.plan.params["layers.0.weight"] != (R,)
     assert own.plan.params["layers.0.weight"] == (R,)
+
+
+def test_a_sweep_answer_the_exact_solve_cannot_beat_is_reported_optimal(monkeypatch):
+    """The axis sweep finds the plan, CP-SAT proves nothing beats it: the plan says optimal
+    (and says who proved it); an unproven exact answer of the same cost proves nothing."""
+    from autopar import planner
+    from autopar.solver.problem import Solution
+
+    sweep = Solution((0, 1), 2.0, True, "feasible", 0.1, "axis-sweep")
+    for exact_status, want in (("optimal", "optimal"), ("feasible", "feasible")):
+        exact = Solution((1, 1), 2.0, True, exact_status, 0.2, "auto/ilp")
+        monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: sweep)
+        monkeypatch.setattr(planner, "solve", lambda *a, _e=exact, **k: _e)
+        got = planner.planner_solve(None, None, time_limit_s=10.0)
+        assert got.assignment == sweep.assignment and got.status == want
+        if want == "optimal":
+            assert got.method == "axis-sweep, proven optimal by auto/ilp"
+            assert got.lower_bound == 2.0

@@ -145,3 +145,23 @@ def test_refining_followers_sees_past_the_follower_to_its_consumers():
     assert not [c for c in after.collectives
                 if c.kind == "all_gather" and c.reason == "gradient sync"]
     assert after.cost.step_s < score_assignment(flat, unrefined).cost.step_s
+
+
+def test_a_sharded_random_op_is_priced_as_the_whole_draw_it_runs():
+    """Every rank draws the whole dropout mask and keeps its piece (``random_whole_draw``):
+    sharding it saves no compute, so its cost is the replicated draw's."""
+    import torch
+
+    from autopar.passes.strategies.random import WHOLE_DRAW
+
+    pg, sp = _problem("gpt2-tiny", Mesh((4,), ("dp",)), dropout=0.1)
+    drops = [k for k, n in enumerate(sp.nodes)
+             if n.target in (torch.ops.aten.native_dropout.default,
+                             torch.ops.aten.bernoulli_.float)]
+    assert drops
+    for i in drops:
+        strategies = sp.strategies[i]
+        whole = [k for k, s in enumerate(strategies) if WHOLE_DRAW in s.impls]
+        assert whole, sp.nodes[i]
+        for k in whole:
+            assert sp.node_cost[i][k] == pytest.approx(sp.node_cost[i][0])  # 0: replicated

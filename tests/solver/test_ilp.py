@@ -151,3 +151,32 @@ def test_hint_and_timeout_are_honoured() -> None:
     sol = solve(p, timeout_s=5, method="ilp", hint=hint)
     assert sol.feasible and sol.time_s < 6
     assert sol.cost <= evaluate(p, hint)[0]
+
+
+def test_a_hint_sets_every_variable_pair_variables_included() -> None:
+    """CP-SAT gets a complete starting solution: the choices and the pair variables of every
+    edge (with the choices alone it may not find one before its time runs out)."""
+    from autopar.solver import ilp
+
+    rng = np.random.default_rng(2)
+    n = 6
+    p = make_problem(
+        costs=[rng.integers(0, 100, 3) for _ in range(n)],
+        usages=[np.ones(3) for _ in range(n)], intervals=[(i, i + 1) for i in range(n)],
+        edges=[(i, i + 1) for i in range(n - 1)],
+        edge_costs=[rng.integers(0, 100, 9) for _ in range(n - 1)],
+    )
+    a = rng.integers(0, 3, n)  # any assignment: every strategy pair is allowed here
+    free = np.arange(n)
+    sm = ilp.build(p, free, a, None)
+    assert len(sm.pairs) == (n - 1) * 9
+    st, sub, _ = ilp.solve_sub(sm, 5.0, 1, 0, a, whole=True)
+    proto = sm.model.Proto()
+    hinted = dict(zip(proto.solution_hint.vars, proto.solution_hint.values))
+    bools = [i for i, v in enumerate(proto.variables) if list(v.domain) == [0, 1]]
+    assert set(bools) <= set(hinted)
+    for y, xa, xb in sm.pairs:  # each pair variable: the AND of its two choices
+        assert hinted[y.Index()] == (hinted[xa.Index()] & hinted[xb.Index()])
+    assert sum(hinted[y.Index()] for y, _, _ in sm.pairs) == n - 1  # one pair per edge
+    assert st == ilp.cp_model.OPTIMAL and sub is not None
+    assert evaluate(p, sub)[0] == brute_force(p)
