@@ -4,8 +4,8 @@ An optimizer's for-loop implementation (torch's default on CPU) updates DTensor 
 by op: AdamW runs 8 elementwise ops per parameter (``mul_``, ``lerp_``, ``addcmul_``,
 ``sqrt``, ``div``, ``add_``, ``addcdiv_``). Each call on a DTensor takes DTensor's dispatch:
 sharding propagation (cached), then a Python tail. For the 8 parameters of the benchmark MLP,
-one process, AdamW's for-loop step took 1.59x the plain-tensor step on DTensors, and 1.33x
-with the handler below (``benchmarks/runtime_vs_torch.py``, both in one run).
+one process, AdamW's for-loop step took 1.6-1.7x the plain-tensor step on DTensors, and
+1.3-1.4x with the handler below (``benchmarks/runtime_vs_torch.py``, both in each run).
 
 The ``_foreach_*`` ops of the foreach implementation (the default on CUDA; about 10 calls a
 step, each over every parameter) are left to DTensor: its dispatch of a whole list is
