@@ -397,23 +397,24 @@ def unfused_optimizer_steps(b: Bench, steps: int = 150) -> dict[str, dict[str, f
                                             example_inputs=(x, y))
             runs[name] = (model, b.adamw(model, impl))
         times: dict[str, list[float]] = {n: [] for n in runs}
-        try:
-            for i in range(b.warmup + steps):
-                for name, (model, opt) in runs.items():
-                    loss = (model(x, y) if name != "plain"
-                            else nn.functional.mse_loss(model(x), y))
-                    loss.backward()
-                    if name == "autopar, DTensor dispatch":
-                        elementwise_fast_path.uninstall()
+        for i in range(b.warmup + steps):
+            for name, (model, opt) in runs.items():
+                loss = (model(x, y) if name != "plain"
+                        else nn.functional.mse_loss(model(x), y))
+                loss.backward()
+                without = name == "autopar, DTensor dispatch"
+                if without:
+                    elementwise_fast_path.uninstall()
+                try:
                     t0 = time.perf_counter()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                     t = time.perf_counter() - t0
-                    elementwise_fast_path.install()
-                    if i >= b.warmup:
-                        times[name].append(t)
-        finally:
-            elementwise_fast_path.install()
+                finally:
+                    if without:
+                        elementwise_fast_path.install()
+                if i >= b.warmup:
+                    times[name].append(t)
         out[impl] = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     return out
 

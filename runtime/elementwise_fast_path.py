@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from autopar.runtime import _compat
-from autopar.runtime.fused_optim import dtensor_dispatch, handler_table, placed_as
+from autopar.runtime import _compat, dtensor_handlers
+from autopar.runtime.dtensor_handlers import dtensor_dispatch, placed_as
 
 aten = torch.ops.aten
 
@@ -72,25 +72,16 @@ def install() -> bool:
     """Register the local fast path for every covered op (idempotent; an op that already has
     a handler, DTensor's own or another's, keeps it). False when this torch's DTensor has no
     op handler table."""
-    table = handler_table()
-    if table is None:  # pragma: no cover - a torch without custom op handlers
-        return False
-    for op in elementwise_ops():
-        table.setdefault(op, _on_locals)
-    return True
+    return dtensor_handlers.install(elementwise_ops(), _on_locals)
 
 
 def uninstall() -> None:
     """Remove the handlers :func:`install` registered."""
-    table = handler_table()
-    for op in elementwise_ops():
-        if table is not None and table.get(op) is _on_locals:
-            del table[op]
+    dtensor_handlers.uninstall(elementwise_ops(), _on_locals)
 
 
 def installed() -> bool:
-    table = handler_table()
-    return bool(table) and all(table.get(op) is _on_locals for op in elementwise_ops())
+    return dtensor_handlers.installed(elementwise_ops(), _on_locals)
 
 
 class _NotLocal(Exception):

@@ -33,6 +33,9 @@ from typing import Any
 
 import torch
 
+from autopar.runtime import dtensor_handlers
+from autopar.runtime.dtensor_handlers import dtensor_dispatch, placed_as
+
 aten = torch.ops.aten
 
 # op -> names of its tensor-list arguments that run position by position with ``self``
@@ -57,35 +60,19 @@ def fused_optimizer_ops() -> list[Any]:
     return ops
 
 
-def handler_table() -> dict | None:
-    from torch.distributed.tensor import DTensor
-
-    return getattr(DTensor._op_dispatcher, "_custom_op_handlers", None)
-
-
 def install() -> bool:
     """Register the local fast path for every fused optimizer kernel (idempotent). False when
     this torch's DTensor has no op handler table (then its own dispatch runs, as before)."""
-    table = handler_table()
-    if table is None:  # pragma: no cover - a torch without custom op handlers
-        return False
-    for op in fused_optimizer_ops():
-        table.setdefault(op, _fused_step_on_locals)
-    return True
+    return dtensor_handlers.install(fused_optimizer_ops(), _fused_step_on_locals)
 
 
 def uninstall() -> None:
     """Remove the handlers :func:`install` registered (DTensor's own dispatch runs again)."""
-    table = handler_table()
-    for op in fused_optimizer_ops():
-        if table is not None and table.get(op) is _fused_step_on_locals:
-            del table[op]
+    dtensor_handlers.uninstall(fused_optimizer_ops(), _fused_step_on_locals)
 
 
 def installed() -> bool:
-    table = handler_table()
-    return bool(table) and all(table.get(op) is _fused_step_on_locals
-                               for op in fused_optimizer_ops())
+    return dtensor_handlers.installed(fused_optimizer_ops(), _fused_step_on_locals)
 
 
 def _fused_step_on_locals(op: Any, args: tuple, kwargs: dict) -> None:
@@ -159,17 +146,6 @@ def _spec_of(t: Any) -> Any:
     return spec
 
 
-def placed_as(t: Any, spec: Any) -> bool:
-    """``t`` is split across ranks exactly as the tensor of ``spec`` (plain with plain)."""
-    other = getattr(t, "_spec", None)
-    if spec is None or other is None:
-        return spec is None and other is None and isinstance(t, torch.Tensor)
-    if other is spec:  # autopar's gradients share their parameter's spec
-        return True
-    return (other.placements == spec.placements and other.shape == spec.shape
-            and (other.mesh is spec.mesh or other.mesh == spec.mesh))
-
-
 def _one_value(t: Any) -> bool:
     """A scalar whose local piece is the whole value on every rank."""
     spec = getattr(t, "_spec", None)
@@ -181,17 +157,3 @@ def _one_value(t: Any) -> bool:
 def _local(t: Any) -> Any:
     local = getattr(t, "_local_tensor", None)
     return t if local is None else local
-
-
-def dtensor_dispatch(op: Any, args: tuple, kwargs: dict) -> Any:
-    """DTensor's own dispatch of the call, with this handler out of the way for it (the way
-    torch's ``loss_parallel`` swaps its handlers in and out; as there, another thread's fused
-    step meanwhile takes DTensor's dispatch too, which gives the same result)."""
-    table = handler_table()
-    assert table is not None
-    mine = table.pop(op, None)
-    try:
-        return op(*args, **kwargs)
-    finally:
-        if mine is not None:
-            table[op] = mine

@@ -140,6 +140,7 @@ def launch(
     divided among the ranks) so N ranks do not oversubscribe the cores N-fold.
     """
     if _importing_main_in_child():
+        _mark_unguarded_call()
         raise _unguarded_call()
     if nproc < 1:
         raise LaunchError(f"nproc must be at least 1, got {nproc}")
@@ -176,18 +177,21 @@ def _importing_main_in_child() -> bool:
 
 def _unguarded_call() -> LaunchError:
     """The error for a script that calls :func:`launch` at its top level: each spawned process
-    imports the script again, and would launch processes of its own. Also left where the
-    parent looks, so it raises the same error rather than "died without reporting"."""
-    err = LaunchError(
+    imports the script again, and would launch processes of its own."""
+    return LaunchError(
         "launch() ran while a launched process was importing the script that calls it: every "
         "process launch() starts imports that script again, so its top-level code runs in "
         "each of them; put the call (and whatever should run once) under "
         "`if __name__ == \"__main__\":`")
+
+
+def _mark_unguarded_call() -> None:
+    """In a child importing the script: leave a mark where the parent looks, so it raises
+    :func:`_unguarded_call`'s error rather than "died without reporting"."""
     run_dir = os.environ.get(_RUN_DIR_VAR)
     if run_dir and Path(run_dir).is_dir():
         with contextlib.suppress(OSError):
             (Path(run_dir) / _UNGUARDED_MARK).touch()
-    return err
 
 
 def _enough_gpus(nproc: int) -> bool:
