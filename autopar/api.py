@@ -117,7 +117,11 @@ def _ensure_process_group(mesh: Mesh) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():  # one GPU per process, chosen before NCCL starts
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
     elif mesh.size == 1:  # a single-device mesh needs no launcher
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:

@@ -98,8 +98,13 @@ class LoweredGraph:
     """The per-rank program for one (graph, plan) pair; between calls it holds no tensors but
     the graph's lifted constants."""
 
-    def __init__(self, pg: PlanGraph, plan: Plan, compile: bool = False) -> None:
+    def __init__(self, pg: PlanGraph, plan: Plan, compile: bool = False,
+                 device: torch.device | None = None) -> None:
+        """``device``: where the program runs (the mesh's device type); factory ops and copies
+        in the graph name the device it was traced on (capture traces on the CPU), and run on
+        this one instead."""
         validate(pg, plan)
+        self.device = device if device is not None and device.type != "cpu" else None
         self.compile = compile  # runs of plain steps compiled by Inductor (inductor_segments)
         self.pg = pg
         self.plan = plan
@@ -177,7 +182,8 @@ class LoweredGraph:
             steps.append(_Step(n, n.name, get, inputs,
                                Strategy(place.ins, place.outs, place.impls, place.raw_outs),
                                None if get else op_info(n), [], _flat_slots(n), direct,
-                               args=tuple(n.args), kwargs=dict(n.kwargs),
+                               args=_placed(tuple(n.args), self.device),
+                               kwargs=_placed(dict(n.kwargs), self.device),
                                fn=getattr(n.target, "_op", n.target)))
         last: dict[str, int] = {}
         for i, s in enumerate(steps):
@@ -312,7 +318,7 @@ class LoweredGraph:
             # a localizer may edit its kwargs; a direct call does not
             args, kwargs = tuple(args_list), s.kwargs if s.direct else dict(s.kwargs)
         else:
-            args, kwargs = _substitute(s.node, iter(vals), env)
+            args, kwargs = _substitute(s.args, s.kwargs, iter(vals), env)
         ctx = None
         if s.direct:
             out = s.fn(*args, **kwargs)
@@ -375,8 +381,24 @@ def _flat_slots(n: fx.Node) -> list[int] | None:
     return slots
 
 
-def _substitute(node: fx.Node, vals: Any, env: dict[str, Any]) -> tuple[tuple, dict]:
-    """The node's args with tensor inputs taken from ``vals`` in :func:`tensor_inputs` order."""
+def _placed(a: Any, device: torch.device | None) -> Any:
+    """A node's args (or kwargs) with the device the graph was traced on (the CPU) replaced by
+    the one it runs on; unchanged where that is the CPU too (``device`` None)."""
+    if device is None:
+        return a
+    if isinstance(a, torch.device):
+        return device if a.type == "cpu" else a
+    if isinstance(a, (list, tuple)):
+        return type(a)(_placed(x, device) for x in a)
+    if isinstance(a, dict):
+        return {k: _placed(v, device) for k, v in a.items()}
+    return a
+
+
+def _substitute(args: tuple, kwargs: dict, vals: Any, env: dict[str, Any]
+                ) -> tuple[tuple, dict]:
+    """A node's ``args`` and ``kwargs`` with tensor inputs taken from ``vals`` in
+    :func:`tensor_inputs` order."""
 
     def sub(a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -387,9 +409,7 @@ def _substitute(node: fx.Node, vals: Any, env: dict[str, Any]) -> tuple[tuple, d
             return {k: sub(x) for k, x in a.items()}
         return a
 
-    args = sub(tuple(node.args))
-    kwargs = sub(dict(node.kwargs))
-    return args, kwargs
+    return sub(tuple(args)), sub(dict(kwargs))
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:

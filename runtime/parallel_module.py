@@ -160,7 +160,7 @@ class ParallelModule(nn.Module):
 
     def _install(self, graph: PlanGraph, plan: Plan) -> None:
         self._comm.merge(plan.merged_axes())  # its sums over several axes: one collective
-        self._active = (graph, LoweredGraph(graph, plan, self._compile))
+        self._active = (graph, LoweredGraph(graph, plan, self._compile, self._device))
         self._active_sig = _graph_signature(graph)  # the input (shape, dtype)s it runs on
         self._programs[self._active_sig] = self._active
 
