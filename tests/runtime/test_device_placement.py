@@ -70,7 +70,10 @@ class _CpuOps(TorchDispatchMode):
 
 
 def _preset(preset_name: str) -> tuple[Any, torch.nn.Module, tuple]:
+    preset_name, _, extra = preset_name.partition("+")
     preset = get_preset(preset_name)
+    if extra == "dropout":  # random ops: drawn whole on each rank, on the mesh's device
+        preset = preset.replace(dropout=0.1)
     if preset.family == "gpt2":
         preset = preset.replace(n_positions=16)
     torch.manual_seed(0)
@@ -123,6 +126,7 @@ CASES = [  # (preset, mesh shape, plan source)
     ("gpt2-tiny", (4,), "megatron_tp"),
     ("gpt2-tiny", (2, 2), "solver"),
     ("gpt2-tiny", (2, 2), "fsdp_tp_2d"),
+    ("gpt2-tiny+dropout", (2, 2), "solver"),
     ("llama3-tiny", (2, 2), "dp_tp_2d"),
     ("moe-tiny", (2, 2), "solver"),
     ("mlp-tiny", (2, 2, 2), "solver"),
