@@ -12,6 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -37,8 +38,20 @@ def parse_bytes(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
-def load_model(spec: str, batch: int, seq: int) -> tuple[nn.Module, tuple, str, str]:
-    """(model on meta, example inputs, display name, family) from a preset or module:factory."""
+@dataclass
+class LoadedModel:
+    model: nn.Module  # on the meta device
+    inputs: tuple  # example inputs, positional
+    kwargs: dict  # and by keyword (a Hugging Face model's input_ids and labels)
+    name: str
+    family: str  # the reference layouts' family (models.reference_plans)
+
+
+def load_model(spec: str, batch: int, seq: int) -> LoadedModel:
+    """The model and example inputs from a preset or module:factory. A factory may return
+    ``(model, example_inputs)``, or a model alone with ``config.vocab_size``: a Hugging Face
+    causal LM is then called with ``input_ids`` and ``labels`` of ``batch x seq`` random
+    tokens, any other model with them as its two positional inputs."""
     from autopar.models import PRESETS, get_preset
 
     if ":" not in spec:
@@ -47,7 +60,8 @@ def load_model(spec: str, batch: int, seq: int) -> tuple[nn.Module, tuple, str, 
         for fld in ("n_positions", "max_seq_len"):
             if hasattr(cfg, fld) and seq > getattr(cfg, fld):
                 preset = preset.replace(**{fld: seq})
-        return preset.build("meta"), preset.example_inputs(batch, seq, "meta"), spec, preset.family
+        return LoadedModel(preset.build("meta"), preset.example_inputs(batch, seq, "meta"), {},
+                           spec, preset.family)
     mod_name, _, fn_name = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(mod_name), fn_name)
@@ -61,15 +75,23 @@ def load_model(spec: str, batch: int, seq: int) -> tuple[nn.Module, tuple, str, 
     with torch.device("meta"):
         made = factory(**kwargs)
     model, inputs = made if isinstance(made, tuple) else (made, None)
-    if inputs is None:
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if vocab is None:
-            raise UsageError(
-                f"{spec} returned a model without example inputs: return (model, example_inputs)"
-            )
-        tok = torch.randint(0, vocab, (batch, seq), device="meta")
-        inputs = (tok, tok)
-    return model, tuple(inputs), spec, "custom"
+    family = "hf" if _is_hugging_face(model) else "custom"
+    if inputs is not None:
+        return LoadedModel(model, tuple(inputs), {}, spec, family)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        raise UsageError(
+            f"{spec} returned a model without example inputs: return (model, example_inputs)"
+        )
+    tok = torch.randint(0, vocab, (batch, seq), device="meta")
+    if {"input_ids", "labels"} <= set(inspect.signature(model.forward).parameters):
+        return LoadedModel(model, (), {"input_ids": tok, "labels": tok}, spec, family)
+    return LoadedModel(model, (tok, tok), {}, spec, family)
+
+
+def _is_hugging_face(model: nn.Module) -> bool:
+    """The model is, or wraps, a transformers model (its layers take the "hf" layouts)."""
+    return any(type(m).__module__.startswith("transformers.") for m in model.modules())
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:
@@ -93,18 +115,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mesh = Mesh.parse(args.mesh, args.device)
     check_batch(mesh, args.batch)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-    model, inputs, name, family = load_model(args.model, args.batch, args.seq)
+    loaded = load_model(args.model, args.batch, args.seq)
     refs = {}
     if args.compare:
         for rname, fn in REFERENCE_PLANS.items():
             try:
-                ref = fn(model, mesh.shape, mesh.axes, family, batch_size=args.batch)
+                ref = fn(loaded.model, mesh.shape, mesh.axes, loaded.family, batch_size=args.batch)
             except (ValueError, TypeError):
                 ref = None
             if ref is not None:
                 refs[rname] = ref
-    planned = make_plan(model, mesh, inputs, memory_budget=budget, time_limit_s=args.time_limit,
-                        references=refs, model_name=name,
+    planned = make_plan(loaded.model, mesh, loaded.inputs, loaded.kwargs, memory_budget=budget,
+                        time_limit_s=args.time_limit, references=refs, model_name=loaded.name,
                         max_layers=args.trace_layers if args.trace_layers > 0 else None)
     print(planned.plan.table())
     for node in args.explain or []:

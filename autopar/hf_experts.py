@@ -27,6 +27,12 @@ import torch.nn as nn
 _STATIC = "batched_mm"
 
 
+def _is_experts(m: nn.Module) -> bool:
+    """An experts layer (transformers' ``use_experts_implementation`` marks it). Every config
+    has an experts implementation, a dense model's too: only an experts layer runs one."""
+    return hasattr(m, "_is_expert_parallel") or hasattr(m, "is_concatenated")
+
+
 def _untraceable(impl: object, model: nn.Module) -> bool:
     if impl == "eager":
         return True
@@ -47,8 +53,8 @@ def _static_available() -> bool:
 def traceable_experts(model: nn.Module) -> Iterator[None]:
     """Within the block, every HF experts config whose implementation cannot be traced on
     fake tensors uses ``"batched_mm"`` instead."""
-    configs = {id(c): c for m in model.modules()
-               if hasattr(c := getattr(m, "config", None), "_experts_implementation_internal")}
+    configs = {id(c): c for m in model.modules() if _is_experts(m)
+               and hasattr(c := getattr(m, "config", None), "_experts_implementation_internal")}
     switched = [(c, c._experts_implementation_internal) for c in configs.values()
                 if _untraceable(c._experts_implementation_internal, model)]
     if switched and not _static_available():

@@ -8,6 +8,11 @@ when the layout does not apply to the mesh. Rules for the tensor-parallel axis:
 * ``megatron_tp``: the axis named ``"tp"``, or the only axis of a 1-D mesh; other axes replicate.
 * ``dp_tp_2d``: needs an axis named ``"tp"`` and at least one other axis; every other axis is dp.
 
+Family ``"hf"`` is a Hugging Face causal LM (GPT-2, Llama, Mixtral and the models built like
+them), recognised by its modules' attributes: its inputs are its keyword inputs in call order
+(``input_ids``, ``labels``), and tensor parallelism places its layers as Megatron does
+(:func:`_hugging_face_layer`).
+
 Every plan is valid on any mesh: a dim an axis does not divide is replicated on that axis, and
 tensor parallelism is switched off per layer as a unit (column and row halves together) when
 the heads, the FFN width, the experts or the vocabulary do not split evenly. Batch divisibility
@@ -28,7 +33,7 @@ from .llama3 import Attention, FeedForward, Transformer
 from .mlp import MLP
 from .moe import MoEFeedForward
 
-FAMILIES = ("gpt2", "llama3", "moe", "mlp")
+FAMILIES = ("gpt2", "llama3", "moe", "mlp", "hf")
 N_INPUTS = 2  # (tokens, targets) for LMs, (x, y) for the MLP
 
 
@@ -244,6 +249,8 @@ def tensor_parallel_placements(model: nn.Module, tp: int) -> dict[str, Placement
                 put(prefix, {"w1": S(0), "w3": S(0), "w2": S(0)})
             elif m.w1.shape[2] % tp == 0:  # fewer experts than ranks: split inside each expert
                 put(prefix, {"w1": S(2), "w3": S(2), "w2": S(1)})
+        elif (pairs := _hugging_face_layer(m, tp)) is not None:
+            put(prefix, pairs)
         elif isinstance(m, MLP):
             layers = m.layers
             for i in range(0, len(layers) - 1, 2):
@@ -253,3 +260,44 @@ def tensor_parallel_placements(model: nn.Module, tp: int) -> dict[str, Placement
                         pair[f"layers.{i}.bias"] = col
                     put(prefix, pair)
     return out
+
+
+def _hugging_face_layer(m: nn.Module, tp: int) -> dict[str, Placement] | None:
+    """Megatron's placements for a Hugging Face layer (recognised by its attributes, so no
+    transformers import), ``{}`` where the layer's sizes do not split ``tp`` ways, ``None``
+    for any other module. GPT-2's ``Conv1D`` holds its weight as ``[in, out]``, the transpose
+    of ``nn.Linear``'s: its column split is ``S(1)``, its row split ``S(0)``."""
+    col, row = S(0), S(1)
+    cfg = getattr(m, "config", None)
+    conv_col, conv_row = S(1), S(0)  # Conv1D: the output features are dim 1
+    if hasattr(m, "c_attn") and hasattr(m, "c_proj"):  # GPT-2 attention
+        if m.num_heads % tp:
+            return {}
+        return {"c_attn.weight": conv_col, "c_attn.bias": col, "c_proj.weight": conv_row}
+    if hasattr(m, "c_fc") and hasattr(m, "c_proj"):  # GPT-2 MLP
+        if m.c_fc.weight.shape[1] % tp:
+            return {}
+        return {"c_fc.weight": conv_col, "c_fc.bias": col, "c_proj.weight": conv_row}
+    if hasattr(m, "wte") and hasattr(m, "h"):  # GPT-2's embeddings (tied to its LM head)
+        return {"wte.weight": col} if m.wte.weight.shape[0] % tp == 0 else {}
+    if hasattr(m, "q_proj") and hasattr(m, "o_proj") and cfg is not None:  # Llama attention
+        if cfg.num_attention_heads % tp:
+            return {}
+        kv = col if cfg.num_key_value_heads % tp == 0 else R  # too few kv heads: replicated
+        return {"q_proj.weight": col, "k_proj.weight": kv, "v_proj.weight": kv,
+                "o_proj.weight": row}
+    if hasattr(m, "gate_proj") and hasattr(m, "down_proj") and hasattr(m, "up_proj"):
+        if m.gate_proj.weight.shape[0] % tp:  # a SwiGLU MLP
+            return {}
+        return {"gate_proj.weight": col, "up_proj.weight": col, "down_proj.weight": row}
+    experts = getattr(m, "gate_up_proj", None)
+    if isinstance(experts, nn.Parameter) and hasattr(m, "down_proj"):  # fused experts
+        # expert parallel: whole experts per rank ([experts, ...] weights)
+        return {"gate_up_proj": S(0), "down_proj": S(0)} if experts.shape[0] % tp == 0 else {}
+    if hasattr(m, "embed_tokens") and hasattr(m, "layers"):  # Llama's embeddings
+        return {"embed_tokens.weight": col} if m.embed_tokens.weight.shape[0] % tp == 0 else {}
+    head = getattr(m, "lm_head", None)
+    if isinstance(head, nn.Linear) and cfg is not None:  # an untied LM head: vocab parallel
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        return {"lm_head.weight": col} if not tied and head.out_features % tp == 0 else {}
+    return None

@@ -107,3 +107,37 @@ def test_a_users_factory_plans_a_hugging_face_model(tmp_path, monkeypatch, capsy
     assert code == 0, err
     assert "lm.model.layers.*.self_attn.q_proj.weight" in out
     assert "ops with no sharding rule" not in out
+
+
+BARE_FACTORY = '''
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build():
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+'''
+
+
+def test_a_factory_returning_a_bare_hugging_face_model(tmp_path, monkeypatch, capsys):
+    """No example inputs: the model is called with input_ids and labels by keyword (as
+    positional inputs its second would be the attention mask, and it returns no loss), and
+    the reference layouts take its layers (family "hf")."""
+    from autopar.cli import load_model
+    from autopar.models.reference_plans import megatron_tp
+    from autopar.placements import S
+
+    pytest.importorskip("transformers")
+    (tmp_path / "bare_hf_factory.py").write_text(BARE_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = load_model("bare_hf_factory:build", 4, 16)
+    assert loaded.family == "hf" and loaded.inputs == ()
+    assert sorted(loaded.kwargs) == ["input_ids", "labels"]
+    assert loaded.kwargs["input_ids"].shape == (4, 16)
+    ref = megatron_tp(loaded.model, (2,), ("tp",), loaded.family)
+    assert ref.params["model.layers.0.self_attn.q_proj.weight"] == (S(0),)
+    code, out, err = run(capsys, "plan", "bare_hf_factory:build", "--mesh", "dp=2,tp=2",
+                         "--batch", "4", "--seq", "16", "--time-limit", "5")
+    assert code == 0, err
+    assert "input_ids" in out and "model.layers.*.self_attn.q_proj.weight" in out

@@ -187,3 +187,39 @@ def test_megatron_attention_shards_compute_the_full_attention(name: str) -> None
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             total = total + F.linear(y.transpose(1, 2).flatten(2), w["wo"])
     torch.testing.assert_close(total, full, rtol=1e-5, atol=1e-5)
+
+
+def test_megatron_on_hugging_face_layers() -> None:
+    """Family "hf": GPT-2's Conv1D layers (weights [in, out]) column then row, Llama's GQA and
+    SwiGLU as Megatron places them, an untied LM head vocab-parallel, Mixtral's fused experts
+    whole per rank; a layer whose sizes do not split is replicated as a unit."""
+    transformers = pytest.importorskip("transformers")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, n_inner=30))
+    p = megatron_tp(gpt2, (2,), ("tp",), "hf").params
+    h = "transformer.h.0."
+    assert p[h + "attn.c_attn.weight"] == (S(1),) and p[h + "attn.c_attn.bias"] == (S(0),)
+    assert p[h + "attn.c_proj.weight"] == (S(0),) and p[h + "attn.c_proj.bias"] == (R,)
+    assert p["transformer.wte.weight"] == (S(0),)
+    p4 = megatron_tp(gpt2, (4,), ("tp",), "hf").params  # FFN width 30: MLP stays whole
+    assert p4[h + "mlp.c_fc.weight"] == p4[h + "mlp.c_proj.weight"] == (R,)
+    assert p4[h + "attn.c_attn.weight"] == (S(1),)
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    p = dp_tp_2d(llama, (2, 4), ("dp", "tp"), "hf").params
+    a, m = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert p[a + "q_proj.weight"] == (R, S(0)) and p[a + "o_proj.weight"] == (R, S(1))
+    assert p[a + "k_proj.weight"] == p[a + "v_proj.weight"] == (R, R)  # 2 kv heads, tp=4
+    assert p[m + "gate_proj.weight"] == p[m + "up_proj.weight"] == (R, S(0))
+    assert p[m + "down_proj.weight"] == (R, S(1))
+    assert p["lm_head.weight"] == p["model.embed_tokens.weight"] == (R, S(0))
+    assert p["model.norm.weight"] == (R, R)
+
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **small, num_local_experts=4, num_experts_per_tok=2))
+    p = fsdp_tp_2d(mixtral, (2, 2), ("dp", "tp"), "hf").params
+    e = "model.layers.0.mlp.experts."
+    assert p[e + "gate_up_proj"] == p[e + "down_proj"] == (S(0), S(0))  # fsdp nests outside tp
+    assert p["model.layers.0.mlp.gate.weight"] == (S(0), R)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from hypothesis import HealthCheck, Phase
 
 import autopar
 from autopar.capture import capture
@@ -31,6 +33,15 @@ LR = 1e-3
 # many, and the comparison would measure that noise (1e-5 relative at eps=1e-6, 1e-6 at 1e-4).
 EPS = 1e-4
 RNG_SEED = 1234  # the generator's state at the start of both trainings (run_case)
+
+# the property tests' draws: AUTOPAR_EXAMPLES cases (more than the default run's, to search
+# wider); every plan source, the reference layouts completed by the solver
+EXAMPLES = int(os.environ.get("AUTOPAR_EXAMPLES", "8"))
+PLANS = ["solver", "data_parallel", "fsdp", "megatron_tp", "dp_tp_2d"]
+# no shrinking: one example costs seconds; the failure message names the case
+SETTINGS = dict(deadline=None, derandomize=True,
+                phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @contextlib.contextmanager
@@ -53,13 +64,19 @@ def mesh_for(shape: tuple[int, ...]) -> Mesh:
     return Mesh(shape, AXES[len(shape)], "cpu")
 
 
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss a model returned: itself, or a Hugging Face output's ``.loss``."""
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
 def train_single(model: nn.Module, inputs: tuple, steps: int,
-                 adamw: dict | None = None) -> dict[str, Any]:
-    """``steps`` AdamW steps (``adamw``: more of its options, ``{"fused": True}``)."""
+                 adamw: dict | None = None, kwargs: dict | None = None) -> dict[str, Any]:
+    """``steps`` AdamW steps (``adamw``: more of its options, ``{"fused": True}``) of
+    ``model(*inputs, **kwargs)``."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, **(adamw or {}))
     losses, grads = [], {}
     for _ in range(steps):
-        loss = model(*inputs)
+        loss = _loss_of(model(*inputs, **(kwargs or {})))
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                  if p.grad is not None}
@@ -71,13 +88,13 @@ def train_single(model: nn.Module, inputs: tuple, steps: int,
 
 
 def train_parallel(pm: nn.Module, inputs: tuple, steps: int,
-                   adamw: dict | None = None) -> dict[str, Any]:
+                   adamw: dict | None = None, kwargs: dict | None = None) -> dict[str, Any]:
     """As :func:`train_single`, inside the fake world; results gathered to whole tensors."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, **(adamw or {}))
     losses, grads, per_step = [], {}, []
     for _ in range(steps):
         pm.collectives.reset()
-        loss = pm(*inputs)
+        loss = pm(*inputs, **(kwargs or {}))
         loss.backward()
         per_step.append(list(pm.collectives.records))
         grads = {n: _whole(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
@@ -111,18 +128,20 @@ def assert_same_training(got: dict, want: dict, tol: float = 1e-5, what: str = "
 
 
 def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs: tuple,
-                   time_limit_s: float = 5.0) -> Plan | None:
+                   time_limit_s: float = 5.0, kwargs: dict | None = None) -> Plan | None:
     """A hand-written layout (params and inputs pinned) completed by the solver; ``None`` where
-    it does not apply to the mesh or cannot be expressed on this graph."""
+    it does not apply to the mesh or cannot be expressed on this graph. ``kwargs``: keyword
+    inputs (a Hugging Face model's), pinned in call order after the positional ones."""
     from autopar.api import complete_plan
     from autopar.errors import PlanError
     from autopar.models.reference_plans import REFERENCE_PLANS
 
+    first = inputs[0] if inputs else next(iter((kwargs or {}).values()))
     ref = REFERENCE_PLANS[name](model, mesh.shape, mesh.axes, family,
-                                batch_size=inputs[0].shape[0])
+                                batch_size=first.shape[0])
     if ref is None:
         return None
-    graph = capture(model, inputs)
+    graph = capture(model, inputs, kwargs)
     try:
         return complete_plan(graph, mesh, ref.params, ref.inputs, time_limit_s=time_limit_s)
     except PlanError:
@@ -131,16 +150,18 @@ def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs:
 
 def run_case(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...],
              plan: Plan | str | None = None, steps: int = 3, time_limit_s: float = 5.0,
-             adamw: dict | None = None) -> tuple[dict, dict, nn.Module]:
+             adamw: dict | None = None, kwargs: dict | None = None
+             ) -> tuple[dict, dict, nn.Module]:
     """Train a copy on one device and the model on the simulated mesh; return both results.
     Both start from the same generator state, so random ops (dropout) draw alike."""
     torch.manual_seed(RNG_SEED)
-    want = train_single(copy.deepcopy(model), inputs, steps, adamw)
+    want = train_single(copy.deepcopy(model), inputs, steps, adamw, kwargs)
     mesh = mesh_for(mesh_shape)
     with fake_world(mesh.size):
-        pm = autopar.parallelize(model, mesh, inputs, plan=plan, time_limit_s=time_limit_s)
+        pm = autopar.parallelize(model, mesh, inputs, kwargs, plan=plan,
+                                 time_limit_s=time_limit_s)
         torch.manual_seed(RNG_SEED)
-        got = train_parallel(pm, inputs, steps, adamw)
+        got = train_parallel(pm, inputs, steps, adamw, kwargs)
     return got, want, pm
 
 

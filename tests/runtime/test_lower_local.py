@@ -10,13 +10,14 @@ the rest solved). Set ``AUTOPAR_EXAMPLES`` to draw more cases than the default r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from spmd_harness import (
+    EXAMPLES,
+    PLANS,
+    SETTINGS,
     assert_same_training,
     check_collectives,
     fake_world,
@@ -30,13 +31,6 @@ from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
 from autopar.placements import Shard
 from autopar.runtime._compat import reconcile
-
-EXAMPLES = int(os.environ.get("AUTOPAR_EXAMPLES", "8"))
-PLANS = ["solver", "data_parallel", "fsdp", "megatron_tp", "dp_tp_2d"]
-# no shrinking: one example costs seconds; the failure message names the case
-SETTINGS = dict(deadline=None, derandomize=True,
-                phases=[Phase.explicit, Phase.reuse, Phase.generate],
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def _plan_for(model, family: str, source: str, mesh_shape, inputs):
