@@ -110,6 +110,36 @@ def axes_label(names: tuple[str, ...], axes: tuple[int, ...]) -> str:
     return "+".join(names[k] for k in axes)
 
 
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One collective of a reshard, for a tensor of any size: it works on the tensor's bytes
+    over ``divisor`` (the tensor as the other axes shard it), over ``n`` devices."""
+
+    kind: str
+    axis: str
+    divisor: int
+    n: int
+    bandwidth: float
+    latency: float
+    overhead: float
+
+    def collective(self, nbytes: float, bucketed: bool = False,
+                   bucket_bytes: float = BUCKET_BYTES) -> Collective:
+        """The collective for a tensor of ``nbytes`` (``bucketed``: see
+        :func:`reshard_collectives`)."""
+        buf = nbytes / self.divisor
+        share = min(1.0, buf / bucket_bytes) if bucketed else 1.0
+        t = collective_time(self.kind, buf, self.n, self.bandwidth, self.latency * share,
+                            self.overhead * share)
+        # what each rank hands to the collective: its shard for gathers and all-to-alls
+        local = buf / self.n if self.kind in ("all_gather", "all_to_all") else buf
+        return Collective(self.kind, self.axis, local, t)
+
+    def time(self, nbytes: float, bucketed: bool = False,
+             bucket_bytes: float = BUCKET_BYTES) -> float:
+        return self.collective(nbytes, bucketed, bucket_bytes).time_s
+
+
 def reshard_collectives(
     meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh, bucketed: bool = False,
     bucket_bytes: float = BUCKET_BYTES, merged: tuple[tuple[int, ...], ...] | None = None,
@@ -122,35 +152,35 @@ def reshard_collectives(
     up to ``BUCKET_BYTES``, parameter gathers per layer, as DDP and FSDP do;
     :mod:`autopar.passes.buckets`), so a small tensor pays only its share of a collective's
     latency: its bytes over ``bucket_bytes``, what the batch it joins holds."""
+    return [m.collective(float(meta.nbytes), bucketed, bucket_bytes)
+            for m in reshard_moves(meta, src, dst, mesh, merged)]
+
+
+def reshard_moves(
+    meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh,
+    merged: tuple[tuple[int, ...], ...] | None = None,
+) -> list[Move]:
+    """:func:`reshard_collectives` before the tensor's size is put in: the moves depend on its
+    shape only where a nested route does (:func:`reshard_price_key`)."""
     if src == dst:
         return []
-    full = float(meta.nbytes)
     axes = sum_axes(src, dst)
     if axes is not None and len(axes) > 1 and axes in (
             merged_sums(mesh) if merged is None else merged):
-        buf = full / num_shards(src, mesh.shape)
-        share = min(1.0, buf / bucket_bytes) if bucketed else 1.0
-        t = collective_time("all_reduce", buf, math.prod(mesh.shape[k] for k in axes),
-                            min(mesh.bandwidth[k] for k in axes),
-                            max(mesh.latency[k] for k in axes) * share,
-                            mesh.device.collective_overhead * share)
-        return [Collective("all_reduce", axes_label(mesh.axes, axes), buf, t)]
-    out: list[Collective] = []
+        return [Move("all_reduce", axes_label(mesh.axes, axes), num_shards(src, mesh.shape),
+                     math.prod(mesh.shape[k] for k in axes),
+                     min(mesh.bandwidth[k] for k in axes), max(mesh.latency[k] for k in axes),
+                     mesh.device.collective_overhead)]
+    out: list[Move] = []
     cur = list(src)
     for ax, b in _steps(meta, src, dst, mesh.shape):
-        a = cur[ax]
-        n = mesh.shape[ax]
-        # the buffer this axis works on: the tensor as sharded by the other axes
-        others = tuple(p if i != ax else Replicate() for i, p in enumerate(cur))
-        buf = full / num_shards(others, mesh.shape)
-        kind = _transition(a, b)
+        kind = _transition(cur[ax], b)
         if kind is not None:
-            share = min(1.0, buf / bucket_bytes) if bucketed else 1.0
-            t = collective_time(kind, buf, n, mesh.bandwidth[ax], mesh.latency[ax] * share,
-                                mesh.device.collective_overhead * share)
-            # what each rank hands to the collective: its shard for gathers and all-to-alls
-            local = buf / n if kind in ("all_gather", "all_to_all") else buf
-            out.append(Collective(kind, mesh.axes[ax], local, t))
+            # the buffer this axis works on: the tensor as sharded by the other axes
+            others = tuple(p if i != ax else Replicate() for i, p in enumerate(cur))
+            out.append(Move(kind, mesh.axes[ax], num_shards(others, mesh.shape), mesh.shape[ax],
+                            mesh.bandwidth[ax], mesh.latency[ax],
+                            mesh.device.collective_overhead))
         cur[ax] = b
     return out
 
@@ -160,6 +190,10 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
     order is valid, another where nested shards (two axes splitting one dim, before, during or
     after the move) need it (``passes.reshard_route``)."""
     ascending = [(ax, dst[ax]) for ax in range(len(src)) if src[ax] != dst[ax]]
+    if math.prod(mesh_shape) > _ROUTE_SIM_DEVICES:
+        # the route simulates every device; on a mesh this large (planned, not run here) the
+        # ascending order prices nested moves approximately, which is kept for planning time
+        return ascending
     # without two axes splitting one dim at any point of the ascending walk, it is valid as is
     states = [tuple(dst[:k]) + tuple(src[k:]) for k in range(len(src) + 1)]
     if not any(_nested(s, len(meta.shape)) for s in states):
@@ -169,10 +203,6 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
     nd = len(meta.shape)
     src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in src)
     dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in dst)
-    if math.prod(mesh_shape) > _ROUTE_SIM_DEVICES:
-        # the route simulates every device; on a mesh this large (planned, not run here) the
-        # ascending order prices nested moves approximately, which is kept for planning time
-        return ascending
     local = tuple(
         meta.shape[d] // math.prod(n for p, n in zip(src, mesh_shape) if p == Shard(d))
         for d in range(nd)
@@ -191,6 +221,13 @@ def reshard_price_key(meta: TensorMeta, mesh: Mesh) -> tuple:
     if math.prod(mesh.shape) > _ROUTE_SIM_DEVICES:
         return (meta.nbytes,)
     return (meta.shape, meta.dtype)
+
+
+def reshard_route_key(meta: TensorMeta, mesh: Mesh) -> tuple:
+    """What of a tensor its reshards' moves (:func:`reshard_moves`) depend on: nothing on a
+    mesh above ``_ROUTE_SIM_DEVICES`` (ascending axis order), else its shape (a nested route
+    depends on it)."""
+    return () if math.prod(mesh.shape) > _ROUTE_SIM_DEVICES else (meta.shape,)
 
 
 def _nested(spec: Spec, ndim: int) -> bool:

@@ -54,7 +54,9 @@ class ShardingProblem:
     unary: dict[int, np.ndarray] = field(default_factory=dict)  # communication tied to one node
     group_cost: list[np.ndarray] = field(default_factory=list)  # root: its group's total cost
     reshard_cache: dict = field(default_factory=dict, repr=False)
-    # spec -> int, the ids reshard_cache is keyed by: reset or share the two together
+    # (route key, src id, dst id) -> the pair's cost_model.Move list (edge_costs)
+    moves_cache: dict = field(default_factory=dict, repr=False)
+    # spec -> int, the ids both caches are keyed by: reset or share the three together
     spec_ids: dict = field(default_factory=dict, repr=False)
     matrix_cache: dict = field(default_factory=dict, repr=False)
     # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found
@@ -147,7 +149,15 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         [sum(c.time_s for c in cm.loss_collectives(loss_meta, s.outs[0], mesh))
          for s in strategies[loss_i]]
     )
-    sp.usage = [_usage(n, strategies[i], mesh) for i, n in enumerate(nodes)]
+    # like the costs, per strategy list and outputs: a model's repeated layers repeat them
+    usage_cache: dict = {}
+    for i, n in enumerate(nodes):
+        f = n.meta["autopar"]
+        key = (id(strategies[i]), f.role, f.op,
+               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs))
+        if key not in usage_cache:
+            usage_cache[key] = _usage(n, strategies[i], mesh)
+        sp.usage.append(usage_cache[key])
     if pg.proxy is not None:
         # a traced middle layer stands for several real ones: weigh its costs and memory
         sp.weight = np.array([pg.layer_weight(node_layer(n)) for n in nodes])
