@@ -35,6 +35,9 @@ def test_on_a_mesh_too_large_to_route_moves_are_priced_by_bytes_alone():
     reduced objective must still be the full graph's score, each move priced on its own."""
     _, sp = _problem("gpt2-tiny", Mesh((16, 8), ("dp", "tp")), batch=16)
     assert {len(k[0]) for k in sp.reshard_cache} == {1}  # keyed by bytes
+    # a spec pair's collectives are worked out once for tensors of every size
+    assert {k[0] for k in sp.moves_cache} == {()}
+    assert len(sp.moves_cache) < len(sp.reshard_cache)
     rng = np.random.default_rng(1)
     p = sp.problem
     for _ in range(5):
@@ -165,3 +168,24 @@ def test_a_sharded_random_op_is_priced_as_the_whole_draw_it_runs():
         assert whole, sp.nodes[i]
         for k in whole:
             assert sp.node_cost[i][k] == pytest.approx(sp.node_cost[i][0])  # 0: replicated
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (16, 8)])
+def test_edge_matrices_price_each_move_as_the_cost_model_does(shape):
+    """Edge matrices, built through the caches (one Move list per spec pair where the shape
+    does not matter, per tensor shape where a nested route may), equal every move priced on
+    its own by ``cost_model.reshard_time``, bucket shares included."""
+    from autopar.passes import cost_model as cm
+    from autopar.passes.edge_costs import _batch_price, _kind, edge_matrix, edge_meta, edge_specs
+
+    _, sp = _problem("gpt2-tiny", Mesh(shape, ("dp", "tp")), batch=16)
+    rng = np.random.default_rng(2)
+    for k in rng.choice(len(sp.edges), size=40, replace=False):
+        e = sp.edges[int(k)]
+        m = edge_matrix(sp, e)
+        meta, (srcs, dsts) = edge_meta(sp, e), edge_specs(sp, e)
+        for _ in range(10):
+            i, j = int(rng.integers(len(srcs))), int(rng.integers(len(dsts)))
+            bucketed, fill = _batch_price(sp, meta, srcs[i], dsts[j], _kind(sp, e))
+            want = cm.reshard_time(meta, srcs[i], dsts[j], sp.mesh, bucketed, fill)
+            assert m[i, j] == pytest.approx(want, rel=1e-12, abs=1e-15)
