@@ -14,6 +14,7 @@ can (:mod:`autopar.hf_experts`).
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -125,6 +126,7 @@ def _capture(model, example_inputs, example_kwargs, loss_fn) -> PlanGraph:
         for h in hooks:
             h.remove()
     trace_s = time.perf_counter() - t0
+    _drop_unused_items(gm)
 
     input_names = [f"arg{i}" for i in range(len(args))] + [f"kw:{k}" for k in kwargs]
     pg = _annotate_graph(
@@ -222,6 +224,16 @@ def _metas(val: Any) -> tuple[TensorMeta | None, ...]:
             for v in val
         )
     return (None,)
+
+
+def _drop_unused_items(gm: fx.GraphModule) -> None:
+    """Remove the ``getitem`` nodes nothing reads. make_fx records some, and one may pick an
+    output the op left as None (``convolution_backward``'s input gradient where the input
+    needs none), which is no tensor to place."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is operator.getitem and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
 
 
 def _annotate_graph(

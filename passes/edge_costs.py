@@ -13,6 +13,7 @@ import numpy as np
 from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
 from autopar.passes.buckets import bucket_kind, gather_move
+from autopar.solver.reduce import FORBIDDEN
 
 if TYPE_CHECKING:
     import torch.fx as fx
@@ -119,13 +120,16 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
     meta = edge_meta(sp, e)
     src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
     kind = _kind(sp, e)
-    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, kind)
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, kind, e.written)
     mat = sp.matrix_cache.get(key)
     if mat is None:
         src_specs, dst_specs = edge_specs(sp, e)
         uniq_src = list(dict.fromkeys(src_specs))
         uniq_dst = list(dict.fromkeys(dst_specs))
         table = _reshard_table(sp, meta, uniq_src, uniq_dst, kind)
+        if e.written:  # written in place: only the producer's own layout (see Edge.written)
+            same = np.array([[a == b for b in uniq_dst] for a in uniq_src])
+            table = np.where(same, table, FORBIDDEN)
         pos_src = {s: i for i, s in enumerate(uniq_src)}
         pos_dst = {s: i for i, s in enumerate(uniq_dst)}
         si = np.array([pos_src[s] for s in src_specs])

@@ -29,7 +29,13 @@ from autopar.passes.problem_reduction import (
     reduced_problem,
 )
 from autopar.passes.strategies.random import WHOLE_DRAW
-from autopar.passes.strategies.registry import Strategy, all_specs, node_strategies, tensor_inputs
+from autopar.passes.strategies.registry import (
+    Strategy,
+    all_specs,
+    mutated_inputs,
+    node_strategies,
+    tensor_inputs,
+)
 from autopar.placements import Replicate
 from autopar.solver.problem import Problem
 
@@ -40,6 +46,9 @@ class Edge:
     dst: int  # consumer node index
     out_idx: int  # which output of the producer
     in_idx: int  # which tensor input of the consumer (-1: gradient tied to its parameter)
+    # the consumer writes that input in place (a buffer's running stats): the value must reach
+    # it as it is, or the write would land on a copy (edge_costs forbids every reshard)
+    written: bool = False
 
 
 @dataclass
@@ -124,9 +133,10 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         if n.target is operator.getitem:
             edges.append(Edge(idx[n.args[0]], v, int(n.args[1]), 0))
             continue
+        written = mutated_inputs(n)
         for i, a in enumerate(tensor_inputs(n)):
             if a in idx:
-                edges.append(Edge(idx[a], v, 0, i))
+                edges.append(Edge(idx[a], v, 0, i, i in written))
     by_name = {n.name: i for i, n in enumerate(nodes)}
     param_index = {n.meta["autopar"].param_name: i for i, n in enumerate(nodes)
                    if n.op == "placeholder" and n.meta["autopar"].role == "param"}

@@ -47,7 +47,13 @@ from autopar.passes.strategies.localize import (
     local_call,
     localizer_for,
 )
-from autopar.passes.strategies.registry import OpInfo, Strategy, op_info, tensor_inputs
+from autopar.passes.strategies.registry import (
+    OpInfo,
+    Strategy,
+    mutated_inputs,
+    op_info,
+    tensor_inputs,
+)
 from autopar.placements import Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
 from autopar.runtime import _compat
@@ -454,6 +460,16 @@ def validate(pg: PlanGraph, plan: Plan) -> None:
         if n.op == "call_function":
             metas += [a.meta["autopar"].outputs[int(n.args[1])] if n.target is operator.getitem
                       else a.meta["autopar"].out for a in _input_nodes(n)]
+        if n.op == "call_function" and n.target is not operator.getitem:
+            inputs = tensor_inputs(n)
+            for i in mutated_inputs(n):
+                src = plan.nodes[inputs[i].name].outs[0] if inputs[i].name in plan.nodes else None
+                if src is not None and tuple(src) != tuple(place.ins[i]):
+                    raise PlanError(
+                        f"plan node {n.name!r} ({facts.op}) writes its input {inputs[i].name!r} "
+                        f"in place but the plan moves it from {spec_str(src)} to "
+                        f"{spec_str(place.ins[i])} first, so the write would land on a copy; "
+                        f"{fix}")
         for meta, spec in zip(metas, list(place.outs) + list(place.ins)):
             if len(spec) != nd:
                 raise PlanError(f"plan node {n.name!r} has spec {spec_str(spec)} for a "

@@ -155,6 +155,50 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+# ops that write an input their schema does not mark as written: (training flag's position,
+# the positions it writes when training)
+_HIDDEN_WRITES = {torch.ops.aten.native_batch_norm.default: (5, (3, 4))}  # running stats
+
+
+def mutated_inputs(node: fx.Node) -> frozenset[int]:
+    """Which of the node's tensor inputs (:func:`tensor_inputs` order) the op writes in place:
+    those its schema marks ``Tensor(a!)``, and ``native_batch_norm``'s running stats in
+    training, which its schema does not mark."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return frozenset()
+    args = schema.arguments
+    written = {i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write}
+    hidden = _HIDDEN_WRITES.get(node.target)
+    if hidden is not None and len(node.args) > hidden[0] and node.args[hidden[0]]:
+        written |= set(hidden[1])
+    if not written:
+        return frozenset()
+    names = {args[i].name for i in written}
+    out: set[int] = set()
+    count = 0
+
+    def visit(a: Any, hit: bool) -> None:
+        nonlocal count
+        if isinstance(a, fx.Node):
+            if _is_tensor_node(a):
+                if hit:
+                    out.add(count)
+                count += 1
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x, hit)
+        elif isinstance(a, dict):
+            for x in a.values():
+                visit(x, hit)
+
+    for i, a in enumerate(node.args):
+        visit(a, i in written)
+    for name, a in node.kwargs.items():
+        visit(a, name in names)
+    return frozenset(out)
+
+
 def _is_tensor_node(n: fx.Node) -> bool:
     return isinstance(n.meta.get("val"), torch.Tensor)
 

@@ -189,3 +189,44 @@ def test_edge_matrices_price_each_move_as_the_cost_model_does(shape):
             bucketed, fill = _batch_price(sp, meta, srcs[i], dsts[j], _kind(sp, e))
             want = cm.reshard_time(meta, srcs[i], dsts[j], sp.mesh, bucketed, fill)
             assert m[i, j] == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_inputs_written_in_place_are_never_resharded():
+    """BatchNorm's running stats (written by native_batch_norm in training, which its schema
+    does not say) and its counter (add_): their edges forbid every move, so the buffer reaches
+    the op as it is; in eval mode nothing is written."""
+    import torch
+
+    from autopar.passes.edge_costs import edge_matrix, edge_specs
+    from autopar.passes.strategies.registry import mutated_inputs, tensor_inputs
+    from autopar.solver.reduce import FORBIDDEN
+
+    class ConvBN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+            self.bn = torch.nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return self.bn(self.conv(x)).square().mean()
+
+    model, x = ConvBN(), torch.randn(4, 3, 6, 6)
+    pg = capture(model, (x,))
+    bn = next(n for n in pg.graph.nodes if n.target is torch.ops.aten.native_batch_norm.default)
+    names = [a.name for a in tensor_inputs(bn)]
+    assert {names[i] for i in mutated_inputs(bn)} == {bn.args[3].name, bn.args[4].name}
+    add_ = next(n for n in pg.graph.nodes if n.target is torch.ops.aten.add_.Tensor)
+    assert mutated_inputs(add_) == frozenset({0})
+    sp = sharding_problem.build(pg, Mesh((2, 2), ("dp", "tp"), "cpu"))
+    written = [e for e in sp.edges if e.written]
+    assert {sp.nodes[e.dst].name for e in written} == {bn.name, add_.name}
+    for e in written:
+        m = edge_matrix(sp, e)
+        srcs, dsts = edge_specs(sp, e)
+        for i, a in enumerate(srcs):
+            for j, b in enumerate(dsts):
+                assert (m[i, j] >= FORBIDDEN) == (a != b)
+    pg_eval = capture(model.eval(), (x,))
+    bn_eval = next(n for n in pg_eval.graph.nodes if "batch_norm" in str(n.target)
+                   and "backward" not in str(n.target))
+    assert mutated_inputs(bn_eval) == frozenset()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from hypothesis import HealthCheck, Phase
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.capture import capture
@@ -84,7 +85,8 @@ def train_single(model: nn.Module, inputs: tuple, steps: int,
         opt.zero_grad()
         losses.append(loss.detach())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params}
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    return {"losses": losses, "grads": grads, "params": params, "buffers": buffers}
 
 
 def train_parallel(pm: nn.Module, inputs: tuple, steps: int,
@@ -102,7 +104,10 @@ def train_parallel(pm: nn.Module, inputs: tuple, steps: int,
         opt.zero_grad()
         losses.append(reconcile(loss.detach()))
     params = {n: _whole(p) for n, p in pm.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "collectives": per_step}
+    buffers = {n: _whole(b) if isinstance(b, DTensor) else reconcile(b.detach()).clone()
+               for n, b in pm.named_buffers()}
+    return {"losses": losses, "grads": grads, "params": params, "buffers": buffers,
+            "collectives": per_step}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -120,10 +125,14 @@ def assert_same_training(got: dict, want: dict, tol: float = 1e-5, what: str = "
     for i, (g, w) in enumerate(zip(got["losses"], want["losses"])):
         assert math.isclose(g.item(), w.item(), rel_tol=tol, abs_tol=1e-7), (
             f"{what} step {i}: loss {g.item()} vs single device {w.item()}")
-    for key in ("grads", "params"):
+    for key in ("grads", "params", "buffers"):
         assert got[key].keys() == want[key].keys(), f"{what} {key}: different names"
         for name in want[key]:
-            err = rel_err(got[key][name], want[key][name])
+            g, w = got[key][name], want[key][name]
+            if not w.is_floating_point():  # a counter (BatchNorm's num_batches_tracked)
+                assert torch.equal(g, w), f"{what} {key[:-1]} {name}: {g} vs {w}"
+                continue
+            err = rel_err(g, w)
             assert err < tol, f"{what} {key[:-1]} {name}: relative error {err:.2e}"
 
 

@@ -26,10 +26,11 @@ from spmd_harness import (
     run_case,
 )
 
+import autopar
 from autopar.mesh import Mesh
 from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
-from autopar.placements import Shard
+from autopar.placements import R, Shard
 from autopar.runtime._compat import reconcile
 
 
@@ -138,6 +139,69 @@ def test_mlp_tiny_on_2x2x2() -> None:
     torch.manual_seed(0)
     model = preset.build(device="cpu")
     _check(model, "mlp", preset.example_inputs(8, 0, device="cpu"), (2, 2, 2), "solver")
+
+
+class _ConvBN(torch.nn.Module):
+    """A convolution and a BatchNorm: training writes the BatchNorm's running stats (and bumps
+    its counter) in place, with an op whose schema does not say so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.conv(x)))
+        return torch.nn.functional.cross_entropy(self.head(h.flatten(1)), y)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+@pytest.mark.parametrize("source", ["solver", "data_parallel"])
+def test_batch_norm_running_stats_equal_single_device(mesh_shape, source: str) -> None:
+    """The running stats come out as one device's, whatever the plan: an input an op writes in
+    place is never resharded before it (the write would land on a copy, or on one rank's
+    slice of a replicated buffer: on 2x2 each rank's running mean used to differ)."""
+    from autopar.api import complete_plan
+    from autopar.capture import capture
+
+    torch.manual_seed(0)
+    model = _ConvBN()
+    inputs = (torch.randn(8, 3, 6, 6), torch.randint(0, 4, (8,)))
+    plan = None
+    if source == "data_parallel":  # parameters replicated, the batch split on every axis
+        spec = (R,) * len(mesh_shape)
+        batch = tuple(Shard(0) if i == 0 else R for i in range(len(mesh_shape)))
+        plan = complete_plan(capture(model, inputs), mesh_for(mesh_shape),
+                             {n: spec for n, _ in model.named_parameters()},
+                             {0: batch, 1: batch}, time_limit_s=2.0)
+    got, want, pm = run_case(model, inputs, mesh_shape, plan, time_limit_s=2.0)
+    assert_same_training(got, want, what=f"conv+batchnorm on {mesh_shape} with {source}")
+    assert set(got["buffers"]) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    check_collectives(got["collectives"][-1], pm)
+
+
+def test_a_plan_resharding_an_input_written_in_place_is_refused() -> None:
+    """A given plan that moves the running stats before BatchNorm writes them: a clear error
+    naming the node and the input, not a silent divergence."""
+    from autopar.errors import PlanError
+    from autopar.plan import NodePlacement, Plan
+
+    torch.manual_seed(0)
+    model = _ConvBN()
+    inputs = (torch.randn(8, 3, 6, 6), torch.randint(0, 4, (8,)))
+    mesh = mesh_for((2,))
+    with fake_world(2):
+        plan = autopar.parallelize(model, mesh, inputs, time_limit_s=2.0).plan
+    bn = next(k for k in plan.nodes if k.startswith("native_batch_norm") and "backward" not in k)
+    place = plan.nodes[bn]
+    moved = tuple((Shard(0),) if i in (3, 4) and spec != (Shard(0),) else
+                  ((R,) if i in (3, 4) else spec) for i, spec in enumerate(place.ins))
+    bad = Plan.from_json(plan.to_json())
+    bad.nodes[bn] = NodePlacement(moved, place.outs, place.impls, place.raw_outs)
+    fresh = _ConvBN()
+    with fake_world(2), pytest.raises(PlanError, match="writes its input .* in place"):
+        autopar.parallelize(fresh, mesh, inputs, plan=bad)
 
 
 def _mlp_with_reference(name: str, mesh_shape: tuple[int, ...], width: int = 32,
