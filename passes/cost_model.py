@@ -161,7 +161,7 @@ def reshard_moves(
     merged: tuple[tuple[int, ...], ...] | None = None,
 ) -> list[Move]:
     """:func:`reshard_collectives` before the tensor's size is put in: the moves depend on its
-    shape only where a nested route does (:func:`reshard_price_key`)."""
+    shape only where a nested route does (:func:`reshard_route_key`)."""
     if src == dst:
         return []
     axes = sum_axes(src, dst)

@@ -138,21 +138,32 @@ def _load_rule_modules() -> None:
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's tensor inputs in the canonical flattened order."""
     found: list[fx.Node] = []
-
-    def visit(a: Any) -> None:
-        if isinstance(a, fx.Node):
-            if _is_tensor_node(a):
-                found.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x)
-
-    visit(node.args)
-    visit(node.kwargs)
+    _collect_tensors(node.args, found)
+    _collect_tensors(node.kwargs, found)
     return found
+
+
+def _collect_tensors(a: Any, found: list[fx.Node]) -> None:
+    if isinstance(a, fx.Node):
+        if _is_tensor_node(a):
+            found.append(a)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _collect_tensors(x, found)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect_tensors(x, found)
+
+
+def _tensor_arg_keys(node: fx.Node) -> list[int | str]:
+    """For each of :func:`tensor_inputs`, the top-level argument it sits in (its position, or
+    its keyword's name)."""
+    found: list[fx.Node] = []
+    keys: list[int | str] = []
+    for key, a in [*enumerate(node.args), *node.kwargs.items()]:
+        _collect_tensors(a, found)
+        keys += [key] * (len(found) - len(keys))
+    return keys
 
 
 # ops that write an input their schema does not mark as written: (training flag's position,
@@ -175,28 +186,8 @@ def mutated_inputs(node: fx.Node) -> frozenset[int]:
     if not written:
         return frozenset()
     names = {args[i].name for i in written}
-    out: set[int] = set()
-    count = 0
-
-    def visit(a: Any, hit: bool) -> None:
-        nonlocal count
-        if isinstance(a, fx.Node):
-            if _is_tensor_node(a):
-                if hit:
-                    out.add(count)
-                count += 1
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x, hit)
-        elif isinstance(a, dict):
-            for x in a.values():
-                visit(x, hit)
-
-    for i, a in enumerate(node.args):
-        visit(a, i in written)
-    for name, a in node.kwargs.items():
-        visit(a, name in names)
-    return frozenset(out)
+    return frozenset(k for k, key in enumerate(_tensor_arg_keys(node))
+                     if key in written or key in names)
 
 
 def _is_tensor_node(n: fx.Node) -> bool:

@@ -245,14 +245,7 @@ def test_optimizer_step_equals_dtensor_dispatch(opt_name, mesh_shape, placements
     assert calls["local"] >= 3 and calls["dtensor"] == 0
 
 
-def test_install_is_idempotent_and_reversible() -> None:
-    fast.install()
-    fast.install()
-    assert fast.installed()
-    fast.uninstall()
-    assert not fast.installed()
-    fast.install()
-    assert fast.installed()
+def test_the_ops_it_covers() -> None:
     ops = {str(op) for op in fast.elementwise_ops()}
     assert {"aten.mul_.Tensor", "aten.addcdiv_.default", "aten.sqrt.default"} <= ops
     assert not any("out" in op.split(".")[-1] for op in ops)  # out= is the caller's to place

@@ -162,16 +162,6 @@ def test_partial_gradient_goes_to_dtensor_dispatch(local_calls) -> None:
     assert local_calls == {"local": 0, "dtensor": 1}
 
 
-def test_install_is_idempotent_and_reversible() -> None:
-    fused_optim.install()
-    fused_optim.install()
-    assert fused_optim.installed()
-    fused_optim.uninstall()
-    assert not fused_optim.installed()
-    fused_optim.install()
-    assert fused_optim.installed()
-
-
 def test_fast_gradient_dtensor_matches_the_constructor() -> None:
     """``_compat.dtensor_like`` builds gradients with DTensor's ``__new__`` alone."""
     from torch.distributed.device_mesh import init_device_mesh
