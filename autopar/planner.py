@@ -109,8 +109,6 @@ def make_plan(
     # what the benchmarks run as that layout, and a near-empty bucket priced as a full one's
     # member would leave it an extra collective.
     for _ in range(REPRICE_ROUNDS):
-        fills_before = dict(sp.bucket_fill)
-        priced_before = {n: _solver_price(sp, c) for n, c in refs.choices.items()}
         if not (bucket_fill.reprice(sp, choice, memory_budget)
                 or any(bucket_fill.reprice(sp, c, memory_budget) for c in refs.choices.values())):
             break
@@ -120,12 +118,8 @@ def make_plan(
         t_solve += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
-        # or as before (one plan's fills, priced on all, may misguide a reference's); one the
-        # new prices cannot have changed is kept as it is (_unaffected)
-        kept = _unaffected(sp, fills_before, refs.choices, priced_before)
-        again_refs = _References.score(
-            sp, pg, {n: r for n, r in (references or {}).items() if n not in kept},
-            time_limit_s, memory_budget)
+        # or as before (one plan's fills, priced on all, may misguide a reference's)
+        again_refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
         refs = refs.rescored(sp, memory_budget).better(again_refs, memory_budget)
         t_refs += time.perf_counter() - t4
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, memory_budget)
@@ -216,26 +210,6 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
                       f"{min_gain:.0%} margin" if gain >= 0 else
                       f"kept {best}: the solver's own plan was {-gain:.1%} slower")
     return choice, sol, method
-
-
-def _solver_price(sp: ShardingProblem, choice: list[int]) -> float:
-    """A plan's step time at the solver's current prices (``sp.bucket_fill``)."""
-    return score_assignment(sp, choice).cost.step_s
-
-
-def _unaffected(sp: ShardingProblem, fills_before: dict, choices: dict[str, list[int]],
-                priced_before: dict[str, float]) -> set[str]:
-    """The references whose completion need not be solved again after a repricing: where the
-    repricing only made buckets dearer (every fill the same or lower) and left the
-    completion's own price as it was, every other completion costs at least what it did and
-    this one the same, so the solver would come back to it. (Measured on ``autopar plan
-    gpt2-tiny --mesh dp=2,tp=2 --compare``: 6 of 15 re-completions, 2.3 s each.)"""
-    dearer_only = all(fill <= fills_before.get(key, cm.BUCKET_BYTES)
-                      for key, fill in sp.bucket_fill.items())
-    if not dearer_only:
-        return set()
-    return {n for n, c in choices.items()
-            if abs(_solver_price(sp, c) - priced_before[n]) <= 1e-12 * max(priced_before[n], 1e-12)}
 
 
 def _fits(mem_bytes: float, budget: float | None) -> bool:
