@@ -117,11 +117,11 @@ def _ensure_process_group(mesh: Mesh) -> None:
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        if torch.cuda.is_available():  # one GPU per process, chosen before NCCL starts
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl")
-        else:
-            dist.init_process_group("gloo")
+        from autopar.runtime.launch import init_from_env
+
+        # NCCL with one GPU per process (LOCAL_RANK's) where CUDA is there, else gloo;
+        # collectives time out after torch's default 10 minutes
+        init_from_env(collective_timeout_s=600.0)
     elif mesh.size == 1:  # a single-device mesh needs no launcher
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:

@@ -15,6 +15,7 @@ GPU profile (``Mesh.from_device_mesh``), so this also runs the GPU's gradient bu
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,9 +42,7 @@ def _meta_mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Iterator[Any]:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    size = 1
-    for n in shape:
-        size *= n
+    size = math.prod(shape)
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
     try:
         yield DeviceMesh("meta", torch.arange(size).view(shape), mesh_dim_names=axes)
