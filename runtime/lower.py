@@ -252,8 +252,9 @@ class LoweredGraph:
 
     def backward(self, saved: dict[str, Any], grad_loss: torch.Tensor | None,
                  comm: Comm) -> list[torch.Tensor | None]:
-        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec."""
-        env = dict(saved)
+        """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec.
+        Takes ``saved`` over: each value leaves it after its last reader."""
+        env = saved  # not a copy: the copy's source would hold every activation to the end
         syncs = self.grad_sync.start(comm, env)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         return syncs.finish()

@@ -109,7 +109,10 @@ class _Call:
         self.env = env
 
     def run_forward(self) -> tuple[torch.Tensor, dict[str, Any]]:
-        return self.lowered.forward(self.env, self.pm._comm)
+        # the forward fills env with every value it keeps; let go of it, or those values
+        # would live (through ctx.call) as long as the loss, past the backward
+        env, self.env = self.env, {}
+        return self.lowered.forward(env, self.pm._comm)
 
     def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
         locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm)
