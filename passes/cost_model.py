@@ -313,9 +313,13 @@ def compute_time(
     return max(t_flops, traffic / dev.bytes_per_s())
 
 
-def param_bytes_per_device(meta: TensorMeta, spec: Spec, mesh: Mesh, optimizer: bool = True) -> float:
-    """Parameter + gradient (+ Adam state) bytes one device holds for a parameter."""
-    per_elem = 2 * meta.dtype.itemsize + (ADAM_STATE_BYTES_PER_PARAM if optimizer else 0.0)
+def param_bytes_per_device(meta: TensorMeta, spec: Spec, mesh: Mesh, optimizer: bool = True,
+                           grad: bool = True) -> float:
+    """Parameter + gradient (+ Adam state) bytes one device holds for a parameter;
+    ``grad=False``: without the gradient (the memory model counts it where the backward makes
+    it, since a training loop's ``zero_grad`` frees it before the next forward)."""
+    per_elem = ((2 if grad else 1) * meta.dtype.itemsize
+                + (ADAM_STATE_BYTES_PER_PARAM if optimizer else 0.0))
     return meta.numel * per_elem / num_shards(spec, mesh.shape)
 
 

@@ -249,10 +249,12 @@ def _usage(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
     out = np.zeros(len(strategies))
     if facts.role == "param":
         for k, s in enumerate(strategies):
-            out[k] = cm.param_bytes_per_device(facts.out, s.outs[0], mesh)
+            # why no gradient here: it exists only from the backward op that makes it (counted
+            # there, below); zero_grad frees it before the next forward
+            out[k] = cm.param_bytes_per_device(facts.out, s.outs[0], mesh, grad=False)
         return out
-    if facts.role == "grad" or facts.op in cm.VIEW_OPS:
-        return out  # gradients are counted with their parameter; views alias their base
+    if facts.op in cm.VIEW_OPS:
+        return out  # views alias their base
     for k, s in enumerate(strategies):
         out[k] = sum(cm.activation_bytes(m, spec, mesh) for m, spec in zip(facts.outputs, s.outs))
     return out
