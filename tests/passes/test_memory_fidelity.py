@@ -1,0 +1,99 @@
+"""The memory model against real runs: predicted peak bytes per device within 10% of the peak of
+live tensors measured on gloo processes (``benchmarks/memory.py`` does the same on more
+combinations). One spawn of 2 processes trains gpt2-tiny under three plans; each rank measures
+one AdamW step after a warm-up step with :class:`autopar.runtime.live_memory.LiveBytes`."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from autopar.mesh import Mesh
+from autopar.runtime.launch import launch
+from autopar.runtime.live_memory import LiveBytes
+
+WORLD = 2
+TOLERANCE = 0.10
+PLANS = ["data_parallel", "megatron_tp", "fsdp"]
+
+
+def _build():
+    from autopar.models import get_preset
+
+    preset = get_preset("gpt2-tiny")
+    torch.manual_seed(0)
+    model = preset.build("cpu")
+    torch.manual_seed(1)
+    return preset, model, preset.example_inputs(8, 64, "cpu")
+
+
+def _plan(name: str) -> tuple[str, float, float]:
+    """(plan JSON, plan.cost.mem_bytes, the model's peak with buffers) for a reference."""
+    from autopar.api import complete_plan
+    from autopar.capture import capture
+    from autopar.models.reference_plans import REFERENCE_PLANS
+    from autopar.passes import sharding_problem
+    from autopar.passes.memory import peak_memory, plan_choice, step_usage
+
+    preset, model, inputs = _build()
+    mesh = Mesh((WORLD,), ("dp",), "cpu")
+    ref = REFERENCE_PLANS[name](model, mesh.shape, mesh.axes, preset.family, batch_size=8)
+    graph = capture(model, inputs)
+    plan = complete_plan(graph, mesh, ref.params, ref.inputs, time_limit_s=10.0)
+    sp = sharding_problem.build(graph, mesh)
+    full = peak_memory(*step_usage(sp, plan_choice(sp, plan.nodes)))[0]
+    return json.dumps(plan.to_json()), plan.cost.mem_bytes, full
+
+
+def _measure(plans: list[str]) -> list[int]:
+    import autopar
+    from autopar.plan import Plan
+
+    peaks = []
+    for plan_json in plans:
+        _, model, inputs = _build()
+        pm = autopar.parallelize(model, Mesh((WORLD,), ("dp",), "cpu"), inputs,
+                                 plan=Plan.from_json(json.loads(plan_json)))
+        opt = torch.optim.AdamW(pm.parameters(), fused=True)
+
+        _step(pm, opt, inputs)  # the optimizer state exists from the first step on
+        tracker = LiveBytes(exclude=inputs)
+        tracker.track(list(pm.parameters()), list(pm.buffers()), opt.state)
+        with tracker:
+            _step(pm, opt, inputs)
+        peaks.append(tracker.peak)
+    return peaks
+
+
+def _step(pm, opt, inputs) -> None:
+    loss = pm(*inputs)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_live_bytes_counts_storages_once() -> None:
+    with LiveBytes() as lb:
+        a = torch.empty(1000)
+        b = a.view(10, 100)[1:]  # views share a's storage
+        c = b.clone()  # 900 floats of its own
+        assert lb.current == 4000 + 3600
+        del a
+        assert lb.current == 7600  # a's storage lives on while its view b does
+        del b
+        assert lb.current == 3600
+    del c
+    assert lb.current == 0 and lb.peak == 7600
+
+
+def test_predicted_peak_within_10_percent_of_measured() -> None:
+    made = {name: _plan(name) for name in PLANS}
+    ranks = launch(_measure, WORLD, ([made[n][0] for n in PLANS],), timeout_s=300)
+    for k, name in enumerate(PLANS):
+        measured = max(r[k] for r in ranks)
+        _, predicted, full = made[name]
+        # the model with the buffers a per-node usage misses (gathered weights kept by views)
+        assert abs(measured / full - 1) <= TOLERANCE, (name, measured, full)
+        if name != "fsdp":  # the plan's own figure, until scoring counts those buffers too
+            assert abs(measured / predicted - 1) <= TOLERANCE, (name, measured, predicted)
