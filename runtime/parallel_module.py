@@ -10,7 +10,8 @@ no hook, a plain ``backward``); every other goes to autograd, whose accumulation
 optimizer steps it, its state sharded like the parameters, and ``state_dict()`` holds DTensors
 that ``torch.distributed.checkpoint`` saves and loads. torch's fused optimizer kernels
 (``fused=True``) run on the local pieces (:mod:`.fused_optim`), and so do the elementwise ops
-of their for-loop implementations (:mod:`.elementwise_fast_path`).
+of their for-loop implementations (:mod:`.elementwise_fast_path`). ``clip_grad_norm_`` returns
+the single-device norm on every rank, readable as a number (:mod:`.grad_norm`).
 
 The submodules of the wrapped model are registered here under their own names, so parameter
 and state-dict keys are the single-device model's keys.
@@ -36,7 +37,7 @@ from autopar.errors import PlanError
 from autopar.graph import PlanGraph
 from autopar.placements import to_torch
 from autopar.plan import Plan
-from autopar.runtime import _compat, elementwise_fast_path, fused_optim
+from autopar.runtime import _compat, elementwise_fast_path, fused_optim, grad_norm
 from autopar.runtime.deferred_loss import DeferredLoss
 from autopar.runtime.lower import LoweredGraph
 from autopar.runtime.redistribute import CollectiveCounter, Comm
@@ -152,6 +153,7 @@ class ParallelModule(nn.Module):
         self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
         fused_optim.install()
         elementwise_fast_path.install()
+        grad_norm.install()  # clip_grad_norm_'s total reads as one device's on every rank
 
     @property
     def plan(self) -> Plan:

@@ -11,7 +11,7 @@ import contextlib
 import copy
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -70,44 +70,75 @@ def _loss_of(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def train_single(model: nn.Module, inputs: tuple, steps: int,
-                 adamw: dict | None = None, kwargs: dict | None = None) -> dict[str, Any]:
-    """``steps`` AdamW steps (``adamw``: more of its options, ``{"fused": True}``) of
-    ``model(*inputs, **kwargs)``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, **(adamw or {}))
-    losses, grads = [], {}
-    for _ in range(steps):
+# called between the backward and the optimizer step with the parameters and the step number
+# (``torch.nn.utils.clip_grad_norm_`` with the step's options); what it returns is recorded
+Clip = Callable[[Iterator[nn.Parameter], int], torch.Tensor]
+
+
+def _forward_backward(model: nn.Module, inputs: tuple, kwargs: dict | None,
+                      micro: list[tuple] | None) -> torch.Tensor:
+    """One step's forward and backward; the loss. With ``micro`` (micro-batches, each a
+    positional inputs tuple) the gradients accumulate over them, each loss divided by their
+    number as gradient accumulation does, and the loss is the sum of those."""
+    if micro is None:
         loss = _loss_of(model(*inputs, **(kwargs or {})))
         loss.backward()
+        return loss.detach()
+    total = None
+    for batch in micro:
+        loss = _loss_of(model(*batch, **(kwargs or {}))) / len(micro)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    assert total is not None
+    return total
+
+
+def train_single(model: nn.Module, inputs: tuple, steps: int,
+                 adamw: dict | None = None, kwargs: dict | None = None,
+                 micro: list[tuple] | None = None, clip: Clip | None = None) -> dict[str, Any]:
+    """``steps`` AdamW steps (``adamw``: more of its options, ``{"fused": True}``) of
+    ``model(*inputs, **kwargs)``, or accumulated over ``micro`` (see :func:`_forward_backward`);
+    ``clip`` runs before each step (its results: ``"norms"``). ``grads``: the last step's, as
+    the optimizer got them."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, **(adamw or {}))
+    losses, grads, norms = [], {}, []
+    for step in range(steps):
+        loss = _forward_backward(model, inputs, kwargs, micro)
+        if clip is not None:
+            norms.append(clip(model.parameters(), step))
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                  if p.grad is not None}
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach())
+        losses.append(loss)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    return {"losses": losses, "grads": grads, "params": params, "buffers": buffers}
+    return {"losses": losses, "grads": grads, "params": params, "buffers": buffers,
+            "norms": norms}
 
 
 def train_parallel(pm: nn.Module, inputs: tuple, steps: int,
-                   adamw: dict | None = None, kwargs: dict | None = None) -> dict[str, Any]:
-    """As :func:`train_single`, inside the fake world; results gathered to whole tensors."""
+                   adamw: dict | None = None, kwargs: dict | None = None,
+                   micro: list[tuple] | None = None, clip: Clip | None = None) -> dict[str, Any]:
+    """As :func:`train_single`, inside the fake world; results gathered to whole tensors
+    (``norms``: what ``clip`` returned, as the user gets it)."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, **(adamw or {}))
-    losses, grads, per_step = [], {}, []
-    for _ in range(steps):
+    losses, grads, per_step, norms = [], {}, [], []
+    for step in range(steps):
         pm.collectives.reset()
-        loss = pm(*inputs, **(kwargs or {}))
-        loss.backward()
+        loss = _forward_backward(pm, inputs, kwargs, micro)
         per_step.append(list(pm.collectives.records))
+        if clip is not None:
+            norms.append(clip(pm.parameters(), step))
         grads = {n: _whole(p.grad) for n, p in pm.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
-        losses.append(reconcile(loss.detach()))
+        losses.append(reconcile(loss))
     params = {n: _whole(p) for n, p in pm.named_parameters()}
     buffers = {n: _whole(b) if isinstance(b, DTensor) else reconcile(b.detach()).clone()
                for n, b in pm.named_buffers()}
     return {"losses": losses, "grads": grads, "params": params, "buffers": buffers,
-            "collectives": per_step}
+            "collectives": per_step, "norms": norms}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -159,18 +190,20 @@ def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs:
 
 def run_case(model: nn.Module, inputs: tuple, mesh_shape: tuple[int, ...],
              plan: Plan | str | None = None, steps: int = 3, time_limit_s: float = 5.0,
-             adamw: dict | None = None, kwargs: dict | None = None
+             adamw: dict | None = None, kwargs: dict | None = None,
+             micro: list[tuple] | None = None, clip: Clip | None = None
              ) -> tuple[dict, dict, nn.Module]:
     """Train a copy on one device and the model on the simulated mesh; return both results.
-    Both start from the same generator state, so random ops (dropout) draw alike."""
+    Both start from the same generator state, so random ops (dropout) draw alike. With
+    ``micro``, ``inputs`` (parallelize's example) has the micro-batches' shapes."""
     torch.manual_seed(RNG_SEED)
-    want = train_single(copy.deepcopy(model), inputs, steps, adamw, kwargs)
+    want = train_single(copy.deepcopy(model), inputs, steps, adamw, kwargs, micro, clip)
     mesh = mesh_for(mesh_shape)
     with fake_world(mesh.size):
         pm = autopar.parallelize(model, mesh, inputs, kwargs, plan=plan,
                                  time_limit_s=time_limit_s)
         torch.manual_seed(RNG_SEED)
-        got = train_parallel(pm, inputs, steps, adamw, kwargs)
+        got = train_parallel(pm, inputs, steps, adamw, kwargs, micro, clip)
     return got, want, pm
 
 
