@@ -25,6 +25,9 @@ from autopar.devices import PROFILES
 from autopar.errors import MeshError, PlanError
 from autopar.graph import PlanGraph
 from autopar.mesh import Mesh
+from autopar.passes import mixed_precision
+from autopar.passes.mixed_precision import Precision
+from autopar.passes.recompute import apply_recompute
 from autopar.placements import Spec
 from autopar.plan import Plan, SolverInfo
 from autopar.runtime import _compat
@@ -43,6 +46,9 @@ def parallelize(
     memory_budget: float | None = None,
     time_limit_s: float = 30.0,
     compile: bool = False,
+    precision: str | Precision | None = None,
+    reduce_dtype: str | None = None,
+    recompute: str = "auto",
 ) -> ParallelModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
 
@@ -56,19 +62,33 @@ def parallelize(
     (fused C++ kernels on CPU, Triton on CUDA; see :mod:`autopar.runtime.inductor_segments`):
     faster steps, after a compile of some seconds on the first call. Under ``LocalTensorMode``
     (simulated ranks) the program runs eagerly.
+
+    ``memory_budget``: bytes per device the plan must fit (default: the device profile's
+    capacity less a reserve; ``math.inf``: no limit). ``precision``: ``"fp32"``, ``"bf16"`` or
+    ``"fp16"`` (default: bf16 on GPU profiles, fp32 on ``cpu``), ``reduce_dtype`` the
+    gradients' reduction dtype (``"fp32"`` default, or the compute dtype); fp16 scales the
+    loss dynamically (:mod:`autopar.runtime.loss_scale`). ``recompute``: ``"auto"`` (only
+    where the plan would not fit otherwise), ``"none"``, ``"selective"`` or ``"full"``.
+    A plan given runs with the precision and recomputation it records.
     """
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
     skeleton = _meta_skeleton(model)
     with _compat.outside_local_tensor_mode():
-        graph = capture(model, example_inputs, example_kwargs, loss_fn)
         if plan is None:
+            prec = mixed_precision.resolve(precision, amesh.device, reduce_dtype)
+            graph = capture(model, example_inputs, example_kwargs, loss_fn, precision=prec)
             _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
-            the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget, time_limit_s))
-            replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s)
+            the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget,
+                                                 time_limit_s, recompute))
+            replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s, prec,
+                                the_plan.recompute.mode)
         else:
             the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+            graph = capture(model, example_inputs, example_kwargs, loss_fn,
+                            precision=the_plan.precision)
             replan = None
+        graph = apply_recompute(graph, the_plan.recompute.nodes)  # as the plan was made
     check_plan_mesh(the_plan, amesh)
     if the_plan.missing_rules:
         warnings.warn(
@@ -143,26 +163,36 @@ def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 
 
 def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: float | None,
-               time_limit_s: float) -> Plan:
+               time_limit_s: float, recompute: str) -> Plan:
     from autopar.planner import make_plan
 
     return make_plan(model, mesh, graph=graph, memory_budget=memory_budget,
-                     time_limit_s=time_limit_s, model_name=type(model).__name__).plan
+                     time_limit_s=time_limit_s, model_name=type(model).__name__,
+                     recompute=recompute).plan
 
 
 def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
                   inputs: dict[int, Spec] | None = None, memory_budget: float | None = None,
-                  time_limit_s: float = 30.0, model_name: str = "") -> Plan:
-    """A plan with the given parameter (and input, by position) specs pinned, the rest solved.
+                  time_limit_s: float = 30.0, model_name: str = "",
+                  recompute: str = "none") -> Plan:
+    """A plan with the given parameter (and input, by position) specs pinned, the rest solved,
+    with ``recompute``'s mode applied (``graph`` as captured; the plan records what it
+    recomputes, and :func:`parallelize` applies it again to the graph it runs).
 
     Used to replan for new input shapes with the parameters where they are, and to turn a
     hand-written reference layout into an executable plan."""
+    from autopar.memory_fit import memory_limit
+    from autopar.passes import recompute as recompute_mode
     from autopar.passes import sharding_problem
-    from autopar.planner import assemble_plan, score_reference
+    from autopar.planner import assemble_plan, recompute_record, score_reference
 
+    limit, source = memory_limit(memory_budget, mesh.device)
+    captured = graph
+    names = recompute_mode.recompute_nodes(graph, recompute)
+    graph = recompute_mode.apply_recompute(graph, names)
     # no shared layer variables: pins may differ between layers that look alike (Megatron
     # pairs the MLP's equal-width layers 1 and 2 as row then column parallel)
-    sp = sharding_problem.build(graph, mesh, memory_budget, share_layers=False)
+    sp = sharding_problem.build(graph, mesh, limit, share_layers=False)
     ref = SimpleNamespace(params=params, inputs=inputs or {})
     got = score_reference(sp, graph, ref, time_limit_s)
     if got is None:
@@ -171,21 +201,28 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
             "among the strategies of its node, e.g. it does not divide the shape evenly): "
             "pin fewer layouts or let autopar plan freely (plan=None)")
     choice = got[1]  # (cost, per-node choice, ...)
+    base = sp if not names else sharding_problem.build(captured, mesh, limit,
+                                                       share_layers=False)
+    rec = recompute_record(recompute, recompute, graph, sp, choice, base)
     return assemble_plan(graph, sp, choice, model_name, mesh,
-                         SolverInfo("pinned", 0.0, "pinned+solve"), {}, {}, memory_budget)
+                         SolverInfo("pinned", 0.0, "pinned+solve"), {}, {}, limit, source, rec)
 
 
 def _replanner(skeleton: nn.Module, mesh: Mesh, loss_fn: Callable | None,
-               memory_budget: float | None, time_limit_s: float) -> Callable:
+               memory_budget: float | None, time_limit_s: float, precision: Precision,
+               recompute: str) -> Callable:
+    """Replans for new input shapes keep the parameters' layouts, the precision and the
+    recomputation mode."""
+
     def replan(args: tuple, kwargs: dict, param_specs: dict[str, Spec]) -> tuple[PlanGraph, Plan]:
         with _compat.outside_local_tensor_mode():
             meta_args = tuple(_to_meta(a) for a in args)
             meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-            graph = capture(skeleton, meta_args, meta_kwargs, loss_fn)
+            graph = capture(skeleton, meta_args, meta_kwargs, loss_fn, precision=precision)
             plan = _agree(lambda: complete_plan(graph, mesh, param_specs,
                                                 memory_budget=memory_budget,
-                                                time_limit_s=time_limit_s))
-        return graph, plan
+                                                time_limit_s=time_limit_s, recompute=recompute))
+        return apply_recompute(graph, plan.recompute.nodes), plan
 
     return replan
 

@@ -31,6 +31,8 @@ from autopar.depth_proxy import truncated
 from autopar.errors import CaptureError
 from autopar.graph import NodeFacts, PlanGraph, TensorMeta
 from autopar.hf_experts import traceable_experts
+from autopar.passes import mixed_precision
+from autopar.passes.mixed_precision import Precision
 
 
 def capture(
@@ -39,6 +41,7 @@ def capture(
     example_kwargs: dict[str, Any] | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     max_layers: int | None = None,
+    precision: Precision | None = None,
 ) -> PlanGraph:
     """Trace one training step of ``model`` into a :class:`PlanGraph`.
 
@@ -46,16 +49,20 @@ def capture(
     style) or a dict with ``"loss"``. With ``loss_fn``, the last positional input is the target:
     the model gets the others and the loss is ``loss_fn(output, target)``. With ``max_layers``,
     a deeper model is traced as a proxy of that many layers (see :mod:`autopar.depth_proxy`).
+    ``precision``: the mixed-precision policy the step is traced under (default fp32; see
+    :mod:`autopar.passes.mixed_precision`): its casts are ops of the captured graph.
     """
+    precision = precision or Precision()
     all_names = [n for n, p in model.named_parameters() if p.requires_grad]
     with truncated(model, max_layers) as proxy, traceable_experts(model):
-        pg = _capture(model, example_inputs, example_kwargs, loss_fn)
+        pg = _capture(model, example_inputs, example_kwargs, loss_fn, precision)
     pg.proxy = proxy
     pg.all_param_names = all_names
+    pg.precision = precision
     return pg
 
 
-def _capture(model, example_inputs, example_kwargs, loss_fn) -> PlanGraph:
+def _capture(model, example_inputs, example_kwargs, loss_fn, precision) -> PlanGraph:
     example_kwargs = dict(example_kwargs or {})
     example_inputs = tuple(example_inputs)
     if loss_fn is not None and not example_inputs:
@@ -79,21 +86,29 @@ def _capture(model, example_inputs, example_kwargs, loss_fn) -> PlanGraph:
     param_list = list(params.values())
 
     def step(params_in, buffers_in, args_in, kwargs_in):
-        state = {**params_in, **buffers_in}
         with compat.annotate({"autopar_phase": "fwd"}):
-            if loss_fn is None:
-                out = torch.func.functional_call(model, state, args_in, kwargs_in, strict=False)
-                loss = _extract_loss(out)
-            else:
-                out = torch.func.functional_call(
-                    model, state, args_in[:-1], kwargs_in, strict=False
-                )
-                loss = loss_fn(out, args_in[-1])
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise CaptureError("loss_fn must return a scalar tensor")
+            with compat.annotate({"autopar_cast": "param"}):
+                state = {**mixed_precision.cast_params(params_in, precision), **buffers_in}
+            with mixed_precision.policy(precision):
+                loss = _forward(state, args_in, kwargs_in)
+            if precision.mixed and loss.dtype != torch.float32:
+                loss = loss.float()  # the loss, and the backward's seed, in fp32
         with compat.annotate({"autopar_phase": "bwd"}):
             grads = torch.autograd.grad(loss, list(params_in.values()), allow_unused=True)
         return loss, grads
+
+    def _forward(state, args_in, kwargs_in):
+        if loss_fn is None:
+            out = torch.func.functional_call(model, state, args_in, kwargs_in, strict=False)
+            loss = _extract_loss(out)
+        else:
+            out = torch.func.functional_call(
+                model, state, args_in[:-1], kwargs_in, strict=False
+            )
+            loss = loss_fn(out, args_in[-1])
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise CaptureError("loss_fn must return a scalar tensor")
+        return loss
 
     hooks, open_tags = _tag_repeated_blocks(model)
     try:
@@ -206,12 +221,34 @@ def _tag_repeated_blocks(model: nn.Module) -> tuple[list[Any], list[Any]]:
         if stack:
             stack.pop().__exit__(None, None, None)
 
+    def enter_tag(tag: dict) -> None:
+        cm = compat.annotate(tag)
+        cm.__enter__()
+        stack.append(cm)
+
     for i, block in enumerate(repeated_blocks(model)):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
         handles.append(block.register_forward_hook(lambda m, a, o: leave()))
         handles.append(block.register_full_backward_pre_hook(lambda m, g, i=i: enter(i)))
         handles.append(block.register_full_backward_hook(lambda m, gi, go: leave()))
+        # the forward's attention internals, which selective recomputation recomputes
+        # (passes.recompute), and its projections inside, which it keeps
+        for sub in block.modules():
+            tag = _module_tag(sub)
+            if tag is not None:
+                handles.append(sub.register_forward_pre_hook(
+                    lambda m, a, tag=tag: enter_tag(tag)))
+                handles.append(sub.register_forward_hook(lambda m, a, o: leave()))
     return handles, stack
+
+
+def _module_tag(mod: nn.Module) -> dict | None:
+    kind = type(mod).__name__.lower()
+    if "attention" in kind:
+        return {"autopar_attention": True, "autopar_projection": False}
+    if isinstance(mod, nn.Linear) or kind in ("conv1d", "linear"):
+        return {"autopar_projection": True}
+    return None
 
 
 def _metas(val: Any) -> tuple[TensorMeta | None, ...]:
@@ -287,9 +324,32 @@ def _annotate_graph(
             facts = NodeFacts(n.name, _op_name(n.target), _metas(n.meta.get("val")), role,
                               phase=phase, layer=layer, param_name=grad_of.get(n.name))
             facts.flops = node_flops(n)
+            if custom.get("autopar_cast") == "param" and n.all_input_nodes:
+                facts.extra["param_cast"] = n.all_input_nodes[0].meta["autopar"].param_name
         n.meta["autopar"] = facts
+    _adopt_cast_layers(gm)
     return PlanGraph(gm, param_names, buffer_names, input_names, grad_of, loss_arg.name,
                      num_layers=len(layers))
+
+
+def _adopt_cast_layers(gm: fx.GraphModule) -> None:
+    """Mixed precision's casts run outside the layers' modules (a parameter's at the start of
+    the step, its gradient's after the layer's backward), so no layer tagged them; they belong
+    to the layer whose ops read the parameter, like the parameter itself, so repeated layers
+    still line up node for node and share their variables."""
+    for n in gm.graph.nodes:
+        f = n.meta.get("autopar")
+        if f is None or f.layer is not None or n.op != "call_function":
+            continue
+        if "param_cast" in f.extra:
+            near = [u.meta["autopar"].layer for u in n.users if "autopar" in u.meta]
+        elif f.role == "grad" and f.op == "aten._to_copy.default":
+            near = [a.meta["autopar"].layer for a in n.all_input_nodes]
+        else:
+            continue
+        layers = set(near) - {None}
+        if len(layers) == 1:
+            f.layer = layers.pop()
 
 
 def _op_name(target: Any) -> str:

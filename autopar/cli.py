@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,8 @@ class UsageError(AutoparError):
 
 
 def parse_bytes(text: str) -> float:
+    if text.strip().lower() in ("none", "unlimited", "inf"):
+        return float("inf")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
         raise UsageError(f"cannot read memory size {text!r}: write e.g. 80GiB, 40GB or 1.5e10")
@@ -109,7 +111,7 @@ def check_batch(mesh: Mesh, batch: int) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.models.reference_plans import REFERENCE_PLANS
+    from autopar.models.reference_plans import FIXED_POLICIES, REFERENCE_PLANS
     from autopar.planner import make_plan
 
     mesh = Mesh.parse(args.mesh, args.device)
@@ -125,9 +127,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 ref = None
             if ref is not None:
                 refs[rname] = ref
+        # the fixed memory policies: a layout with a recomputation mode
+        for pname, (layout, mode) in FIXED_POLICIES.items():
+            if layout in refs:
+                refs[pname] = replace(refs[layout], name=pname, recompute=mode)
     planned = make_plan(loaded.model, mesh, loaded.inputs, loaded.kwargs, memory_budget=budget,
                         time_limit_s=args.time_limit, references=refs, model_name=loaded.name,
-                        max_layers=args.trace_layers if args.trace_layers > 0 else None)
+                        max_layers=args.trace_layers if args.trace_layers > 0 else None,
+                        precision=args.precision, reduce_dtype=args.reduce_dtype,
+                        recompute=args.recompute)
     print(planned.plan.table())
     for node in args.explain or []:
         print()
@@ -136,6 +144,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         planned.plan.save(args.json)
         print(f"\nplan written to {args.json}")
     return 0
+
+
+def add_memory_options(p: argparse.ArgumentParser) -> None:
+    """The precision and recomputation options ``plan`` and ``train`` share."""
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                   help="compute dtype (default: bf16 on GPU device profiles, fp32 on cpu); "
+                   "master weights and optimizer state stay fp32")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"),
+                   help="dtype gradients are summed across ranks in (default fp32)")
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
+                   help="activation recomputation (default auto: only where the plan would "
+                   "not fit otherwise)")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -155,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     pl.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     pl.add_argument("--device", default="h100", help="device profile: h100, h200, a100, cpu")
-    pl.add_argument("--memory-budget", help="per-device memory limit, e.g. 80GiB")
+    pl.add_argument("--memory-budget",
+                    help="per-device memory limit, e.g. 80GiB (default: the device's capacity "
+                    "less a reserve; 'none' for no limit)")
+    add_memory_options(pl)
     pl.add_argument("--compare", action="store_true", help="score the reference plans beside it")
     pl.add_argument("--json", help="also write the plan as JSON to this path")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit, seconds")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from autopar.errors import MeshError
 
 GiB = 1024**3
+RESERVE_FRACTION = 0.075
+RESERVE_MIN_BYTES = 2 * GiB
 TFLOPS = 1e12
 GBps = 1e9
 
@@ -35,6 +37,9 @@ class DeviceProfile:
     # the compute's own cores (gloo on a CPU machine): it decides whether a small first
     # gradient bucket, issued early to overlap the rest of the backward, pays for itself
     comm_overlaps_compute: bool = True
+    # the precision a plan gets when none is asked for (passes.mixed_precision): GPUs train in
+    # bf16; a CPU's bf16 matmuls are slower than its fp32 ones
+    default_precision: str = "bf16"
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
@@ -44,6 +49,19 @@ class DeviceProfile:
 
     def bytes_per_s(self) -> float:
         return self.mem_bandwidth * self.memory_efficiency
+
+    @property
+    def memory_reserve(self) -> float:
+        """Bytes of the device's memory a plan leaves free: the framework's own (CUDA context,
+        NCCL's buffers, kernels' workspaces) and the caching allocator's fragmentation, which
+        no tensor of the step accounts for. 7.5% of the capacity, at least 2 GiB: 6 GiB of an
+        H100's 80 (torchtitan's and Megatron's runs of a full H100 leave about as much)."""
+        return max(RESERVE_MIN_BYTES, RESERVE_FRACTION * self.mem_capacity)
+
+    @property
+    def memory_limit(self) -> float:
+        """The default per-device memory limit of a plan: capacity less the reserve."""
+        return self.mem_capacity - self.memory_reserve
 
 
 def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib) -> DeviceProfile:
@@ -87,6 +105,7 @@ PROFILES: dict[str, DeviceProfile] = {
         matmul_efficiency=0.5,
         memory_efficiency=0.5,
         comm_overlaps_compute=False,
+        default_precision="fp32",
     ),
 }
 

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 if TYPE_CHECKING:
     from autopar.depth_proxy import DepthProxy
+    from autopar.passes.mixed_precision import Precision
 
 Role = Literal["param", "buffer", "input", "activation", "grad", "loss", "output"]
 
@@ -66,6 +67,12 @@ class NodeFacts:
     def out(self) -> TensorMeta | None:
         return self.outputs[0] if self.outputs else None
 
+    @property
+    def param_like(self) -> bool:
+        """A parameter, or its cast to the compute dtype (mixed precision): what the step
+        reads of a parameter, gathered per layer where sharded."""
+        return self.role == "param" or "param_cast" in self.extra
+
 
 @dataclass
 class PlanGraph:
@@ -82,6 +89,9 @@ class PlanGraph:
     num_layers: int = 0
     proxy: DepthProxy | None = None  # set when only some of the layers were traced
     all_param_names: list[str] = field(default_factory=list)  # the whole model's, traced or not
+    precision: Precision | None = None  # the policy the step was traced under (None: fp32)
+    # forward nodes copied into the backward (passes.recompute): copy name -> original's
+    recomputed: dict[str, str] = field(default_factory=dict)
 
     def layer_weight(self, layer: int | None) -> float:
         """How many real layers a traced layer stands for (1 without a depth proxy)."""

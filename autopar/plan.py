@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import PlanError
+from autopar.passes.mixed_precision import Precision
 from autopar.placements import Spec, format_spec, parse_spec
 
 # 2: in-op all-reduces (``raw_out``), parameter gathers listed one per layer and phase, gradient
 # reduce-scatters in buckets. 3: the batch-sharded mean nll_loss all-reduces its count of kept
 # targets inside the op. 4: the first gradient bucket's size is the plan's (one size for
-# every bucket on a device whose communication does not overlap compute). An older plan's
+# every bucket on a device whose communication does not overlap compute). 5: the plan's
+# precision (the graph's casts) and recomputation are part of what runs. An older plan's
 # collectives would not match what now runs.
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,35 @@ class NodePlacement:
     raw_outs: tuple[Spec, ...] = ()  # the op's own outputs, all-reduced into ``outs`` in the op
 
 
+@dataclass(frozen=True)
+class Recompute:
+    """What a plan recomputes: the mode asked for and the one applied, the recomputed forward
+    nodes (by name, in the traced graph), and what the cost model says it costs and saves."""
+
+    asked: str = "none"
+    mode: str = "none"
+    nodes: tuple[str, ...] = ()
+    layers: tuple[int, ...] = ()  # traced layers with recomputed nodes
+    time_s: float = 0.0  # predicted extra step time (compute and collectives run again)
+    saved_bytes: float = 0.0  # predicted peak memory it saves, per device
+    per_layer: dict[int, int] = field(default_factory=dict)  # layer -> nodes recomputed
+
+    def to_json(self) -> dict:
+        return {"asked": self.asked, "mode": self.mode, "nodes": list(self.nodes),
+                "layers": list(self.layers), "time_s": self.time_s,
+                "saved_bytes": self.saved_bytes,
+                "per_layer": {str(k): v for k, v in self.per_layer.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> Recompute:
+        if not d:
+            return cls()
+        return cls(d.get("asked", "none"), d.get("mode", "none"), tuple(d.get("nodes", ())),
+                   tuple(d.get("layers", ())), float(d.get("time_s", 0.0)),
+                   float(d.get("saved_bytes", 0.0)),
+                   {int(k): int(v) for k, v in d.get("per_layer", {}).items()})
+
+
 @dataclass(frozen=True, slots=True)
 class SolverInfo:
     status: str
@@ -93,6 +124,10 @@ class Plan:
     # axis sets whose sums run as one all-reduce over the flattened group, as the plan was
     # priced (passes.cost_model.merged_sums); the runtime does the same. Absent: axis by axis
     merged_sums: tuple[tuple[str, ...], ...] = ()
+    precision: Precision = field(default_factory=Precision)
+    # where the memory limit came from: "given", or the device's capacity less its reserve
+    memory_limit_source: str = ""
+    recompute: Recompute = field(default_factory=Recompute)
     version: int = PLAN_VERSION
 
     def merged_axes(self) -> tuple[tuple[int, ...], ...]:
@@ -117,6 +152,9 @@ class Plan:
             "input_shapes": self.input_shapes,
             "cost": self.cost.to_json(),
             "memory_budget": self.memory_budget,
+            "memory_limit_source": self.memory_limit_source,
+            "precision": self.precision.to_json(),
+            "recompute": self.recompute.to_json(),
             "first_bucket_bytes": self.first_bucket_bytes,
             "merged_sums": [list(a) for a in self.merged_sums],
             "solver": asdict(self.solver),
@@ -163,6 +201,9 @@ class Plan:
                 references={k: PlanCost.from_json(v) for k, v in d.get("references", {}).items()},
                 input_shapes=dict(d.get("input_shapes", {})),
                 memory_budget=d.get("memory_budget"),
+                memory_limit_source=d.get("memory_limit_source", ""),
+                precision=Precision.from_json(d.get("precision")),
+                recompute=Recompute.from_json(d.get("recompute")),
                 first_bucket_bytes=int(d["first_bucket_bytes"]),
                 merged_sums=tuple(tuple(a) for a in d.get("merged_sums", ())),
                 version=version,

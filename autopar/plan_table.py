@@ -50,7 +50,7 @@ def render(plan: Plan, max_params: int = 40) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
     shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes.items())
     c = plan.cost
-    budget = f" (budget {fmt_bytes(plan.memory_budget)})" if plan.memory_budget else ""
+    budget = _limit(plan)
     s = plan.solver
     lines = [
         f"autopar plan: {plan.model or 'model'} on {mesh} ({plan.device}); inputs {shapes}",
@@ -58,6 +58,8 @@ def render(plan: Plan, max_params: int = 40) -> str:
         f"communication {fmt_time(c.comm_s)}; memory {fmt_bytes(c.mem_bytes)} per device{budget}",
         f"solver: {s.status} ({s.method}) in {s.time_s:.2f} s; {s.variables} variables for "
         f"{s.nodes} graph nodes, {s.shared_layers} layers sharing variables",
+        "precision: " + precision_line(plan),
+        "recompute: " + recompute_line(plan),
     ]
     if plan.timings:
         t = plan.timings
@@ -98,14 +100,61 @@ def render(plan: Plan, max_params: int = 40) -> str:
     if plan.references:
         lines += ["", "reference plans, scored by the same cost model:"]
         rows = []
+        limit = plan.memory_budget
+
+        def fits(mem: float) -> str:
+            return "yes" if limit is None or mem <= limit * (1 + 1e-9) else "no"
+
         for name, rc in sorted(plan.references.items(), key=lambda kv: kv[1].step_s):
             ratio = rc.step_s / c.step_s if c.step_s else float("nan")
             rows.append([name, fmt_time(rc.step_s), fmt_time(rc.compute_s), fmt_time(rc.comm_s),
-                         fmt_bytes(rc.mem_bytes), f"{ratio:.2f}x"])
+                         fmt_bytes(rc.mem_bytes), fits(rc.mem_bytes), f"{ratio:.2f}x"])
         rows.insert(0, ["autopar", fmt_time(c.step_s), fmt_time(c.compute_s), fmt_time(c.comm_s),
-                        fmt_bytes(c.mem_bytes), "1.00x"])
-        lines += _table(["plan", "step", "compute", "comm", "memory", "step vs autopar"], rows)
+                        fmt_bytes(c.mem_bytes), fits(c.mem_bytes), "1.00x"])
+        lines += _table(["plan", "step", "compute", "comm", "memory", "fits", "step vs autopar"],
+                        rows)
     return "\n".join(lines)
+
+
+def _limit(plan: Plan) -> str:
+    if plan.memory_budget is None:
+        return " (no memory limit)"
+    src = plan.memory_limit_source
+    why = "" if src in ("", "given") else f": {src}"
+    return f" (limit {fmt_bytes(plan.memory_budget)}{why})"
+
+
+def precision_line(plan: Plan) -> str:
+    p = plan.precision
+    if not p.mixed:
+        return "fp32"
+    line = (f"{p.name} compute; fp32 master weights and optimizer state; softmax, norms and the "
+            f"loss in fp32; gradients reduced in {p.reduce}")
+    return line + ("; dynamic loss scaling" if p.loss_scaling else "")
+
+
+def recompute_line(plan: Plan) -> str:
+    r = plan.recompute
+    asked = f" (asked: {r.asked})" if r.asked != r.mode else ""
+    if r.mode == "none" or not r.nodes:
+        return "none" + asked
+    counts = sorted(set(r.per_layer.values()))
+    each = f"{counts[0]} ops in each of" if len(counts) == 1 else f"{len(r.nodes)} ops over"
+    share = f" ({r.time_s / plan.cost.step_s:.1%} of the step)" if plan.cost.step_s else ""
+    return (f"{r.mode}{asked}: {each} {len(r.per_layer)} traced layers "
+            f"({_ranges(sorted(r.per_layer))}); costs {fmt_time(r.time_s)}{share}, saves "
+            f"{fmt_bytes(r.saved_bytes)} at the peak")
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], None
+    for k, x in enumerate(xs):
+        if start is None:
+            start = x
+        if k + 1 == len(xs) or xs[k + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
 
 
 def render_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:

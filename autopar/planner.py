@@ -20,16 +20,20 @@ import torch.nn as nn
 from autopar.capture import capture
 from autopar.errors import PlanError
 from autopar.graph import PlanGraph
+from autopar.memory_fit import memory_limit, no_fit_message
 from autopar.mesh import Mesh
-from autopar.passes import bucket_fill, sharding_problem
+from autopar.passes import bucket_fill, mixed_precision, sharding_problem
 from autopar.passes import cost_model as cm
+from autopar.passes import recompute as recompute_mode
 from autopar.passes.axis_search import solve_axiswise
 from autopar.passes.buckets import first_bucket_bytes
+from autopar.passes.edge_costs import edge_collectives
+from autopar.passes.mixed_precision import Precision
 from autopar.passes.problem_reduction import refine_followers
 from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import Spec
-from autopar.plan import NodePlacement, Plan, PlanCost, SolverInfo
+from autopar.plan import NodePlacement, Plan, PlanCost, Recompute, SolverInfo
 from autopar.solver import Problem, Solution, evaluate, solve
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
@@ -67,9 +71,20 @@ def make_plan(
     graph: PlanGraph | None = None,
     max_layers: int | None = None,
     min_gain: float = MIN_GAIN,
+    precision: str | Precision | None = None,
+    reduce_dtype: str | None = None,
+    recompute: str = "auto",
 ) -> Planned:
     """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
 
+    ``memory_budget``: bytes per device; None holds the plan to the device's capacity less a
+    reserve (``DeviceProfile.memory_limit``), ``math.inf`` to nothing.
+    ``precision`` (``fp32``, ``bf16``, ``fp16``; None: the device profile's default) and
+    ``reduce_dtype`` (the gradients' reduction dtype): the step is traced under that policy
+    (:mod:`autopar.passes.mixed_precision`); a ``graph`` given keeps the policy it was
+    traced under. ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the default:
+    nothing is recomputed where the plan fits without it; otherwise the mode, solved with the
+    sharding, whose plan is predicted fastest within the limit; :mod:`autopar.passes.recompute`).
     ``max_layers``: trace a deeper model as a proxy of that many layers (planning time then
     does not grow with depth; the plan's node placements cover the traced layers only).
     ``min_gain``: the solver's own plan replaces the best reference layout (as the solver
@@ -77,31 +92,122 @@ def make_plan(
     more than a fraction of a percent, and the hand-written layouts are the proven ones.
     Where the plan leaves gradient buckets nearly empty, they are priced at their real fill
     and everything solved again (:mod:`autopar.passes.bucket_fill`)."""
-    memory_budget = float(memory_budget) if memory_budget is not None else None
+    recompute_mode.check_mode(recompute)
+    limit, limit_source = memory_limit(memory_budget, mesh.device)
     t0 = time.perf_counter()
-    pg = graph or capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers)
+    if graph is None:
+        prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
+        graph = capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers,
+                        precision=prec)
+    pg = graph
     t_trace = time.perf_counter() - t0
+    refs_by_mode: dict[str, dict[str, Any]] = {}
+    for name, ref in (references or {}).items():
+        refs_by_mode.setdefault(getattr(ref, "recompute", "none"), {})[name] = ref
+    timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
+    runs: dict[str, _ModeRun] = {}
+
+    def run(mode: str, own: bool) -> _ModeRun:
+        base = runs.get("none")
+        runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
+                                time_limit_s, min_gain, own, timings,
+                                seed=base if base is not None and base.choice else None)
+        return runs[mode]
+
+    first = run("none", own=True)  # also the start of the other modes' searches
+    if recompute == "auto":
+        # recomputation pays only where memory binds: a plan well inside the limit is the
+        # fastest any mode can give (recomputing adds work and frees no better layout)
+        if not first.fits or (limit is not None and first.peak > AUTO_SLACK * limit):
+            for mode in ("selective", "full"):
+                run(mode, own=True)
+    elif recompute != "none":
+        run(recompute, own=True)
+    for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
+        if mode not in runs:
+            run(mode, own=False)
+    # a mode asked for is the plan's; the others only complete their reference layouts
+    asked = [runs[recompute]] if recompute != "auto" else list(runs.values())
+    fitting = [r for r in asked if r.choice is not None and r.fits]
+    if not fitting:
+        raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs, time_limit_s))
+    best = min(fitting, key=lambda r: r.step_s)
+    references_cost = {name: c for r in runs.values() for name, c in r.refs.cost.items()}
+    timings["total_s"] = time.perf_counter() - t0
+    sp, sol = best.sp, best.sol
+    assert sp.problem is not None and best.choice is not None
+    plan = assemble_plan(
+        best.pg, sp, best.choice, model_name, mesh,
+        # the objective at the problem's final prices (a repricing may have changed them)
+        SolverInfo(sol.status, round(sol.time_s, 4), best.method, sp.problem.num_nodes,
+                   len(sp.nodes), sp.shared_layers,
+                   float(evaluate(sp.problem, sol.assignment)[0])),
+        timings, references_cost, limit, limit_source=limit_source,
+        recompute=recompute_record(recompute, best.mode, best.pg, sp, best.choice,
+                                   runs["none"].sp),
+    )
+    return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices)
+
+
+# a plan in mode "none" whose peak is under this fraction of the limit is kept without trying
+# recomputation (the memory constraint did not bind it)
+AUTO_SLACK = 0.9
+
+
+@dataclass
+class _ModeRun:
+    """One recomputation mode planned: its graph, problem, the solver's plan (None when the
+    mode was completed only for its reference layouts) and the references completed in it."""
+
+    mode: str
+    pg: PlanGraph
+    sp: ShardingProblem
+    refs: _References
+    sol: Solution | None = None
+    choice: list[int] | None = None
+    method: str = ""
+    step_s: float = float("inf")
+    peak: float = float("inf")
+    fits: bool = False
+
+
+def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
+               references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
+               timings: dict[str, float], seed: _ModeRun | None = None) -> _ModeRun:
+    """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
+    only the given reference layouts, completed and scored in that mode. ``seed``: another
+    mode's plan, a start for the solver (its placements, each copy as its original)."""
+    mpg = recompute_mode.apply_recompute(pg, recompute_mode.recompute_nodes(pg, mode))
     t1 = time.perf_counter()
-    sp = sharding_problem.build(pg, mesh, memory_budget)
-    t_build = time.perf_counter() - t1
+    sp = sharding_problem.build(mpg, mesh, limit)
+    timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
-    refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
-    t_refs = time.perf_counter() - t_refs
+    refs = _References.score(sp, mpg, references, time_limit_s, limit)
+    timings["references_s"] += time.perf_counter() - t_refs
+    out = _ModeRun(mode, mpg, sp, refs)
+    if not own:
+        if refs.fastest is not None:
+            c = refs.cost[refs.fastest]
+            out.sol = Solution(tuple(refs.assign[refs.fastest] or ()), c.step_s, True,
+                               "feasible", 0.0, f"kept {refs.fastest}")
+            out.choice, out.method = refs.choices[refs.fastest], f"kept {refs.fastest}"
+            out.step_s, out.peak, out.fits = c.step_s, c.mem_bytes, True
+        return out
     # the best reference layout that fits seeds the search: the solver starts from it and can
     # only improve on it (a portfolio start, as MIP solvers take from heuristics)
     hint = refs.assign[refs.best] if refs.best is not None else None
     t2 = time.perf_counter()
-    sol = _solve_within_budget(sp, memory_budget, time_limit_s, hint)
-    t_solve = time.perf_counter() - t2
+    seeds = [_carried(sp, seed)] if seed is not None else []
+    sol = _solve_within_budget(sp, limit, time_limit_s, hint, seeds)
+    timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
-        need = _min_memory(sp)
-        raise PlanError(
-            f"no plan fits the memory budget of {_gib(memory_budget)} per device on mesh "
-            f"{mesh.describe()}: the leanest layout needs about {_gib(need)}. Raise "
-            "--memory-budget, use a larger mesh, or a smaller batch"
-        )
-    choice, sol, method = _select(sp, [sol], refs, min_gain, memory_budget)
+        out.sol = sol
+        return out
+    # the other mode's placements, node for node (the reduced problem's followers and shared
+    # variables do not always let the solver find them again in the recomputing graph)
+    carried = _carried_choice(sp, seed) if seed is not None else None
+    choice, sol, method = _select(sp, [sol], refs, min_gain, limit, carried)
     # gradient buckets the plan leaves nearly empty priced at their real fill, the problem
     # solved again from this solution and the references completed again at those prices
     # (see passes.bucket_fill); a few rounds, as each plan may leave another bucket empty.
@@ -109,32 +215,83 @@ def make_plan(
     # what the benchmarks run as that layout, and a near-empty bucket priced as a full one's
     # member would leave it an extra collective.
     for _ in range(REPRICE_ROUNDS):
-        if not (bucket_fill.reprice(sp, choice, memory_budget)
-                or any(bucket_fill.reprice(sp, c, memory_budget) for c in refs.choices.values())):
+        if not (bucket_fill.reprice(sp, choice, limit)
+                or any(bucket_fill.reprice(sp, c, limit) for c in refs.choices.values())):
             break
         t3 = time.perf_counter()
-        again = _solve_within_budget(sp, memory_budget, max(1.0, time_limit_s / 4),
+        again = _solve_within_budget(sp, limit, max(1.0, time_limit_s / 4),
                                      tuple(sol.assignment))
-        t_solve += time.perf_counter() - t3
+        timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
         # or as before (one plan's fills, priced on all, may misguide a reference's)
-        again_refs = _References.score(sp, pg, references or {}, time_limit_s, memory_budget)
-        refs = refs.rescored(sp, memory_budget).better(again_refs, memory_budget)
-        t_refs += time.perf_counter() - t4
-        choice, sol, method = _select(sp, [sol, again], refs, min_gain, memory_budget)
-    t_total = time.perf_counter() - t0
-    plan = assemble_plan(
-        pg, sp, choice, model_name, mesh,
-        # the objective at the problem's final prices (a repricing may have changed them)
-        SolverInfo(sol.status, round(sol.time_s, 4), method, sp.problem.num_nodes,
-                   len(sp.nodes), sp.shared_layers,
-                   float(evaluate(sp.problem, sol.assignment)[0])),
-        {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve, "references_s": t_refs,
-         "total_s": t_total},
-        refs.cost, memory_budget,
-    )
-    return Planned(plan, pg, sp, sol, choice, refs.choices)
+        again_refs = _References.score(sp, mpg, references, time_limit_s, limit)
+        refs = refs.rescored(sp, limit).better(again_refs, limit)
+        timings["references_s"] += time.perf_counter() - t4
+        choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
+    scored = bucket_fill.score(sp, choice).cost
+    out.refs, out.sol, out.choice, out.method = refs, sol, choice, method
+    out.step_s, out.peak, out.fits = scored.step_s, scored.mem_bytes, _fits(scored.mem_bytes,
+                                                                             limit)
+    return out
+
+
+def _carried(sp: ShardingProblem, other: _ModeRun) -> tuple[int, ...]:
+    """``other``'s plan as an assignment of ``sp``'s variables: every node by name, a
+    recomputed copy as its original (the strategy lists of one op on one shape are built
+    alike in both problems)."""
+    assert other.choice is not None and sp.problem is not None
+    by_name = {n.name: s for n, s in zip(other.sp.nodes, other.choice)}
+    out = []
+    for r in sp.var_root:
+        f = sp.nodes[r].meta["autopar"]
+        s = by_name.get(f.extra.get("recomputes", sp.nodes[r].name), 0)
+        out.append(s if s < len(sp.problem.costs[len(out)]) else 0)
+    return tuple(out)
+
+
+def _carried_choice(sp: ShardingProblem, other: _ModeRun) -> list[int]:
+    """``other``'s plan as a strategy for every node of ``sp``, a copy as its original."""
+    assert other.choice is not None
+    by_name = {n.name: s for n, s in zip(other.sp.nodes, other.choice)}
+    return [by_name[n.meta["autopar"].extra.get("recomputes", n.name)] for n in sp.nodes]
+
+
+def recompute_record(asked: str, mode: str, mpg: PlanGraph, sp: ShardingProblem,
+                     choice: list[int], base: ShardingProblem) -> Recompute:
+    """What a plan on ``mpg`` (recomputation applied) recomputes, per traced layer, and its
+    price (:func:`recompute_price`, against ``base``, the problem without it)."""
+    names = tuple(mpg.recomputed.values())
+    if not names:
+        return Recompute(asked, "none")
+    per_layer: dict[int, int] = {}
+    for n in mpg.graph.nodes:
+        if n.name in mpg.recomputed:
+            ly = n.meta["autopar"].layer
+            per_layer[ly] = per_layer.get(ly, 0) + 1
+    extra_s, saved = recompute_price(sp, choice, base)
+    return Recompute(asked, mode, names, tuple(sorted(per_layer)), extra_s, saved, per_layer)
+
+
+def recompute_price(sp: ShardingProblem, choice: list[int], base: ShardingProblem
+                    ) -> tuple[float, float]:
+    """(extra step time, peak memory saved) of a recomputing plan: its copies' compute and the
+    collectives of their inputs, and its peak against the same placements on ``base``, the
+    problem of the graph without recomputation."""
+    copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra}
+    if not copies:
+        return 0.0, 0.0
+    w = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
+    extra = sum(float(sp.node_cost[i][choice[i]]) for i in copies)
+    for e in sp.edges:
+        if e.dst in copies and e.in_idx >= 0:
+            src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
+            dst = sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx]
+            if src != dst:
+                extra += sum(c.time_s for c in edge_collectives(sp, e, src, dst)) * w[e.dst]
+    by_name = {n.name: s for n, s in zip(sp.nodes, choice)}
+    kept = score_assignment(base, [by_name[n.name] for n in base.nodes]).cost.mem_bytes
+    return extra, max(0.0, kept - score_assignment(sp, choice).cost.mem_bytes)
 
 
 @dataclass
@@ -186,15 +343,19 @@ class _References:
 
 
 def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_gain: float,
-            budget: float | None) -> tuple[list[int], Solution, str]:
+            budget: float | None, carried: list[int] | None = None
+            ) -> tuple[list[int], Solution, str]:
     """The plan: the cheapest solution, its followers refined (re-chosen with their whole
     neighbourhood), unless the best reference, as the solver completes it, is within
-    ``min_gain`` of it. Returns the choice, the solution it came from, and how it was made."""
+    ``min_gain`` of it. ``carried``: another recomputation mode's plan, node for node, a
+    candidate too. Returns the choice, the solution it came from, and how it was made."""
     candidates: list[tuple[list[int], Solution]] = []
     for sol in sols:
         if sol.feasible:
             solved = sp.expand(sol.assignment)
             candidates += [(refine_followers(sp, solved), sol), (solved, sol)]
+    if carried is not None and candidates:
+        candidates.append((carried, replace(candidates[0][1], method="carried from mode none")))
     scored = [bucket_fill.score(sp, c).cost for c, _ in candidates]
     fit = [k for k, c in enumerate(scored) if _fits(c.mem_bytes, budget)]
     k = min(fit, key=lambda k: scored[k].step_s) if fit else 0  # the first if none fits
@@ -242,13 +403,14 @@ def planner_solve(
 
 def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
-    hint: tuple[int, ...] | None = None,
+    hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), tighten the limit by the overshoot and solve again."""
     assert sp.problem is not None
     problem = sp.problem
-    sol = planner_solve(sp, problem, time_limit_s, [hint] if hint is not None else None)
+    hints = ([hint] if hint is not None else []) + (more_hints or [])
+    sol = planner_solve(sp, problem, time_limit_s, hints or None)
     if budget is None or not sol.feasible:
         return sol
     for _ in range(3):
@@ -266,15 +428,6 @@ def _solve_within_budget(
 
 def _with_limit(p: Problem, limit: float) -> Problem:
     return Problem(p.costs, p.usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
-
-
-def _min_memory(sp: ShardingProblem) -> float:
-    assert sp.problem is not None
-    return float(sum(u.min() for u in sp.problem.usages))
-
-
-def _gib(x: float | None) -> str:
-    return "unlimited" if x is None else f"{x / 2**30:.2f} GiB"
 
 
 # --- reference plans ------------------------------------------------------------------------
@@ -354,8 +507,10 @@ def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[n
 def assemble_plan(
     pg: PlanGraph, sp: ShardingProblem, choice: list[int], model_name: str, mesh: Mesh,
     solver: SolverInfo, timings: dict[str, float], references: dict[str, PlanCost],
-    memory_budget: float | None,
+    memory_budget: float | None, limit_source: str = "given",
+    recompute: Recompute | None = None,
 ) -> Plan:
+    """The plan of ``choice`` on ``pg`` (the graph as planned: recomputation applied)."""
     scored = bucket_fill.score(sp, choice)
     params: dict[str, Spec] = {}
     inputs: dict[str, Spec] = {}
@@ -382,4 +537,33 @@ def assemble_plan(
         first_bucket_bytes=first_bucket_bytes(mesh.device),
         merged_sums=tuple(tuple(mesh.axes[k] for k in axes)
                           for axes in cm.merged_sums(mesh)),
+        precision=pg.precision or Precision(), memory_limit_source=limit_source,
+        recompute=recompute or Recompute(),
     )
+
+
+def with_recompute(graph: PlanGraph, plan: Plan, mode: str, mesh: Mesh) -> Plan:
+    """``plan`` (made without recomputation, on ``graph`` as captured) with ``mode``'s
+    recomputation: every original node placed as in ``plan``, every copy as its original, the
+    collectives and costs scored again. The same layout, recomputing: what the property tests
+    compare bit for bit, and a way to ask what a mode costs a given plan."""
+    if plan.recompute.nodes:
+        raise PlanError("with_recompute takes a plan that recomputes nothing")
+    names = recompute_mode.recompute_nodes(graph, mode)
+    mpg = recompute_mode.apply_recompute(graph, names)
+    sp = sharding_problem.build(mpg, mesh, plan.memory_budget, share_layers=False)
+    choice = []
+    for i, n in enumerate(sp.nodes):
+        place = plan.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
+        want = (place.ins, place.outs, place.impls, place.raw_outs)
+        ks = [k for k, s in enumerate(sp.strategies[i])
+              if (s.ins, s.outs, s.impls, s.raw_outs) == want]
+        if not ks:
+            raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
+                            "was the plan made for this graph?")
+        choice.append(ks[0])
+    base = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False)
+    rec = recompute_record(mode, mode, mpg, sp, choice, base)
+    return assemble_plan(mpg, sp, choice, plan.model, mesh, plan.solver, dict(plan.timings),
+                         dict(plan.references), plan.memory_budget, plan.memory_limit_source,
+                         rec)

@@ -42,6 +42,17 @@ class ReferencePlan:
     name: str
     params: dict[str, Spec]
     inputs: dict[int, Spec]
+    recompute: str = "none"  # the recomputation mode the layout runs with (passes.recompute)
+
+
+# the fixed memory policies `autopar plan --compare` scores beside the layouts: what people
+# run when a model does not fit (torchtitan's FSDP with activation checkpointing per block,
+# Megatron's tensor parallelism with selective recomputation, and the two together)
+FIXED_POLICIES: dict[str, tuple[str, str]] = {
+    "fsdp+full": ("fsdp", "full"),
+    "megatron_tp+selective": ("megatron_tp", "selective"),
+    "fsdp_tp_2d+full": ("fsdp_tp_2d", "full"),
+}
 
 
 PlanFn = Callable[..., "ReferencePlan | None"]

@@ -76,7 +76,7 @@ def _batch_price(sp: ShardingProblem, meta: TensorMeta, src, dst,
 
 
 def is_param_gather(sp: ShardingProblem, e: Edge) -> bool:
-    return e.in_idx >= 0 and sp.nodes[e.src].meta["autopar"].role == "param"
+    return e.in_idx >= 0 and sp.nodes[e.src].meta["autopar"].param_like
 
 
 def gather_unit(consumer: fx.Node) -> tuple:
@@ -111,7 +111,11 @@ def edge_specs(sp: ShardingProblem, e: Edge):
 
 
 def edge_meta(sp: ShardingProblem, e: Edge) -> TensorMeta:
-    return sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
+    """The tensor edge ``e`` moves: a gradient in the dtype it is reduced in."""
+    meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
+    if e.in_idx < 0 and sp.grad_dtype is not None:
+        return TensorMeta(meta.shape, sp.grad_dtype)
+    return meta
 
 
 def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) -> np.ndarray:

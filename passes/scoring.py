@@ -19,7 +19,7 @@ from autopar.passes.buckets import (
     gather_move,
     sync_groups,
 )
-from autopar.passes.edge_costs import edge_collectives, gather_unit, is_param_gather
+from autopar.passes.edge_costs import edge_collectives, edge_meta, gather_unit, is_param_gather
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
 from autopar.plan import CollectiveUse, PlanCost
@@ -35,7 +35,7 @@ class Scored:
 def edge_reason(sp: ShardingProblem, e: Edge) -> str:
     if e.in_idx < 0:
         return "gradient sync"
-    if sp.nodes[e.src].meta["autopar"].role == "param":
+    if sp.nodes[e.src].meta["autopar"].param_like:
         return "parameter gather"
     return "resharding"
 
@@ -101,7 +101,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         dst = dst_s.outs[0] if e.in_idx < 0 else dst_s.ins[e.in_idx]
         if src == dst:
             continue
-        meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
+        meta = edge_meta(sp, e)
         colls = edge_collectives(sp, e, src, dst)
         if not colls:
             continue

@@ -72,6 +72,9 @@ class ShardingProblem:
     # them under-full (passes.bucket_fill); absent: full buckets
     bucket_fill: dict = field(default_factory=dict)
     share_layers: bool = True  # identical layers share one solver variable per node
+    # the dtype gradients are summed across ranks in, where it is not their own (a mixed
+    # precision plan reducing in bf16): gradient syncs are priced in it
+    grad_dtype: torch.dtype | None = None
     loss_index: int = -1  # the loss node (reported whole on every rank)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     peak_time: int = 0
@@ -145,6 +148,8 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
             edges.append(Edge(by_name[gname], param_index[pname], 0, -1))
 
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
+    if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
+        sp.grad_dtype = pg.precision.reduce_dtype
     cost_cache: dict = {}
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]

@@ -39,11 +39,13 @@ class GradSyncSchedule:
 
     def __init__(self, bwd_steps: list[str], reads: dict[str, int], grad_names: list[str | None],
                  moves: list[GradSync], mesh_shape: tuple[int, ...], bucketed: bool,
-                 first_bucket_bytes: float) -> None:
+                 first_bucket_bytes: float, reduce_dtype: torch.dtype | None = None) -> None:
         """``reads``: value name -> the last backward step that reads it; ``moves``: the
         gradients that must move (``index`` into ``grad_names``); buckets filled as the plan
-        priced them (``Plan.first_bucket_bytes``)."""
+        priced them (``Plan.first_bucket_bytes``); ``reduce_dtype``: the dtype gradients are
+        summed in, where it is not their own (None: their own)."""
         self.grad_names = grad_names
+        self.reduce_dtype = reduce_dtype
         self.move_of = {g.index: g for g in moves}
         self.mesh_shape = mesh_shape
         step_of = {name: i for i, name in enumerate(bwd_steps)}
@@ -73,6 +75,7 @@ class GradSyncRun:
     def __init__(self, schedule: GradSyncSchedule, comm: Comm, env: dict[str, Any]) -> None:
         self.s, self.comm, self.env = schedule, comm, env
         self.in_flight: list[tuple[_Launch, torch.Tensor, Any, list[tuple[int, torch.Size]]]] = []
+        self.own_dtype: dict[int, torch.dtype] = {}  # each moved gradient's dtype
         self.step_done(-1)
 
     def step_done(self, i: int) -> None:
@@ -84,6 +87,10 @@ class GradSyncRun:
         s, env = self.s, self.env
         names = [s.grad_names[i] for i in launch.grads]
         grads = [env[n] for n in names]
+        for i, g in zip(launch.grads, grads):
+            self.own_dtype[i] = g.dtype
+        if s.reduce_dtype is not None:
+            grads = [g.to(s.reduce_dtype) for g in grads]
         kind = launch.bucket
         work = None  # the c10d work of an in-place collective, else the result waits itself
         with self.comm.deferred():  # issue the collectives, do not wait for them here
@@ -127,6 +134,11 @@ class GradSyncRun:
                 out[i] = t[offset: offset + numel].view(shape)
                 offset += numel
         self.in_flight.clear()
+        if s.reduce_dtype is not None:  # back to the gradients' own dtype (fp32)
+            for i, dtype in self.own_dtype.items():
+                t = out[i]
+                if t is not None and t.dtype != dtype:
+                    out[i] = t.to(dtype)
         return out
 
 

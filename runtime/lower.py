@@ -111,6 +111,10 @@ class LoweredGraph:
         this one instead."""
         validate(pg, plan)
         self.device = device if device is not None and device.type != "cpu" else None
+        # gradients summed across ranks in another dtype than their own (mixed precision with
+        # reduce_dtype='bf16'): cast before the collective, back after, as the plan priced it
+        p = plan.precision
+        self.reduce_dtype = p.reduce_dtype if p.mixed and p.reduce != "fp32" else None
         self.compile = compile  # runs of plain steps compiled by Inductor (inductor_segments)
         self.pg = pg
         self.plan = plan
@@ -142,7 +146,8 @@ class LoweredGraph:
         self.fwd = self._steps(calls[:n_fwd], keep=set(self.saved))
         self.bwd = self._steps(calls[n_fwd:], keep={g for g in self.grads if g})
         # parameter gathers, one all-gather per layer and phase (see param_gather)
-        metas = {n.name: n.meta["autopar"].out for n in self.placeholders}
+        metas = {n.name: n.meta["autopar"].out for n in nodes
+                 if "autopar" in n.meta and n.meta["autopar"].param_like}
         self.fwd_gathers = group_gathers(self.fwd, gather_unit, metas, self.mesh_shape)
         self.bwd_gathers = group_gathers(self.bwd, gather_unit, metas, self.mesh_shape)
         self.param_specs = {pg.param_node(p).name: self.spec(pg.param_node(p).name)
@@ -153,7 +158,7 @@ class LoweredGraph:
         reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
                                           self.grad_moves(), self.mesh_shape, self.bucketed,
-                                          plan.first_bucket_bytes)
+                                          plan.first_bucket_bytes, self.reduce_dtype)
         # (id(self.fwd / self.bwd), Inductor-compiled runs) -> its code
         self._compiled: dict[tuple[int, bool], Program] = {}
 
@@ -171,8 +176,7 @@ class LoweredGraph:
             return [_Input(src.name, k, self.spec(src.name, k), place.ins[0], "resharding")]
         out = []
         for a, dst in zip(tensor_inputs(n), place.ins):
-            role = a.meta["autopar"].role
-            reason = "parameter gather" if role == "param" else "resharding"
+            reason = "parameter gather" if a.meta["autopar"].param_like else "resharding"
             out.append(_Input(a.name, None, self.spec(a.name), dst, reason))
         return out
 
@@ -267,7 +271,10 @@ class LoweredGraph:
             node = self.pg.param_node(pname)
             src, dst = None if g is None else self.spec(g), self.param_specs[node.name]
             if src is not None and src != dst:
-                moves.append(GradSync(i, node.meta["autopar"].out, src, dst))
+                meta = node.meta["autopar"].out
+                if self.reduce_dtype is not None:  # summed in the plan's reduction dtype
+                    meta = TensorMeta(meta.shape, self.reduce_dtype)
+                moves.append(GradSync(i, meta, src, dst))
         return moves
 
     def _run(self, steps: list[_Step], gathers: list[GatherGroup], env: dict[str, Any],

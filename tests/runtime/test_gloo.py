@@ -48,6 +48,8 @@ CONFIGS = [  # (name, preset, mesh, plan source)
     ("2d-gpt", "gpt2-tiny", (2, 2), "dp_tp_2d"),
     ("2d-gpt-dropout", "gpt2-tiny+dropout", (2, 2), "dp_tp_2d"),  # masks drawn whole
     ("solver", "mlp-tiny", (2, 2), "solver"),  # plan=None: rank 0 solves and broadcasts
+    # 2d-gpt's very plan, recomputing each layer whole: the same bits (its collectives too)
+    ("2d-gpt-full", "gpt2-tiny", (2, 2), "2d-gpt+full"),
 ]
 
 
@@ -101,12 +103,24 @@ def _worker(rank: int, port: int, plans: dict, out_dir: str, configs: list = CON
                 "executed": sorted(map(list, _flat(collective_totals(records)))),
                 "planned": sorted(map(list, _flat(planned_totals(pm.plan)))),
                 "compiled runs": _compiled_runs(pm),
+                "recomputed": len(pm.plan.recompute.nodes),
+                "bits": _digest(got),
             }
             if name == "2d-gpt" and not compile:
                 _checkpoint_round_trip(pm, preset_name, mesh_shape, pm.plan, out_dir, dcp)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+
+
+def _digest(got: dict) -> str:
+    """The exact bits of a training's losses, last gradients and parameters."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in [*got["losses"], *got["grads"].values(), *got["params"].values()]:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _compiled_runs(pm) -> int:
@@ -135,11 +149,21 @@ def _checkpoint_round_trip(pm, preset_name, mesh_shape, plan, out_dir, dcp) -> N
 
 
 def _reference_plans(configs: list) -> dict[str, str]:
+    from autopar.capture import capture
+    from autopar.plan import Plan
+    from autopar.planner import with_recompute
+
     plans = {}
     for name, preset_name, mesh_shape, source in configs:
         if source == "solver":
             continue
         preset, model, inputs = _build(preset_name)
+        base, _, mode = source.partition("+")
+        if mode:  # another config's plan, recomputing
+            plan = with_recompute(capture(model, inputs), Plan.from_json(plans[base]), mode,
+                                  mesh_for(mesh_shape))
+            plans[name] = plan.to_json()
+            continue
         plan = reference_plan(model, preset.family, source, mesh_for(mesh_shape), inputs)
         assert plan is not None, f"{source} does not apply to {preset_name} on {mesh_shape}"
         plans[name] = plan.to_json()
@@ -176,6 +200,10 @@ def test_gloo_four_processes(tmp_path: Path) -> None:
     assert all(rep["compiled runs"] == 0 for rep in reports[0].values())
     # sums over both axes of the 2x2 mesh ran as one all-reduce over the flattened group
     assert any(axis == "dp+tp" for _, axis, *_ in reports[0]["fsdp-2x2"]["executed"])
+    # recomputation on real processes: bit for bit the plan without it
+    for rep in reports:
+        assert rep["2d-gpt-full"]["recomputed"] > 0 and rep["2d-gpt"]["recomputed"] == 0
+        assert rep["2d-gpt-full"]["bits"] == rep["2d-gpt"]["bits"]
 
 
 def test_gloo_compiled_program(tmp_path: Path) -> None:
