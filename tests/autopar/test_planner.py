@@ -14,12 +14,13 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 
-def _plan(name, mesh, batch, seq, budget=None, **changes):
+def _plan(name, mesh, batch, seq, budget=None, precision=None, **changes):
     preset = get_preset(name)
     changes.setdefault("n_positions" if preset.family == "gpt2" else "max_seq_len", seq)
     preset = preset.replace(**changes)
     return make_plan(preset.build("meta"), mesh, preset.example_inputs(batch, seq),
-                     memory_budget=budget, time_limit_s=20, model_name=name)
+                     memory_budget=budget, time_limit_s=20, model_name=name,
+                     precision=precision)
 
 
 GPT_COLUMN = ("attn.qkv.weight", "mlp.fc.weight")
@@ -48,7 +49,8 @@ def test_small_batch_on_a_tp_mesh_gives_megatron_column_then_row(name, changes, 
 
 
 def test_large_batch_gives_data_parallelism():
-    planned = _plan("gpt2-tiny", Mesh((8,), ("dp",)), batch=256, seq=128,
+    # in fp32: in bf16 an FSDP layout moves as many bytes (bf16 gathers, fp32 reduce-scatter)
+    planned = _plan("gpt2-tiny", Mesh((8,), ("dp",)), batch=256, seq=128, precision="fp32",
                     n_layer=2, d_model=256, n_head=8)
     plan = planned.plan
     # the batch may arrive whole and be sliced locally (free): what matters is that the
@@ -88,7 +90,9 @@ def test_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "plan.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == 4
+    assert doc["version"] == 5
+    assert doc["precision"] == {"name": "bf16", "reduce": "fp32"}  # h100: bf16 by default
+    assert doc["recompute"]["asked"] == "auto" and doc["memory_budget"] > 0
     assert doc["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"], "device": "h100"}
     assert doc["first_bucket_bytes"] == 2**20  # NCCL overlaps an early small bucket
     assert set(doc["cost"]) >= {"step_s", "compute_s", "comm_s", "mem_bytes"}
