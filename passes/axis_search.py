@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from autopar.passes.sharding_problem import ShardingProblem
-from autopar.solver.elimination import solve_by_elimination
+from autopar.solver.elimination import greedy_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -36,39 +36,93 @@ def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
     return out
 
 
-def _restricted(p: Problem, allowed: list[np.ndarray]) -> Problem:
-    return Problem(
-        [c[a] for c, a in zip(p.costs, allowed)],
-        [u[a] for u, a in zip(p.usages, allowed)],
-        p.intervals, p.edges,
-        [m[np.ix_(allowed[u], allowed[v])] for (u, v), m in zip(p.edges, p.edge_costs)],
-        p.usage_limit, p.names, p.name,
-    )
+class _Steps:
+    """The single-axis steps of one problem, each solved once.
+
+    A step on axis ``k`` from a point depends on the point only through which strategies
+    agree with it on every other axis: ``codes[k][v][s]`` numbers those classes, so a step
+    is known by axis and one class per variable. Sweeps revisit steps all the time (the last
+    pass of every sweep repeats the steps that found nothing; starts fall into the same
+    basins), so each is solved once and remembered. Sub-problems of one axis keep the
+    problem's edges, and many share their domain sizes: their elimination orders are kept
+    too. Both caches return exactly what solving again would."""
+
+    def __init__(self, p: Problem, comps: list[np.ndarray]) -> None:
+        self.p = p
+        self.ndim = comps[0].shape[1] if comps else 0
+        self.codes: list[list[np.ndarray]] = []
+        self.groups: list[list[dict[int, np.ndarray]]] = []
+        for k in range(self.ndim):
+            codes, groups = [], []
+            for comp in comps:
+                others = np.delete(comp, k, axis=1)
+                _, code = np.unique(others, axis=0, return_inverse=True)
+                code = code.reshape(-1)
+                codes.append(code)
+                groups.append({int(c): np.nonzero(code == c)[0] for c in np.unique(code)})
+            self.codes.append(codes)
+            self.groups.append(groups)
+        self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
+        self.orders: dict[tuple[int, ...], list[int] | None] = {}
+        self.live = [e > s for s, e in p.intervals]
+
+    def step(self, k: int, cur: np.ndarray, deadline: float) -> tuple[np.ndarray | None, bool]:
+        """The best point reachable from ``cur`` by changing axis ``k`` only (None when the
+        step finds nothing that fits), and whether it was solved exactly."""
+        codes = self.codes[k]
+        key = (k, *(int(codes[v][s]) for v, s in enumerate(cur.tolist())))
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = self._solve(k, key[1:], deadline)
+        return got
+
+    def _solve(self, k: int, key: tuple[int, ...], deadline: float
+               ) -> tuple[np.ndarray | None, bool]:
+        p = self.p
+        allowed = [g[c] for g, c in zip(self.groups[k], key)]
+        dom = [len(a) for a in allowed]
+        order = self.orders.get(tuple(dom), ())
+        if order == ():
+            order = self.orders[tuple(dom)] = greedy_order(p.edges, dom, _MAX_ENTRIES)
+        if order is None:
+            return None, False
+        if p.usage_limit is not None and len(set(map(tuple, p.intervals))) > 1:
+            return None, False  # not the one-instant form elimination handles
+        costs = [c[a] for c, a in zip(p.costs, allowed)]
+        usages = [u[a] for u, a in zip(p.usages, allowed)]
+        ecosts = [m.take(allowed[u], 0).take(allowed[v], 1)  # as m[np.ix_(...)], faster
+                  for (u, v), m in zip(p.edges, p.edge_costs)]
+
+        def fits(a: np.ndarray) -> bool:
+            if p.usage_limit is None:
+                return True
+            return evaluate(p, [al[s] for al, s in zip(allowed, a.tolist())])[1]
+
+        a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
+                             max(0.1, deadline - time.monotonic()))
+        if a is None:
+            return None, False
+        return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"
 
 
-def _sweep(
-    p: Problem, comps: list[np.ndarray], start: np.ndarray, deadline: float
-) -> tuple[np.ndarray, bool]:
+# sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)
+_MAX_ENTRIES = 4e6
+
+
+def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
     """A local optimum over single-axis moves, and whether every step was solved exactly."""
+    p = steps.p
     exact = True
     cur = start.copy()
     cur_cost, cur_ok, _ = evaluate(p, cur)
-    ndim = comps[0].shape[1] if comps else 0
     improved = True
     while improved and time.monotonic() < deadline:
         improved = False
-        for k in range(ndim):
-            allowed = []
-            for v, comp in enumerate(comps):
-                others = np.delete(comp, k, axis=1)
-                mask = (others == others[cur[v]]).all(axis=1)
-                allowed.append(np.nonzero(mask)[0])
-            sub = _restricted(p, allowed)
-            sol = solve_by_elimination(sub, timeout_s=max(0.1, deadline - time.monotonic()))
-            exact = exact and sol is not None and sol.status == "optimal"
-            if sol is None or not sol.feasible:
+        for k in range(steps.ndim):
+            cand, step_exact = steps.step(k, cur, deadline)
+            exact = exact and step_exact
+            if cand is None:
                 continue
-            cand = np.array([allowed[v][s] for v, s in enumerate(sol.assignment)])
             cost, ok, _ = evaluate(p, cand)
             if (ok and not cur_ok) or (ok == cur_ok and cost < cur_cost * (1 - 1e-12)):
                 cur, cur_cost, cur_ok, improved = cand, cost, ok, True
@@ -95,11 +149,12 @@ def solve_axiswise(
     # random starts: single-axis moves cannot leave some basins, other starts find others
     rng = np.random.default_rng(seed)
     starts += [np.array([int(rng.integers(len(c))) for c in p.costs]) for _ in range(restarts)]
+    steps = _Steps(p, comps)
     best, best_key, best_exact = None, None, False
     for start in starts:
         if time.monotonic() > deadline:
             break
-        a, exact = _sweep(p, comps, start, deadline)
+        a, exact = _sweep(steps, start, deadline)
         cost, ok, _ = evaluate(p, a)
         key = (not ok, cost)
         if best_key is None or key < best_key:

@@ -22,8 +22,10 @@ optimal for ``lambda = 0``.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,32 +42,39 @@ class _Factor:
 
 def _order(p: Problem, max_entries: float) -> list[int] | None:
     """Greedy elimination order (smallest resulting factor first), or None if too wide."""
-    n = p.num_nodes
-    dom = [len(c) for c in p.costs]
+    return greedy_order(p.edges, [len(c) for c in p.costs], max_entries)
+
+
+def greedy_order(
+    edges: list[tuple[int, int]], dom: list[int], max_entries: float
+) -> list[int] | None:
+    """:func:`_order` on a graph given by its edges and domain sizes: repeatedly the node
+    whose neighbours' domains multiply to the least, the lowest-numbered of equals. A heap of
+    (size, node), where eliminating a node changes only its neighbours' sizes."""
+    n = len(dom)
     nbrs: list[set[int]] = [set() for _ in range(n)]
-    for u, v in p.edges:
+    for u, v in edges:
         if u != v:
             nbrs[u].add(v)
             nbrs[v].add(u)
-    alive = set(range(n))
+    size = [math.prod(dom[y] for y in nbrs[x]) for x in range(n)]
+    heap = [(size[x], x) for x in range(n)]
+    heapq.heapify(heap)
+    alive = [True] * n
     order = []
-    while alive:
-        best, best_size = -1, math.inf
-        for x in alive:
-            size = 1.0
-            for y in nbrs[x]:
-                size *= dom[y]
-                if size > best_size:
-                    break
-            if size < best_size:
-                best, best_size = x, size
-        if best_size * dom[best] > max_entries:
+    while heap:
+        sz, best = heapq.heappop(heap)
+        if not alive[best] or sz != size[best]:
+            continue  # eliminated, or its size changed since this entry
+        if sz * dom[best] > max_entries:
             return None
         order.append(best)
-        alive.remove(best)
+        alive[best] = False
         for y in nbrs[best]:
             nbrs[y].discard(best)
             nbrs[y] |= nbrs[best] - {y}
+            size[y] = math.prod(dom[z] for z in nbrs[y])
+            heapq.heappush(heap, (size[y], y))
         nbrs[best] = set()
     return order
 
@@ -81,37 +90,84 @@ def _broadcast(f: _Factor, scope: tuple[int, ...]) -> np.ndarray:
 
 
 def _eliminate(p: Problem, order: list[int], unary: list[np.ndarray]) -> np.ndarray:
-    n = p.num_nodes
-    buckets: dict[int, list[_Factor]] = {i: [] for i in range(n)}
-    pos = {x: k for k, x in enumerate(order)}
+    return eliminate([len(c) for c in p.costs], p.edges, p.edge_costs, order, unary)
 
-    def place(f: _Factor) -> None:
-        if not f.scope:
-            return
-        buckets[min(f.scope, key=pos.__getitem__)].append(f)
 
+def eliminate(
+    dom: list[int], edges: list[tuple[int, int]], edge_costs: list[np.ndarray],
+    order: list[int], unary: list[np.ndarray],
+) -> np.ndarray:
+    """The assignment minimising ``unary`` plus the edge costs, eliminating in ``order``.
+
+    The axis sweep runs this thousands of times on small tables, so the bookkeeping is kept
+    lean; the arithmetic is the plain one (a bucket's factors added in the order they were
+    placed), so that ties are broken the same way whatever the bookkeeping."""
+    n = len(dom)
+    buckets: list[list[_Factor]] = [[] for _ in range(n)]
+    pos = [0] * n
+    for k, x in enumerate(order):
+        pos[x] = k
     for i in range(n):
-        place(_Factor((i,), unary[i]))
-    for (u, v), m in zip(p.edges, p.edge_costs):
+        buckets[i].append(_Factor((i,), unary[i]))
+    for (u, v), m in zip(edges, edge_costs):
         if u == v:
             buckets[u].append(_Factor((u,), np.diagonal(m).copy()))
         else:
-            place(_Factor((u, v), np.asarray(m, dtype=float)))
-    argmins: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+            buckets[u if pos[u] < pos[v] else v].append(
+                _Factor((u, v), np.asarray(m, dtype=float)))
+    argmins: list[tuple[tuple[int, ...], np.ndarray | None]] = [((), None)] * n
     for x in order:
-        fs = buckets.pop(x)
-        rest = tuple(sorted({y for f in fs for y in f.scope} - {x}, key=pos.__getitem__))
+        fs = buckets[x]
+        buckets[x] = []
+        others = {y for f in fs for y in f.scope}
+        others.discard(x)
+        rest = tuple(sorted(others, key=pos.__getitem__))
         scope = (x, *rest)
-        total = np.zeros([len(p.costs[y]) for y in scope])
+        where = {y: k for k, y in enumerate(scope)}
+        shape = [dom[y] for y in scope]
+        # 0 + a == a exactly, so starting from the first factor adds what zeros would
+        total = None
         for f in fs:
-            total = total + _broadcast(f, scope)
-        argmins[x] = (rest, np.argmin(total, axis=0))
-        place(_Factor(rest, np.min(total, axis=0)))
+            b = _laid_out(f, where, len(scope))
+            total = b if total is None else total + b
+        assert total is not None
+        if total.shape != tuple(shape):
+            total = np.broadcast_to(total, shape)
+        if dom[x] == 1:
+            argmins[x] = (rest, None)  # the only choice
+            low = total[0]
+        else:
+            argmins[x] = (rest, np.argmin(total, axis=0))
+            low = np.min(total, axis=0)
+        if rest:
+            buckets[rest[0]].append(_Factor(rest, low))
     assign = np.zeros(n, dtype=np.int64)
     for x in reversed(order):
         rest, table = argmins[x]
-        assign[x] = table[tuple(assign[y] for y in rest)] if rest else int(table)
+        if table is not None:
+            assign[x] = table[tuple(assign[y] for y in rest)] if rest else int(table)
     return assign
+
+
+def _laid_out(f: _Factor, where: dict[int, int], ndim: int) -> np.ndarray:
+    """``f``'s table along a scope's axes (``where[y]``: node y's axis; size 1 elsewhere)."""
+    axes = [where[y] for y in f.scope]
+    t = f.table
+    if len(axes) == 2 and axes[0] > axes[1]:
+        t = t.T
+        axes = [axes[1], axes[0]]
+    elif len(axes) > 2 and axes != sorted(axes):
+        perm = sorted(range(len(axes)), key=axes.__getitem__)
+        t = t.transpose(perm)
+        axes = sorted(axes)
+    if axes == list(range(len(axes))):  # leading axes: trailing size-1 axes are implied...
+        if len(axes) == ndim:
+            return t
+        return t.reshape(t.shape + (1,) * (ndim - len(axes)))
+    shape = [1] * ndim
+    for k, a in enumerate(axes):
+        shape[a] = t.shape[k]
+    return t.reshape(shape)
 
 
 def solve_by_elimination(
@@ -120,42 +176,64 @@ def solve_by_elimination(
     """The optimum (or, under a memory limit, a Lagrangian solution that fits), or None when
     the problem is too wide for elimination or has per-node intervals that differ."""
     t0 = time.monotonic()
-    limit = p.usage_limit
-    if limit is not None and len(set(map(tuple, p.intervals))) > 1:
+    if p.usage_limit is not None and len(set(map(tuple, p.intervals))) > 1:
         return None  # a timeline of different live ranges: not the one-instant form
     order = _order(p, max_entries)
     if order is None:
         return None
-    base = [np.asarray(c, dtype=float) for c in p.costs]
-    a = _eliminate(p, order, base)
-    cost, feasible, _ = evaluate(p, a)
-    if feasible:
+    a, status = minimise([len(c) for c in p.costs], p.edges, p.edge_costs, p.costs, p.usages,
+                         p.usage_limit, order, lambda a: evaluate(p, a)[1], timeout_s)
+    if a is None:
+        if status == "infeasible":
+            return Solution((), math.inf, False, "infeasible", time.monotonic() - t0,
+                            "elimination")
+        return None
+    cost, _, _ = evaluate(p, a)
+    if status == "optimal":
         return Solution(tuple(int(x) for x in a), cost, True, "optimal", time.monotonic() - t0,
                         "elimination", cost)
-    usage = [np.asarray(u, dtype=float) for u in p.usages]
+    return Solution(tuple(int(x) for x in a), cost, True, "feasible", time.monotonic() - t0,
+                    "elimination+lagrange")
+
+
+def minimise(
+    dom: list[int], edges: list[tuple[int, int]], edge_costs: list[np.ndarray],
+    costs: list[np.ndarray], usages: list[np.ndarray], limit: float | None,
+    order: list[int], fits: Callable[[np.ndarray], bool], timeout_s: float,
+) -> tuple[np.ndarray | None, str]:
+    """:func:`solve_by_elimination` on a problem given by its parts (no :class:`Problem` is
+    built: the axis sweep calls this thousands of times) and an elimination ``order``;
+    ``fits(a)`` says whether an assignment fits the limit. Returns ``(assignment, status)``:
+    ``optimal``, ``feasible`` (Lagrangian, fits), or ``(None, "infeasible")`` /
+    ``(None, "timeout")``."""
+    t0 = time.monotonic()
+    base = [np.asarray(c, dtype=float) for c in costs]
+    a = eliminate(dom, edges, edge_costs, order, base)
+    if fits(a):
+        return a, "optimal"
+    assert limit is not None
+    usage = [np.asarray(u, dtype=float) for u in usages]
     if sum(float(u.min()) for u in usage) > limit:
-        return Solution((), math.inf, False, "infeasible", time.monotonic() - t0, "elimination")
+        return None, "infeasible"
     scale = max(max(float(c.max()) for c in base), 1e-30) / max(
         max(float(u.max()) for u in usage), 1e-30)
     lo, hi = 0.0, scale
     best = None
     while best is None and time.monotonic() - t0 < timeout_s:  # find a lambda that fits
-        a = _eliminate(p, order, [c + hi * u for c, u in zip(base, usage)])
-        if evaluate(p, a)[1]:
+        a = eliminate(dom, edges, edge_costs, order, [c + hi * u for c, u in zip(base, usage)])
+        if fits(a):
             best = a
         else:
             lo, hi = hi, hi * 10
     if best is None:
-        return None
+        return None, "timeout"
     for _ in range(30):  # bisect down to the smallest lambda that still fits
         if time.monotonic() - t0 > timeout_s or hi - lo <= 1e-6 * hi:
             break
         mid = (lo + hi) / 2
-        a = _eliminate(p, order, [c + mid * u for c, u in zip(base, usage)])
-        if evaluate(p, a)[1]:
+        a = eliminate(dom, edges, edge_costs, order, [c + mid * u for c, u in zip(base, usage)])
+        if fits(a):
             best, hi = a, mid
         else:
             lo = mid
-    cost, _, _ = evaluate(p, best)
-    return Solution(tuple(int(x) for x in best), cost, True, "feasible", time.monotonic() - t0,
-                    "elimination+lagrange")
+    return best, "feasible"

@@ -1,6 +1,7 @@
 import math
 
 import numpy as np
+import pytest
 from brute import brute_force
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,3 +57,49 @@ def test_declines_problems_too_wide_to_eliminate():
     p = Problem([np.zeros(d)] * n, [np.zeros(d)] * n, [(0, 1)] * n, edges,
                 [np.zeros((d, d))] * len(edges))
     assert solve_by_elimination(p, max_entries=1e6) is None
+
+
+def _plain_greedy(edges, dom, max_entries):
+    """The greedy order as first written: scan every node, keep the first of least size."""
+    n = len(dom)
+    nbrs = [set() for _ in range(n)]
+    for u, v in edges:
+        if u != v:
+            nbrs[u].add(v)
+            nbrs[v].add(u)
+    alive, order = list(range(n)), []
+    while alive:
+        best = min(alive, key=lambda x: (math.prod(dom[y] for y in nbrs[x]), x))
+        if math.prod(dom[y] for y in nbrs[best]) * dom[best] > max_entries:
+            return None
+        order.append(best)
+        alive.remove(best)
+        for y in nbrs[best]:
+            nbrs[y].discard(best)
+            nbrs[y] |= nbrs[best] - {y}
+        nbrs[best] = set()
+    return order
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(1, 25), st.integers(0, 2**31))
+def test_the_heap_order_is_the_plain_greedy_order(n, seed):
+    """Elimination order decides how ties are broken, so the faster order must be the same."""
+    from autopar.solver.elimination import greedy_order
+
+    rng = np.random.default_rng(seed)
+    edges = [(int(rng.integers(n)), int(rng.integers(n))) for _ in range(int(rng.integers(3 * n)))]
+    dom = [int(rng.integers(1, 6)) for _ in range(n)]
+    for cap in (1e3, 1e6):
+        assert greedy_order(edges, dom, cap) == _plain_greedy(edges, dom, cap)
+
+
+def test_self_loops_and_single_choice_nodes():
+    """An edge from a node to itself counts its diagonal; a one-strategy node still counts."""
+    rng = np.random.default_rng(5)
+    dom = [1, 3, 2, 1, 3]
+    edges = [(0, 1), (1, 1), (1, 2), (2, 3), (3, 4), (0, 4), (4, 4)]
+    p = Problem([rng.random(d) for d in dom], [np.zeros(d) for d in dom], [(0, 1)] * 5, edges,
+                [rng.random((dom[u], dom[v])) for u, v in edges])
+    sol = solve_by_elimination(p)
+    assert sol is not None and sol.cost == pytest.approx(brute_force(p), rel=1e-12)
