@@ -28,7 +28,7 @@ from autopar.runtime.progress import Progress, format_rate, loss_report
 LM_FAMILIES = ("gpt2", "llama3", "moe")
 DEFAULTS: dict[str, Any] = {
     "model": "gpt2-tiny", "mesh": "dp=2,tp=2", "steps": 150, "batch": 16, "seq": 64,
-    "lr": 3e-3, "seed": 0, "time_limit": 10.0,
+    "lr": 3e-3, "seed": 0, "time_limit": 10.0, "grad_accum": 1,
 }
 
 
@@ -52,6 +52,8 @@ class TrainConfig:
     timeout_s: float | None
     time_limit_s: float = DEFAULTS["time_limit"]
     compile: bool = False  # parallelize(..., compile=True)
+    grad_accum: int = 1  # micro-batches per optimizer step, their gradients summed
+    clip: float | None = None  # clip_grad_norm_'s max_norm before each step; None: no clipping
 
     @property
     def mesh_text(self) -> str:
@@ -63,6 +65,7 @@ class RunResult:
     losses: list[float]
     step_times: list[float]
     setup_s: float
+    clipped: int = 0  # steps whose gradient norm was above --clip
 
 
 def register(subparsers: Any) -> None:
@@ -94,6 +97,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile each rank's program with Inductor between its collectives "
                         "(faster steps after a compile of some seconds)")
+    p.add_argument("--grad-accum", type=int, default=d["grad_accum"], metavar="N",
+                   help="split each step's batch into N micro-batches and add up their "
+                        "gradients before the optimizer step (default 1)")
+    p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
+                   help="clip the gradients' total norm to MAX_NORM before each optimizer "
+                        "step (torch.nn.utils.clip_grad_norm_; default: no clipping)")
     p.set_defaults(func=run)
 
 
@@ -104,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     tokens_per_step = cfg.batch * cfg.seq
     print(f"autopar train: {cfg.model} on {cfg.nproc} local CPU processes, mesh {cfg.mesh_text}, "
           f"batch {cfg.batch} x seq {cfg.seq} ({tokens_per_step} tokens/step), {cfg.steps} "
-          f"steps, AdamW lr {cfg.lr:g}, seed {cfg.seed}", flush=True)
+          f"steps, AdamW lr {cfg.lr:g}{_loop_text(cfg)}, seed {cfg.seed}", flush=True)
     try:
         results = launch(_parallel_worker, cfg.nproc, (cfg,), backend="gloo",
                          timeout_s=cfg.timeout_s, collective_timeout_s=120.0)
@@ -113,14 +122,14 @@ def run(args: argparse.Namespace) -> int:
         return 130
     par: RunResult = results[0]
     spread = max(max(abs(a - b) for a, b in zip(r.losses, par.losses)) for r in results)
-    _summary("autopar", par, tokens_per_step)
+    _summary("autopar", par, tokens_per_step, cfg.clip)
     if spread > 0:
         print(f"ranks disagree on the loss by up to {spread:.2e}")
     if not cfg.baseline:
         return 0 if all(math.isfinite(v) for v in par.losses) else 1
     print("\nthe same model on 1 process (same seed, weights and batches):", flush=True)
     base, model = _baseline(cfg)
-    _summary("1 process", base, tokens_per_step)
+    _summary("1 process", base, tokens_per_step, cfg.clip)
     print()
     print(loss_report({f"autopar {cfg.mesh_text}": par.losses, "1 process": base.losses}))
     print(_CHAOS_NOTE)
@@ -158,12 +167,46 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     if not args.time_limit > 0:
         raise TrainUsageError(f"--time-limit must be positive, got {args.time_limit}")
     check_batch(mesh, args.batch)
+    _check_loop(mesh, args)
     if nproc > 4 * (os.cpu_count() or 1):
         print(f"note: {nproc} processes on {os.cpu_count()} CPU cores will be slow",
               file=sys.stderr)
     return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
-                       args.timeout, args.time_limit, args.compile)
+                       args.timeout, args.time_limit, args.compile, args.grad_accum,
+                       args.clip)
+
+
+def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
+    """--grad-accum and --clip: each micro-batch must still split over the dp axes."""
+    from autopar.cli import DATA_PARALLEL_AXES
+
+    n = args.grad_accum
+    if n < 1:
+        raise TrainUsageError(f"--grad-accum must be at least 1, got {n}")
+    if args.batch % n:
+        raise TrainUsageError(
+            f"--batch {args.batch} does not split into {n} equal micro-batches: use a "
+            f"--grad-accum that divides {args.batch}, or a --batch that is a multiple of {n}")
+    dp = math.prod(size for a, size in zip(mesh.axes, mesh.shape)
+                   if a.lower() in DATA_PARALLEL_AXES)
+    micro = args.batch // n
+    if micro % dp:
+        raise TrainUsageError(
+            f"--grad-accum {n} leaves micro-batches of {micro}, which cannot be split over the "
+            f"data-parallel axes ({dp} ways): use a --batch that is a multiple of {n * dp}, "
+            "or a smaller --grad-accum")
+    if args.clip is not None and not (args.clip > 0 and math.isfinite(args.clip)):
+        raise TrainUsageError(f"--clip must be a positive max norm, got {args.clip}")
+
+
+def _loop_text(cfg: TrainConfig) -> str:
+    out = ""
+    if cfg.grad_accum > 1:
+        out += f", {cfg.grad_accum} micro-batches of {cfg.batch // cfg.grad_accum} per step"
+    if cfg.clip is not None:
+        out += f", gradient norm clipped to {cfg.clip:g}"
+    return out
 
 
 def build_model(cfg: TrainConfig) -> nn.Module:
@@ -198,7 +241,8 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     sampler = BatchSampler.from_corpus(cfg.batch, cfg.seq, cfg.seed)
     model = build_model(cfg)
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
-    pm = autopar.parallelize(model, mesh, example_inputs=sampler.batch(0),
+    example = _micro_batches(sampler.batch(0), cfg)[0]  # the shapes every call will have
+    pm = autopar.parallelize(model, mesh, example_inputs=example,
                              time_limit_s=cfg.time_limit_s, compile=cfg.compile)
     if rank == 0:
         plan = getattr(pm, "plan", None)
@@ -209,8 +253,7 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     setup_s = time.perf_counter() - t0
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty) if rank == 0 \
         else None
-    losses, times = _train(pm, opt, sampler, cfg.steps, bar)
-    return RunResult(losses, times, setup_s)
+    return _train(pm, opt, sampler, cfg, bar, setup_s)
 
 
 def _adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -227,29 +270,42 @@ def _baseline(cfg: TrainConfig) -> tuple[RunResult, nn.Module]:
     opt = _adamw(model, cfg)
     setup_s = time.perf_counter() - t0
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="1 proc ", tty=cfg.tty)
-    losses, times = _train(model, opt, sampler, cfg.steps, bar)
-    return RunResult(losses, times, setup_s), model
+    return _train(model, opt, sampler, cfg, bar, setup_s), model
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler, steps: int,
-           bar: Progress | None) -> tuple[list[float], list[float]]:
-    losses: list[float] = []
-    times: list[float] = []
-    for step in range(steps):
+def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
+           cfg: TrainConfig, bar: Progress | None, setup_s: float) -> RunResult:
+    """The same loop for both runs, so their curves compare: each step's loss is the mean of
+    its micro-batches' (each scaled by 1/N before its backward, so the summed gradients are
+    the whole batch's), clipped before the optimizer step."""
+    out = RunResult([], [], setup_s)
+    for step in range(cfg.steps):
         t = time.perf_counter()
-        tokens, targets = sampler.batch(step)
-        loss = model(tokens, targets)
-        loss.backward()
+        value = 0.0
+        for tokens, targets in _micro_batches(sampler.batch(step), cfg):
+            loss = model(tokens, targets)
+            if cfg.grad_accum > 1:
+                loss = loss / cfg.grad_accum
+            loss.backward()
+            value += _scalar(loss)
+        if cfg.clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            out.clipped += int(float(norm) > cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        value = _scalar(loss)
-        times.append(time.perf_counter() - t)
-        losses.append(value)
+        out.step_times.append(time.perf_counter() - t)
+        out.losses.append(value)
         if bar is not None:
             bar.update(step + 1, value)
     if bar is not None:
         bar.close()
-    return losses, times
+    return out
+
+
+def _micro_batches(batch: tuple[torch.Tensor, ...], cfg: TrainConfig
+                   ) -> list[tuple[torch.Tensor, ...]]:
+    """The step's batch as --grad-accum equal micro-batches (rows in order)."""
+    return list(zip(*(t.chunk(cfg.grad_accum) for t in batch)))
 
 
 def _scalar(loss: torch.Tensor) -> float:
@@ -257,13 +313,14 @@ def _scalar(loss: torch.Tensor) -> float:
     return float((full() if full is not None else loss).detach())
 
 
-def _summary(name: str, r: RunResult, tokens_per_step: int) -> None:
+def _summary(name: str, r: RunResult, tokens_per_step: int, clip: float | None = None) -> None:
     # The first step pays one-off costs (allocations, first collectives): leave it out.
     steady = r.step_times[1:] or r.step_times
     med = sorted(steady)[len(steady) // 2]
+    clipped = "" if clip is None else f", gradients clipped on {r.clipped} steps"
     print(f"{name}: {len(r.losses)} steps, loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}, "
           f"{med * 1e3:.1f} ms/step (median), {format_rate(tokens_per_step / med)} tok/s, "
-          f"set-up {r.setup_s:.1f}s", flush=True)
+          f"set-up {r.setup_s:.1f}s{clipped}", flush=True)
 
 
 # Measured: nudging the 1-process run's weights by a relative 1e-7 moves its loss by ~1e-2 after

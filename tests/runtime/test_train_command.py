@@ -6,6 +6,7 @@ import io
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +28,14 @@ from autopar.runtime.progress import Progress, loss_report, sparkline
     (["--steps", "0"], "--steps must be at least 1"),
     (["--seq", "1"], "--seq must be at least 2"),
     (["--lr", "0"], "--lr must be positive"),
+    (["--grad-accum", "0"], "--grad-accum must be at least 1"),
+    (["--batch", "16", "--grad-accum", "3"],
+     "--batch 16 does not split into 3 equal micro-batches: use a --grad-accum that divides 16"),
+    (["--mesh", "dp=4", "--batch", "8", "--grad-accum", "4"],
+     "--grad-accum 4 leaves micro-batches of 2, which cannot be split over the data-parallel "
+     "axes (4 ways): use a --batch that is a multiple of 16"),
+    (["--clip", "0"], "--clip must be a positive max norm, got 0.0"),
+    (["--clip", "nan"], "--clip must be a positive max norm"),
 ])
 def test_bad_options_are_one_line_and_exit_2(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
@@ -120,6 +129,46 @@ def test_sparkline_and_report() -> None:
     assert rep.splitlines()[4].split() == ["3", "1.000000", "1.500000", "5.00e-01"]
 
 
+# --- the training loop: --grad-accum and --clip, in one process --------------------------------
+
+
+def test_grad_accum_and_clip_parallel_equals_baseline() -> None:
+    """The command's loop (``_train``, both runs) with 2 micro-batches and clipping, on 2
+    simulated ranks and on one process: the same losses and the same clipped steps; and the
+    baseline accumulated over 2 micro-batches equals the baseline on the whole batch. (The
+    model and the batches are made outside the simulation, where random draws and factory ops
+    make one value per rank.)"""
+    import argparse
+    import dataclasses
+
+    from spmd_harness import fake_world, mesh_for
+
+    import autopar
+    from autopar.runtime import train_command as tc
+
+    parser = argparse.ArgumentParser()
+    tc.register(parser.add_subparsers())
+    args = parser.parse_args(["train", "--mesh", "dp=2", "--batch", "4", "--seq", "8",
+                              "--steps", "2", "--grad-accum", "2", "--clip", "0.5"])
+    cfg = dataclasses.replace(tc.validate(args), tty=False)
+    sampler = BatchSampler.from_corpus(cfg.batch, cfg.seq, cfg.seed)
+    drawn = [sampler.batch(step) for step in range(cfg.steps)]
+    drawn_sampler = SimpleNamespace(batch=lambda step: drawn[step])
+    model = tc.build_model(cfg)
+    with fake_world(2):
+        pm = autopar.parallelize(model, mesh_for((2,)), tc._micro_batches(drawn[0], cfg)[0],
+                                 time_limit_s=2.0)
+        par = tc._train(pm, tc._adamw(pm, cfg), drawn_sampler, cfg, None, 0.0)
+    base, _ = tc._baseline(cfg)
+    whole, _ = tc._baseline(dataclasses.replace(cfg, grad_accum=1))
+    assert base.clipped == par.clipped == whole.clipped == 2  # an untrained model's norms > 0.5
+    for p, b, w in zip(par.losses, base.losses, whole.losses):
+        assert abs(p - b) <= 1e-5 * abs(b) and abs(b - w) <= 1e-5 * abs(w), (p, b, w)
+    unclipped, _ = tc._baseline(dataclasses.replace(cfg, clip=None))
+    assert unclipped.clipped == 0 and unclipped.losses[0] == base.losses[0]
+    assert unclipped.losses[-1] != base.losses[-1]
+
+
 # --- one short real run ------------------------------------------------------------------------
 
 
@@ -138,3 +187,20 @@ def test_short_run_end_to_end() -> None:
     assert "1 process" in out and "max |autopar dp=2 - 1 process|" in out
     early = float(out.split("max |autopar dp=2 - 1 process|: ")[1].split()[0])
     assert early < 1e-4  # same seed, weights and batches: equal up to fp32 rounding
+
+
+@pytest.mark.slow
+def test_short_run_with_grad_accum_and_clip() -> None:
+    """As above, each step over 2 micro-batches with its gradients clipped to norm 0.5: both
+    runs report the clipped steps, and the curves still agree to rounding at first."""
+    cmd = [sys.executable, "-m", "autopar.cli", "train", "--steps", "3", "--nproc", "2",
+           "--mesh", "dp=2", "--seq", "32", "--batch", "4", "--time-limit", "5",
+           "--grad-accum", "2", "--clip", "0.5"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "2 micro-batches of 2 per step, gradient norm clipped to 0.5" in out
+    assert out.count("gradients clipped on 3 steps") == 2  # autopar's run and the baseline
+    early = float(out.split("max |autopar dp=2 - 1 process|: ")[1].split()[0])
+    assert early < 1e-4
