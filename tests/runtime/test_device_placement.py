@@ -165,7 +165,10 @@ def test_foreach_optimizer_and_gradient_accumulation_stay_on_the_mesh_device() -
     """The foreach optimizer, and a second backward adding into existing gradients."""
     _, model, inputs = _preset("gpt2-tiny")
     with _meta_mesh((2, 2), ("dp", "tp")) as mesh:
-        pm = autopar.parallelize(model, mesh, example_inputs=inputs, time_limit_s=5.0)
+        # fp32, where the solver replicates the parameters: on sharded ones DTensor's foreach
+        # rule prices redistributions, which asks the device for its count, and meta has none
+        pm = autopar.parallelize(model, mesh, example_inputs=inputs, time_limit_s=5.0,
+                                 precision="fp32")
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=True)
         with _CpuOps() as rec:
             for _ in range(2):
