@@ -5,7 +5,6 @@ split across a device mesh by solving an ILP over per-op costs, and run the resu
 torch.distributed.
 """
 
-from autopar.api import parallelize
 from autopar.devices import PROFILES, DeviceProfile, get_profile
 from autopar.errors import AutoparError, CaptureError, MeshError, PlanError
 from autopar.mesh import Mesh
@@ -17,3 +16,13 @@ __all__ = [
     "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "Mesh", "MeshError",
     "Partial", "PlanError", "R", "Replicate", "S", "Shard", "get_profile", "parallelize",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # parallelize brings in the runtime (torch.distributed, DTensor: about a second of
+    # imports) that `autopar plan` and `autopar solve` never use; it loads on first use
+    if name == "parallelize":
+        from autopar.api import parallelize
+
+        return parallelize
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

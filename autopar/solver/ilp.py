@@ -51,13 +51,32 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from autopar.solver.contract import contract
 from autopar.solver.problem import Problem, Solution, evaluate, usage_profile
 from autopar.solver.reduce import FORBIDDEN, presolve, reduce_problem
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model
+
+
+class _LazyCpModel:
+    """``ortools.sat.python.cp_model``, imported on first use: it imports pandas too (half a
+    second), which a plan that never calls CP-SAT (a 1-D mesh, where the axis sweep is exact)
+    does not need."""
+
+    def __getattr__(self, name: str) -> object:
+        from ortools.sat.python import cp_model as module
+
+        globals()["cp_model"] = module
+        return getattr(module, name)
+
+
+if not TYPE_CHECKING:
+    cp_model = _LazyCpModel()
 
 _OBJ_MAX = 2.0**48
 
