@@ -66,8 +66,9 @@ def parallelize(
     ``memory_budget``: bytes per device the plan must fit (default: the device profile's
     capacity less a reserve; ``math.inf``: no limit). ``precision``: ``"fp32"``, ``"bf16"`` or
     ``"fp16"`` (default: bf16 on GPU profiles, fp32 on ``cpu``), ``reduce_dtype`` the
-    gradients' reduction dtype (``"fp32"`` default, or the compute dtype); fp16 is refused
-    for now (it needs dynamic loss scaling, not in the runtime yet). ``recompute``: ``"auto"`` (only
+    gradients' reduction dtype (``"fp32"`` default, or the compute dtype); fp16 scales the
+    loss dynamically and skips a step whose gradients overflow (:mod:`autopar.runtime.loss_scale`;
+    the module's ``loss_scale`` holds the scale and the count of skipped steps). ``recompute``: ``"auto"`` (only
     where the plan would not fit otherwise), ``"none"``, ``"selective"`` or ``"full"``.
     A plan given runs with the precision and recomputation it records.
     """
@@ -77,7 +78,6 @@ def parallelize(
     with _compat.outside_local_tensor_mode():
         if plan is None:
             prec = mixed_precision.resolve(precision, amesh.device, reduce_dtype)
-            _refuse_fp16(prec)
             graph = capture(model, example_inputs, example_kwargs, loss_fn, precision=prec)
             _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
             the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget,
@@ -86,7 +86,6 @@ def parallelize(
                                 the_plan.recompute.mode)
         else:
             the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-            _refuse_fp16(the_plan.precision)
             graph = capture(model, example_inputs, example_kwargs, loss_fn,
                             precision=the_plan.precision)
             replan = None
@@ -162,13 +161,6 @@ def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 
 
 # --- planning ---------------------------------------------------------------------------------
-
-
-def _refuse_fp16(precision: Precision) -> None:
-    if precision.loss_scaling:
-        raise PlanError("fp16 training needs dynamic loss scaling, which autopar's runtime does "
-                        "not have yet: use precision='bf16' (same memory and speed on GPUs "
-                        "that have it) or 'fp32'")
 
 
 def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: float | None,

@@ -130,8 +130,7 @@ def precision_line(plan: Plan) -> str:
         return "fp32"
     line = (f"{p.name} compute; fp32 master weights and optimizer state; softmax, norms and the "
             f"loss in fp32; gradients reduced in {p.reduce}")
-    return line + ("; needs dynamic loss scaling (not in the runtime yet)" if p.loss_scaling
-                   else "")
+    return line + ("; dynamic loss scaling" if p.loss_scaling else "")
 
 
 def recompute_line(plan: Plan) -> str:

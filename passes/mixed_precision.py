@@ -3,9 +3,8 @@
 A :class:`Precision` is a plan property: ``fp32``; ``bf16`` (parameters kept in fp32 as the
 master copy the optimizer steps, cast to bf16 where the step reads them; matmuls, attention
 and everything downstream in bf16; softmax, norms and the loss computed in fp32; gradients
-leave the graph in fp32, reduced in ``reduce_dtype``); ``fp16`` (the same in fp16; it needs
-dynamic loss scaling at run time, which the runtime does not have yet: ``parallelize`` refuses
-fp16, ``autopar plan`` prices it).
+leave the graph in fp32, reduced in ``reduce_dtype``); ``fp16`` (the same in fp16, with
+dynamic loss scaling at run time, :mod:`autopar.runtime.loss_scale`).
 
 The policy is applied while the step is traced (:func:`policy`), so the casts are ATen ops of
 the captured joint graph and everything after reads them: the cost model prices each op in

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
 from autopar.passes.buckets import (
     GradSync,
@@ -22,6 +25,7 @@ from autopar.passes.buckets import (
 from autopar.passes.edge_costs import edge_collectives, edge_meta, gather_unit, is_param_gather
 from autopar.passes.memory import peak_memory
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
+from autopar.placements import Partial, Replicate
 from autopar.plan import CollectiveUse, PlanCost
 
 
@@ -124,6 +128,10 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     loss_meta = sp.nodes[loss_i].meta["autopar"].out
     add(cm.loss_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0], sp.mesh),
         "loss")
+    if sp.loss_scaling:  # fp16: one flag of overflowed gradients summed over the mesh
+        n = sp.mesh.ndim
+        add(cm.reshard_collectives(TensorMeta((), torch.float32), (Partial(),) * n,
+                                   (Replicate(),) * n, sp.mesh), "loss scaling")
     comm = float(sum(v[2] for v in agg.values()))
     mem, _ = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)
     collectives = [

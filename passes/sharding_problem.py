@@ -75,6 +75,7 @@ class ShardingProblem:
     # the dtype gradients are summed across ranks in, where it is not their own (a mixed
     # precision plan reducing in bf16): gradient syncs are priced in it
     grad_dtype: torch.dtype | None = None
+    loss_scaling: bool = False  # fp16: the step all-reduces an overflow flag (passes.scoring)
     loss_index: int = -1  # the loss node (reported whole on every rank)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     peak_time: int = 0
@@ -150,6 +151,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
     if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
         sp.grad_dtype = pg.precision.reduce_dtype
+    sp.loss_scaling = pg.precision is not None and pg.precision.loss_scaling
     cost_cache: dict = {}
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]

@@ -54,7 +54,7 @@ from autopar.passes.strategies.registry import (
     op_info,
     tensor_inputs,
 )
-from autopar.placements import Replicate, Spec, evenly_divides, spec_str
+from autopar.placements import Partial, Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
 from autopar.runtime import _compat
 from autopar.runtime.deferred_loss import LossValue
@@ -216,6 +216,9 @@ class LoweredGraph:
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
         rep = (Replicate(),) * len(self.mesh_shape)
         out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
+        if self.plan.precision.loss_scaling:  # the overflow flag (runtime.loss_scale)
+            flag = TensorMeta((), torch.float32)
+            out.append((flag, (Partial(),) * len(self.mesh_shape), rep, "loss scaling"))
         return out
 
     def gather_collectives(self) -> list[tuple[int, float]]:

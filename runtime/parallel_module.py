@@ -39,6 +39,7 @@ from autopar.placements import to_torch
 from autopar.plan import Plan
 from autopar.runtime import _compat, elementwise_fast_path, fused_optim, grad_norm
 from autopar.runtime.deferred_loss import DeferredLoss
+from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.lower import LoweredGraph
 from autopar.runtime.redistribute import CollectiveCounter, Comm
 
@@ -116,7 +117,12 @@ class _Call:
         return self.lowered.forward(env, self.pm._comm)
 
     def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
+        scaler = self.pm.loss_scale
+        if scaler is not None:  # fp16: the backward starts from the scaled loss's gradient
+            grad_loss = scaler.seed(grad_loss)
         locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm)
+        if scaler is not None:
+            locals_ = scaler.unscale_or_skip(locals_, self.pm._comm, self.pm._param_list)
         out: list[DTensor | None] = []
         for p, g in zip(self.pm._param_list, locals_):
             if g is None:
@@ -151,6 +157,8 @@ class ParallelModule(nn.Module):
         _distribute_state(self, graph, plan, device_mesh)
         self._param_list = [self.get_parameter(n) for n in graph.param_names]
         self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
+        # fp16 plans scale the loss dynamically (loss_scale); its state: scale, skipped steps
+        self.loss_scale = DynamicLossScale() if plan.precision.loss_scaling else None
         fused_optim.install()
         elementwise_fast_path.install()
         grad_norm.install()  # clip_grad_norm_'s total reads as one device's on every rank
