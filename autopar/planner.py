@@ -25,7 +25,7 @@ from autopar.mesh import Mesh
 from autopar.passes import bucket_fill, mixed_precision, sharding_problem
 from autopar.passes import cost_model as cm
 from autopar.passes import recompute as recompute_mode
-from autopar.passes.axis_search import solve_axiswise
+from autopar.passes.axis_search import solve_axiswise, sweep_was_exact
 from autopar.passes.buckets import first_bucket_bytes
 from autopar.passes.edge_costs import edge_collectives
 from autopar.passes.mixed_precision import Precision
@@ -39,6 +39,8 @@ from autopar.solver import Problem, Solution, evaluate, solve
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
 POLISH_S = 2.0
+# the local moves' budget in a reference completion's polish (they stop sooner when done)
+LOCAL_POLISH_S = 0.5
 # the solver's own plan must beat the best reference layout by this fraction to replace it
 MIN_GAIN = 0.01
 
@@ -379,14 +381,26 @@ def _fits(mem_bytes: float, budget: float | None) -> bool:
 
 def planner_solve(
     sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
-    domains: list[np.ndarray] | None = None,
+    domains: list[np.ndarray] | None = None, local_polish: bool = False,
 ) -> Solution:
     """Axis-by-axis exact sweeps from several starts, then the general solver from the best
-    point for what is left of a short polishing budget; the better answer wins."""
+    point for what is left of a short polishing budget; the better answer wins.
+
+    ``local_polish`` (reference completions): where every step of the best sweep was solved
+    exactly, the polish is the solver's local moves alone (every node, every rigid group
+    re-chosen on its own), not the exact CP-SAT solve of the whole problem. Over
+    plan_quality's 316 polishes, 61 were improved by those local moves and 9 more by CP-SAT:
+    7 where the sweep's steps were too wide to eliminate (Mixtral on a 1-D mesh; the exact
+    polish still runs there) and 2 on one gpt2-xl 8x8 completion of fsdp, not the best
+    reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s."""
     t0 = time.perf_counter()
     best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains)
     if best is not None and best.status == "optimal":
         return best
+    if local_polish and best is not None and best.feasible and sweep_was_exact(best):
+        other = solve(problem, timeout_s=LOCAL_POLISH_S, hint=best.assignment,
+                      method="heuristic")
+        return other if other.feasible and other.cost < best.cost else best
     left = time_limit_s - (time.perf_counter() - t0)
     polish = min(POLISH_S, left)
     if polish > 0.2 or best is None:
@@ -482,7 +496,7 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
         if not allowed[v]:
             return _CONFLICT
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
-    sol = planner_solve(sp, sub, time_limit_s, domains=maps)
+    sol = planner_solve(sp, sub, time_limit_s, domains=maps, local_polish=True)
     if not sol.feasible:
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]

@@ -11,6 +11,7 @@ above 1 means autopar's plan is that much faster; below 1 would be a failure.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -34,9 +35,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="two models, two meshes")
     ap.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
     ap.add_argument("--time-limit", type=float, default=10.0)
+    ap.add_argument("--models", help="comma-separated subset of the models (A/B runs)")
+    ap.add_argument("--meshes", help="comma-separated subset of the meshes: 8, 2x4, 8x8, 16x8")
     args = ap.parse_args()
     models = MODELS[:1] + MODELS[4:5] if args.quick else MODELS
     meshes = dict(list(MESHES.items())[:2]) if args.quick else MESHES
+    if args.models:
+        models = [m for m in args.models.split(",") if m]
+    if args.meshes:
+        meshes = {k: MESHES[k] for k in args.meshes.split(",")}
     rows, worse = [], 0
     t_start = time.perf_counter()
     for name in models:
@@ -52,8 +59,11 @@ def main() -> None:
                     ref = fn(model, mesh.shape, mesh.axes, preset.family, batch_size=batch)
                     if ref is not None:
                         refs[rname] = ref
+                # no memory limit (math.inf; None would be the device's): plan quality
+                # compares layouts, including those that need more than one device holds
                 planned = make_plan(model, mesh, graph=graph, references=refs,
-                                    time_limit_s=args.time_limit, model_name=name)
+                                    memory_budget=math.inf, time_limit_s=args.time_limit,
+                                    model_name=name)
                 plan = planned.plan
                 best_name, best = min(plan.references.items(), key=lambda kv: kv[1].step_s)
                 gain = best.step_s / plan.cost.step_s

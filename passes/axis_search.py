@@ -165,4 +165,15 @@ def solve_axiswise(
     # on a 1-D mesh one step spans every strategy: an exact step is the global optimum
     status = "optimal" if sp.mesh.ndim == 1 and best_exact else "feasible"
     return Solution(tuple(int(x) for x in best), cost, ok, status if ok else "timeout-no-solution",
-                    time.monotonic() - t0, "axis-sweep", None, peak)
+                    time.monotonic() - t0, SWEEP if best_exact else SWEEP_INEXACT, None, peak)
+
+
+SWEEP = "axis-sweep"
+# some step of the best sweep was not solved exactly: too wide to eliminate (it was skipped),
+# or a memory limit made it a Lagrangian step
+SWEEP_INEXACT = "axis-sweep (inexact steps)"
+
+
+def sweep_was_exact(sol: Solution) -> bool:
+    """Whether every step of the sweep that gave ``sol`` was solved exactly."""
+    return sol.method == SWEEP

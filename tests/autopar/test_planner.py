@@ -207,3 +207,31 @@ def test_a_sweep_answer_the_exact_solve_cannot_beat_is_reported_optimal(monkeypa
         if want == "optimal":
             assert got.method == "axis-sweep, proven optimal by auto/ilp"
             assert got.lower_bound == 2.0
+
+
+def test_a_reference_completion_is_polished_by_local_moves_where_the_sweep_was_exact(
+        monkeypatch):
+    """Reference completions (local_polish) take the solver's local moves after an exact
+    sweep, and its exact polish after a sweep with inexact steps (too wide to eliminate, or
+    Lagrangian under a memory limit); a polish that finds nothing cheaper keeps the sweep's."""
+    from autopar import planner
+    from autopar.passes.axis_search import SWEEP, SWEEP_INEXACT
+    from autopar.solver.problem import Solution
+
+    for method, want in ((SWEEP, "heuristic"), (SWEEP_INEXACT, "auto")):
+        calls = []
+        sweep = Solution((0, 1), 2.0, True, "feasible", 0.1, method)
+
+        def fake_solve(problem, timeout_s, hint=None, method="auto", _c=calls):
+            _c.append((method, hint))
+            return Solution((1, 1), 1.5, True, "feasible", 0.1, method)
+
+        monkeypatch.setattr(planner, "solve_axiswise", lambda *a, _s=sweep, **k: _s)
+        monkeypatch.setattr(planner, "solve", fake_solve)
+        got = planner.planner_solve(None, None, time_limit_s=10.0, local_polish=True)
+        assert calls == [(want, sweep.assignment)] and got.cost == 1.5
+    monkeypatch.setattr(planner, "solve", lambda *a, **k: Solution((1, 0), 2.0, True, "feasible",
+                                                                     0.1, "heuristic"))
+    monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: Solution(
+        (0, 1), 2.0, True, "feasible", 0.1, SWEEP))
+    assert planner.planner_solve(None, None, 10.0, local_polish=True).assignment == (0, 1)
