@@ -28,8 +28,9 @@ from autopar.passes import recompute as recompute_mode
 from autopar.passes.axis_search import solve_axiswise, sweep_was_exact
 from autopar.passes.buckets import first_bucket_bytes
 from autopar.passes.edge_costs import edge_collectives
+from autopar.passes.memory import peak_memory
 from autopar.passes.mixed_precision import Precision
-from autopar.passes.problem_reduction import refine_followers
+from autopar.passes.problem_reduction import reduced_problem, refine_followers
 from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 from autopar.placements import Spec
@@ -420,24 +421,54 @@ def _solve_within_budget(
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
-    problem constrains one instant), tighten the limit by the overshoot and solve again."""
+    problem constrains one instant), constrain the instant where it peaks instead (a sharded
+    or recomputing layout peaks elsewhere than the replicated one the problem was built
+    at), or, where it peaks at the constrained instant already, tighten the limit by the
+    overshoot, and solve again.
+
+    Under a budget the leanest assignment (every variable at its smallest usage) starts the
+    search too: it fits wherever anything does, and the sweeps, which move one axis at a
+    time, can miss every fitting point of a tight limit from the other starts. Where they
+    still find none, the general solver gets the time left."""
     assert sp.problem is not None
+    t0 = time.perf_counter()
     problem = sp.problem
     hints = ([hint] if hint is not None else []) + (more_hints or [])
-    sol = planner_solve(sp, problem, time_limit_s, hints or None)
+    if budget is not None:
+        hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
+    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0)
     if budget is None or not sol.feasible:
         return sol
-    for _ in range(3):
-        peak = score_assignment(sp, sp.expand(sol.assignment)).cost.mem_bytes
+    for _ in range(4):
+        choice = sp.expand(sol.assignment)
+        peak, instant = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)],
+                                    sp.live)
         if _fits(peak, budget):
             return sol
-        limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
-        problem = _with_limit(problem, limit)
-        retry = planner_solve(sp, problem, time_limit_s, [sol.assignment])
+        if instant != sp.peak_time:  # the problem constrains the instant that binds now
+            sp.peak_time = instant
+            sp.problem = problem = reduced_problem(sp, budget)
+        else:
+            limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
+            problem = _with_limit(problem, limit)
+        retry = _solve_or_search(sp, problem, time_limit_s,
+                                 [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
+                                 time.perf_counter())
         if not retry.feasible:
             return retry
         sol = retry
     return sol
+
+
+def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
+                     hints: list, t0: float) -> Solution:
+    sol = planner_solve(sp, problem, time_limit_s, hints or None)
+    left = time_limit_s - (time.perf_counter() - t0)
+    if sol.feasible or problem.usage_limit is None or left < 1.0:
+        return sol
+    lean = hints[-1] if hints else None
+    other = solve(problem, timeout_s=left, hint=lean)
+    return other if other.feasible else sol
 
 
 def _with_limit(p: Problem, limit: float) -> Problem:

@@ -119,8 +119,8 @@ def apply_recompute(pg: PlanGraph, names: list[str] | tuple[str, ...]) -> PlanGr
         return pg
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    out = graph.graph_copy(pg.graph, env, return_output_node=True)
-    graph.output(out[0] if isinstance(out, tuple) else out)  # type: ignore[index]
+    value, old_output = graph.graph_copy(pg.graph, env, return_output_node=True)  # type: ignore[misc]
+    graph.output(value).meta = dict(old_output.meta)
     nodes = {n.name: n for n in graph.nodes}
     missing = [x for x in names if x not in nodes]
     if missing:

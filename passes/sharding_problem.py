@@ -171,20 +171,28 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]
         key = (id(strategies[i]), f.role, f.op,
-               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs))
+               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
+               own_storage(n), _read_outputs(n))
         if key not in usage_cache:
             usage_cache[key] = _usage(n, strategies[i], mesh)
         sp.usage.append(usage_cache[key])
+    sp.live = live_intervals(nodes)
     if pg.proxy is not None:
-        # a traced middle layer stands for several real ones: weigh its costs and memory
+        # a traced middle layer stands for several real ones: weigh its costs, and the memory
+        # each of them holds at once: its parameters, gradients and the activations kept for
+        # the backward (live across the forward's end). What a layer frees before the next
+        # one runs (its transients, forward or backward) is held by one layer at a time.
         sp.weight = np.array([pg.layer_weight(node_layer(n)) for n in nodes])
+        turn = next((i for i, n in enumerate(nodes) if n.meta["autopar"].phase == "bwd"),
+                    len(nodes))
         for i, w in enumerate(sp.weight):
             if w != 1.0:
                 sp.node_cost[i] = sp.node_cost[i] * w
-                sp.usage[i] = sp.usage[i] * w
+                a, b = sp.live[i]
+                if a < turn <= b or nodes[i].meta["autopar"].role in ("param", "grad"):
+                    sp.usage[i] = sp.usage[i] * w
     else:
         sp.weight = np.ones(len(nodes))
-    sp.live = live_intervals(nodes)
     sp.peak_time = _replicated_peak(sp)
     merge_followers(sp)
     sp.share_layers = share_layers
