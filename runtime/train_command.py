@@ -54,6 +54,10 @@ class TrainConfig:
     compile: bool = False  # parallelize(..., compile=True)
     grad_accum: int = 1  # micro-batches per optimizer step, their gradients summed
     clip: float | None = None  # clip_grad_norm_'s max_norm before each step; None: no clipping
+    precision: str | None = None  # parallelize(precision=...); None: the cpu profile's, fp32
+    reduce_dtype: str | None = None
+    recompute: str = "auto"
+    memory_budget: float | None = None  # bytes per rank; None: the cpu profile's limit
 
     @property
     def mesh_text(self) -> str:
@@ -103,6 +107,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--clip", type=float, default=None, metavar="MAX_NORM",
                    help="clip the gradients' total norm to MAX_NORM before each optimizer "
                         "step (torch.nn.utils.clip_grad_norm_; default: no clipping)")
+    p.add_argument("--memory-budget",
+                   help="per-process memory limit of the plan, e.g. 2GiB (default: the cpu "
+                        "profile's capacity less a reserve; 'none' for no limit)")
+    from autopar.cli import add_memory_options
+
+    add_memory_options(p)
     p.set_defaults(func=run)
 
 
@@ -141,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> TrainConfig:
     """The run's config, or :class:`TrainUsageError` naming the bad option and the fix."""
-    from autopar.cli import check_batch
+    from autopar.cli import check_batch, parse_bytes
     from autopar.models import get_preset
 
     preset = get_preset(args.model)  # UnknownPresetError is an AutoparError: one line
@@ -168,13 +178,18 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         raise TrainUsageError(f"--time-limit must be positive, got {args.time_limit}")
     check_batch(mesh, args.batch)
     _check_loop(mesh, args)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    if args.reduce_dtype not in (None, "fp32") and args.reduce_dtype != args.precision:
+        raise TrainUsageError(
+            f"--reduce-dtype {args.reduce_dtype} goes with --precision {args.reduce_dtype}: "
+            "gradients are summed in fp32 or in the compute dtype")
     if nproc > 4 * (os.cpu_count() or 1):
         print(f"note: {nproc} processes on {os.cpu_count()} CPU cores will be slow",
               file=sys.stderr)
     return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
                        args.timeout, args.time_limit, args.compile, args.grad_accum,
-                       args.clip)
+                       args.clip, args.precision, args.reduce_dtype, args.recompute, budget)
 
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
@@ -202,6 +217,10 @@ def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
 
 def _loop_text(cfg: TrainConfig) -> str:
     out = ""
+    if cfg.precision not in (None, "fp32"):
+        out += f", {cfg.precision} (the baseline runs fp32)"
+    if cfg.recompute != "auto":
+        out += f", recompute {cfg.recompute}"
     if cfg.grad_accum > 1:
         out += f", {cfg.grad_accum} micro-batches of {cfg.batch // cfg.grad_accum} per step"
     if cfg.clip is not None:
@@ -243,7 +262,9 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
     example = _micro_batches(sampler.batch(0), cfg)[0]  # the shapes every call will have
     pm = autopar.parallelize(model, mesh, example_inputs=example,
-                             time_limit_s=cfg.time_limit_s, compile=cfg.compile)
+                             time_limit_s=cfg.time_limit_s, compile=cfg.compile,
+                             precision=cfg.precision, reduce_dtype=cfg.reduce_dtype,
+                             recompute=cfg.recompute, memory_budget=cfg.memory_budget)
     if rank == 0:
         plan = getattr(pm, "plan", None)
         if plan is not None:
