@@ -265,3 +265,29 @@ def check_collectives(records: list, pm: nn.Module, what: str = "") -> None:
     assert collective_totals(records, by_reason=False) == routed, what
     if not deviates:
         assert collective_totals(records) == planned_totals(pm.plan), what
+
+
+def spawn_reports(worker: Callable, args: tuple, nprocs: int, out_dir: Any,
+                  timeout_s: float) -> list[dict]:
+    """Run ``worker(rank, *args)`` on ``nprocs`` spawned processes (gloo tests) and read back
+    each rank's ``rank{r}.json`` report from ``out_dir``; fail the test past ``timeout_s``."""
+    import json
+    import time
+    from pathlib import Path
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"gloo workers still running after {timeout_s} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nprocs)]
+

@@ -18,12 +18,9 @@ import copy
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
-import pytest
 import torch
-import torch.multiprocessing as mp
 from spmd_harness import (
     RNG_SEED,
     assert_same_training,
@@ -33,6 +30,7 @@ from spmd_harness import (
     planned_totals,
     reference_plan,
     routed_totals,
+    spawn_reports,
     train_parallel,
     train_single,
 )
@@ -172,19 +170,9 @@ def _reference_plans(configs: list) -> dict[str, str]:
 
 def _run_workers(tmp_path: Path, configs: list, compile: bool = False) -> list[dict]:
     """Every rank's report (see ``_worker``), after checking the ranks agree."""
-    ctx = mp.start_processes(
-        _worker, args=(_free_port(), _reference_plans(configs), str(tmp_path), configs, compile),
-        nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"gloo workers still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = spawn_reports(
+        _worker, (_free_port(), _reference_plans(configs), str(tmp_path), configs, compile),
+        WORLD, tmp_path, TIMEOUT_S)
     for name, *_ in configs:
         rep = reports[0][name]
         assert all(r[name] == rep for r in reports), f"{name}: ranks disagree on collectives"

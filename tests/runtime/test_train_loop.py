@@ -17,12 +17,10 @@ import copy
 import json
 import math
 import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from spmd_harness import (
     PLANS,
     RNG_SEED,
@@ -31,6 +29,7 @@ from spmd_harness import (
     mesh_for,
     reference_plan,
     run_case,
+    spawn_reports,
     train_parallel,
     train_single,
 )
@@ -240,19 +239,8 @@ def test_gloo_accumulate_and_clip(tmp_path: Path) -> None:
         assert plan is not None
         plans[source] = plan.to_json()
     max_norms = _max_norms(model, micro[0], micro)
-    ctx = mp.start_processes(_gloo_worker,
-                             args=(_free_port(), plans, max_norms, str(tmp_path)),
-                             nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"gloo workers still running after {TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    reports = spawn_reports(_gloo_worker, (_free_port(), plans, max_norms, str(tmp_path)),
+                            WORLD, tmp_path, TIMEOUT_S)
     for source in GLOO_PLANS:
         assert reports[0][source]["norms"] == reports[1][source]["norms"], source
         for r in range(WORLD):
