@@ -110,14 +110,25 @@ def make_plan(
     timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
     runs: dict[str, _ModeRun] = {}
 
+    seeds: list[_ModeRun] = []  # plans the recomputing modes start from
+
     def run(mode: str, own: bool) -> _ModeRun:
-        base = runs.get("none")
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
                                 time_limit_s, min_gain, own, timings,
-                                seed=base if base is not None and base.choice else None)
+                                seed=seeds[0] if seeds else None)
         return runs[mode]
 
     first = run("none", own=True)  # also the start of the other modes' searches
+    if first.choice is not None:
+        seeds.append(first)
+    elif limit is not None and recompute != "none":
+        # nothing fits without recomputing: the other modes start from the layout that is
+        # fastest with no limit (the solver alone, from the leanest start, can stall far
+        # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
+        free = _plan_mode(pg, mesh, "none", None, {}, time_limit_s / 2, min_gain, True,
+                          timings)
+        if free.choice is not None:
+            seeds.append(free)
     if recompute == "auto":
         # recomputation pays only where memory binds: a plan well inside the limit is the
         # fastest any mode can give (recomputing adds work and frees no better layout)
