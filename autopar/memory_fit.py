@@ -64,6 +64,10 @@ def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
            f"{mesh.describe()}: with recomputation and sharding at their leanest it needs "
            f"about {fmt_bytes(need)} ({fmt_bytes(state)} of parameters, gradients and "
            f"optimizer state, {fmt_bytes(acts)} of activations). ")
+    if need <= lim:  # the per-node minima fit: the solver found no consistent plan that does
+        return msg + (f"No plan found fits within --time-limit {time_limit_s:g} s (the leanest "
+                      "layouts of single tensors do not always combine into one plan): raise "
+                      "--time-limit, or make room with a smaller batch or more devices")
     batch = _batch(pg)
     devices = mesh.size * math.ceil(need / lim) if lim > 0 else mesh.size
     more = (f"{devices} devices or more (the state shards over all of them, the activations "
