@@ -1,6 +1,7 @@
 """The plans the solver finds for the classic situations, and the plan's own contracts."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -14,13 +15,13 @@ from autopar.plan import Plan
 from autopar.planner import make_plan
 
 
-def _plan(name, mesh, batch, seq, budget=None, precision=None, **changes):
+def _plan(name, mesh, batch, seq, budget=None, precision=None, recompute="auto", **changes):
     preset = get_preset(name)
     changes.setdefault("n_positions" if preset.family == "gpt2" else "max_seq_len", seq)
     preset = preset.replace(**changes)
     return make_plan(preset.build("meta"), mesh, preset.example_inputs(batch, seq),
                      memory_budget=budget, time_limit_s=20, model_name=name,
-                     precision=precision)
+                     precision=precision, recompute=recompute)
 
 
 GPT_COLUMN = ("attn.qkv.weight", "mlp.fc.weight")
@@ -81,8 +82,38 @@ def test_memory_budget_below_replicated_state_shards_parameters():
 
 
 def test_infeasible_budget_is_a_clear_error():
-    with pytest.raises(PlanError, match="memory budget"):
+    with pytest.raises(PlanError, match="memory budget") as err:
         _plan("gpt2-tiny", Mesh((2,), ("dp",)), batch=4, seq=32, budget=1000)
+    text = str(err.value)
+    # the leanest need, in units that read (KiB, not "0.00 GiB"), and the options sized
+    assert "leanest it needs about" in text and "KiB" in text and "0.00 GiB" not in text
+    assert "devices or more" in text and "raise --memory-budget to" in text
+
+
+def test_activations_over_the_limit_suggest_a_batch_that_fits():
+    from autopar.capture import capture
+    from autopar.memory_fit import leanest
+    from autopar.passes import recompute, sharding_problem
+    from autopar.passes.mixed_precision import Precision
+
+    preset = get_preset("gpt2-tiny").replace(n_positions=128)
+    model, inputs = preset.build("meta"), preset.example_inputs(64, 128)
+    mesh = Mesh((2,), ("dp",))
+    graph = capture(model, inputs, precision=Precision("bf16"))
+    full = recompute.apply_recompute(graph, recompute.recompute_nodes(graph, "full"))
+    need, state = leanest(sharding_problem.build(full, mesh))
+    budget = state + (need - state) / 2  # half the leanest activations: about half the batch
+    with pytest.raises(PlanError, match=r"Most helpful: a batch of (\d+)") as err:
+        make_plan(model, mesh, inputs, memory_budget=budget, time_limit_s=5)
+    fit = int(re.search(r"a batch of (\d+)", str(err.value)).group(1))
+    assert 16 <= fit <= 40, str(err.value)
+
+
+def test_default_limit_is_the_devices_memory_less_its_reserve():
+    planned = _plan("gpt2-tiny", Mesh((2,), ("dp",), "cpu"), batch=4, seq=32)
+    assert planned.plan.memory_budget == 14 * 2**30  # cpu profile: 16 GiB less 2 GiB
+    assert "cpu's 16.00 GiB less a 2.00 GiB reserve" in planned.plan.table()
+    assert planned.plan.precision.name == "fp32"  # the cpu profile's default
 
 
 def test_plan_round_trips_through_json(tmp_path):
