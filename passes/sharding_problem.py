@@ -171,8 +171,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]
         key = (id(strategies[i]), f.role, f.op,
-               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
-               own_storage(n), _read_outputs(n))
+               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs))
         if key not in usage_cache:
             usage_cache[key] = _usage(n, strategies[i], mesh)
         sp.usage.append(usage_cache[key])
