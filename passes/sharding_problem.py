@@ -21,7 +21,7 @@ import torch.fx as fx
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
-from autopar.passes.memory import live_intervals, peak_memory
+from autopar.passes.memory import live_intervals, own_storage, peak_memory
 from autopar.passes.problem_reduction import (
     assign_variables,
     merge_followers,
@@ -171,7 +171,8 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]
         key = (id(strategies[i]), f.role, f.op,
-               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs))
+               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
+               own_storage(n), _read_outputs(n))
         if key not in usage_cache:
             usage_cache[key] = _usage(n, strategies[i], mesh)
         sp.usage.append(usage_cache[key])
@@ -267,11 +268,22 @@ def _usage(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
             # there, below); zero_grad frees it before the next forward
             out[k] = cm.param_bytes_per_device(facts.out, s.outs[0], mesh, grad=False)
         return out
+    if own_storage(n):  # one output of a multi-output op, held for as long as it is read
+        for k, s in enumerate(strategies):
+            out[k] = cm.activation_bytes(facts.out, s.outs[0], mesh)
+        return out
     if facts.op in cm.VIEW_OPS:
         return out  # views alias their base
+    read = _read_outputs(n)  # counted at their getitem, each for its own lifetime
     for k, s in enumerate(strategies):
-        out[k] = sum(cm.activation_bytes(m, spec, mesh) for m, spec in zip(facts.outputs, s.outs))
+        out[k] = sum(cm.activation_bytes(m, spec, mesh)
+                     for j, (m, spec) in enumerate(zip(facts.outputs, s.outs)) if j not in read)
     return out
+
+
+def _read_outputs(n: fx.Node) -> frozenset[int]:
+    """The outputs of a multi-output op that a ``getitem`` of its own storage reads."""
+    return frozenset(int(u.args[1]) for u in n.users if own_storage(u))
 
 
 def _replicated_peak(sp: ShardingProblem) -> int:
