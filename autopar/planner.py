@@ -28,7 +28,7 @@ from autopar.passes import recompute as recompute_mode
 from autopar.passes.axis_search import solve_axiswise, sweep_was_exact
 from autopar.passes.buckets import first_bucket_bytes
 from autopar.passes.edge_costs import edge_collectives
-from autopar.passes.memory import peak_memory
+from autopar.passes.memory import peak_memory, step_usage
 from autopar.passes.mixed_precision import Precision
 from autopar.passes.problem_reduction import reduced_problem, refine_followers
 from autopar.passes.scoring import score_assignment
@@ -452,8 +452,8 @@ def _solve_within_budget(
         return sol
     for _ in range(4):
         choice = sp.expand(sol.assignment)
-        peak, instant = peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)],
-                                    sp.live)
+        # the whole step's peak, as the plan reports it (reshard copies, gathers included)
+        peak, instant = peak_memory(*step_usage(sp, choice))
         if _fits(peak, budget):
             return sol
         if instant != sp.peak_time:  # the problem constrains the instant that binds now

@@ -416,17 +416,20 @@ def _substitute(args: tuple, kwargs: dict, vals: Any, env: dict[str, Any]
                 ) -> tuple[tuple, dict]:
     """A node's ``args`` and ``kwargs`` with tensor inputs taken from ``vals`` in
     :func:`tensor_inputs` order."""
+    return _sub(tuple(args), vals, env), _sub(dict(kwargs), vals, env)
 
-    def sub(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return next(vals) if isinstance(a.meta.get("val"), torch.Tensor) else env[a.name]
-        if isinstance(a, (list, tuple)):
-            return type(a)(sub(x) for x in a)
-        if isinstance(a, dict):
-            return {k: sub(x) for k, x in a.items()}
-        return a
 
-    return sub(tuple(args)), sub(dict(kwargs))
+def _sub(a: Any, vals: Any, env: dict[str, Any]) -> Any:
+    # a module-level function, not a closure: a recursive closure refers to itself, and the
+    # cycle kept the step's input values alive until the garbage collector ran (measured:
+    # llama3-tiny DP's peak 1.115x the prediction with the collector off, 1.000 without it)
+    if isinstance(a, fx.Node):
+        return next(vals) if isinstance(a.meta.get("val"), torch.Tensor) else env[a.name]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_sub(x, vals, env) for x in a)
+    if isinstance(a, dict):
+        return {k: _sub(x, vals, env) for k, x in a.items()}
+    return a
 
 
 def _fetch_attr(gm: fx.GraphModule, target: str) -> Any:
