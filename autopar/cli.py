@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -111,26 +111,15 @@ def check_batch(mesh: Mesh, batch: int) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.models.reference_plans import FIXED_POLICIES, REFERENCE_PLANS
+    from autopar.models.reference_plans import comparison_plans
     from autopar.planner import make_plan
 
     mesh = Mesh.parse(args.mesh, args.device)
     check_batch(mesh, args.batch)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     loaded = load_model(args.model, args.batch, args.seq)
-    refs = {}
-    if args.compare:
-        for rname, fn in REFERENCE_PLANS.items():
-            try:
-                ref = fn(loaded.model, mesh.shape, mesh.axes, loaded.family, batch_size=args.batch)
-            except (ValueError, TypeError):
-                ref = None
-            if ref is not None:
-                refs[rname] = ref
-        # the fixed memory policies: a layout with a recomputation mode
-        for pname, (layout, mode) in FIXED_POLICIES.items():
-            if layout in refs:
-                refs[pname] = replace(refs[layout], name=pname, recompute=mode)
+    refs = comparison_plans(loaded.model, mesh.shape, mesh.axes, loaded.family,
+                            batch_size=args.batch) if args.compare else {}
     planned = make_plan(loaded.model, mesh, loaded.inputs, loaded.kwargs, memory_budget=budget,
                         time_limit_s=args.time_limit, references=refs, model_name=loaded.name,
                         max_layers=args.trace_layers if args.trace_layers > 0 else None,

@@ -251,24 +251,10 @@ SWEEP_TIME_LIMIT_S = 5.0
 
 
 def sweep_references(model, mesh: Mesh, family: str) -> dict:
-    """The reference layouts and fixed memory policies, built as ``autopar plan --compare``
-    builds them (``autopar/cli.py`` cmd_plan)."""
-    from dataclasses import replace
+    """The reference layouts and fixed memory policies ``autopar plan --compare`` scores."""
+    from autopar.models.reference_plans import comparison_plans
 
-    from autopar.models.reference_plans import FIXED_POLICIES, REFERENCE_PLANS
-
-    refs = {}
-    for name, fn in REFERENCE_PLANS.items():
-        try:
-            ref = fn(model, mesh.shape, mesh.axes, family, batch_size=SWEEP_BATCH)
-        except (ValueError, TypeError):
-            ref = None
-        if ref is not None:
-            refs[name] = ref
-    for name, (layout, mode) in FIXED_POLICIES.items():
-        if layout in refs:
-            refs[name] = replace(refs[layout], name=name, recompute=mode)
-    return refs
+    return comparison_plans(model, mesh.shape, mesh.axes, family, batch_size=SWEEP_BATCH)
 
 
 def budget_sweep(mesh_text: str) -> dict:

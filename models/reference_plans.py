@@ -22,7 +22,7 @@ is checked only when ``batch_size`` is passed.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -147,6 +147,27 @@ def applicable_plans(
         for name, fn in REFERENCE_PLANS.items()
     }
     return {name: plan for name, plan in plans.items() if plan is not None}
+
+
+def comparison_plans(
+    model: nn.Module, mesh_shape: tuple[int, ...], axes: tuple[str, ...], family: str,
+    batch_size: int | None = None,
+) -> dict[str, ReferencePlan]:
+    """What ``autopar plan --compare`` scores: every layout that applies to this mesh (one a
+    model cannot take is left out), and each fixed memory policy of :data:`FIXED_POLICIES`
+    whose layout applies."""
+    refs: dict[str, ReferencePlan] = {}
+    for name, fn in REFERENCE_PLANS.items():
+        try:
+            ref = fn(model, mesh_shape, axes, family, batch_size=batch_size)
+        except (ValueError, TypeError):
+            ref = None
+        if ref is not None:
+            refs[name] = ref
+    for name, (layout, mode) in FIXED_POLICIES.items():
+        if layout in refs:
+            refs[name] = replace(refs[layout], name=name, recompute=mode)
+    return refs
 
 
 # --- helpers -------------------------------------------------------------------------------
