@@ -212,8 +212,8 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def _tag_repeated_blocks(model: nn.Module) -> tuple[list[Any], list[Any]]:
     handles, stack = [], []
 
-    def enter(i: int) -> None:
-        cm = compat.annotate({"autopar_layer": i})
+    def enter(tag: dict) -> None:
+        cm = compat.annotate(tag)
         cm.__enter__()
         stack.append(cm)
 
@@ -221,23 +221,18 @@ def _tag_repeated_blocks(model: nn.Module) -> tuple[list[Any], list[Any]]:
         if stack:
             stack.pop().__exit__(None, None, None)
 
-    def enter_tag(tag: dict) -> None:
-        cm = compat.annotate(tag)
-        cm.__enter__()
-        stack.append(cm)
-
     for i, block in enumerate(repeated_blocks(model)):
-        handles.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
+        layer = {"autopar_layer": i}
+        handles.append(block.register_forward_pre_hook(lambda m, a, t=layer: enter(t)))
         handles.append(block.register_forward_hook(lambda m, a, o: leave()))
-        handles.append(block.register_full_backward_pre_hook(lambda m, g, i=i: enter(i)))
+        handles.append(block.register_full_backward_pre_hook(lambda m, g, t=layer: enter(t)))
         handles.append(block.register_full_backward_hook(lambda m, gi, go: leave()))
         # the forward's attention internals, which selective recomputation recomputes
         # (passes.recompute), and its projections inside, which it keeps
         for sub in block.modules():
             tag = _module_tag(sub)
             if tag is not None:
-                handles.append(sub.register_forward_pre_hook(
-                    lambda m, a, tag=tag: enter_tag(tag)))
+                handles.append(sub.register_forward_pre_hook(lambda m, a, t=tag: enter(t)))
                 handles.append(sub.register_forward_hook(lambda m, a, o: leave()))
     return handles, stack
 

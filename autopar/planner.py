@@ -212,15 +212,16 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
     # only improve on it (a portfolio start, as MIP solvers take from heuristics)
     hint = refs.assign[refs.best] if refs.best is not None else None
     t2 = time.perf_counter()
-    seeds = [_carried(sp, seed)] if seed is not None else []
+    # the other mode's placements, node for node: a start for the solver (each variable at its
+    # root's strategy) and a candidate itself (the reduced problem's followers and shared
+    # variables do not always let the solver find them again in the recomputing graph)
+    carried = _carried_choice(sp, seed) if seed is not None else None
+    seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     sol = _solve_within_budget(sp, limit, time_limit_s, hint, seeds)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
         return out
-    # the other mode's placements, node for node (the reduced problem's followers and shared
-    # variables do not always let the solver find them again in the recomputing graph)
-    carried = _carried_choice(sp, seed) if seed is not None else None
     choice, sol, method = _select(sp, [sol], refs, min_gain, limit, carried)
     # gradient buckets the plan leaves nearly empty priced at their real fill, the problem
     # solved again from this solution and the references completed again at those prices
@@ -250,22 +251,9 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
     return out
 
 
-def _carried(sp: ShardingProblem, other: _ModeRun) -> tuple[int, ...]:
-    """``other``'s plan as an assignment of ``sp``'s variables: every node by name, a
-    recomputed copy as its original (the strategy lists of one op on one shape are built
-    alike in both problems)."""
-    assert other.choice is not None and sp.problem is not None
-    by_name = {n.name: s for n, s in zip(other.sp.nodes, other.choice)}
-    out = []
-    for r in sp.var_root:
-        f = sp.nodes[r].meta["autopar"]
-        s = by_name.get(f.extra.get("recomputes", sp.nodes[r].name), 0)
-        out.append(s if s < len(sp.problem.costs[len(out)]) else 0)
-    return tuple(out)
-
-
 def _carried_choice(sp: ShardingProblem, other: _ModeRun) -> list[int]:
-    """``other``'s plan as a strategy for every node of ``sp``, a copy as its original."""
+    """``other``'s plan as a strategy for every node of ``sp``, a copy as its original (the
+    strategy lists of one op on one shape are built alike in both problems)."""
     assert other.choice is not None
     by_name = {n.name: s for n, s in zip(other.sp.nodes, other.choice)}
     return [by_name[n.meta["autopar"].extra.get("recomputes", n.name)] for n in sp.nodes]

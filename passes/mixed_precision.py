@@ -78,10 +78,6 @@ class Precision:
         """fp16's narrow range needs the loss scaled up so small gradients do not flush to 0."""
         return self.name == "fp16"
 
-    def __str__(self) -> str:
-        return self.name if self.reduce == "fp32" or not self.mixed else \
-            f"{self.name} (gradients reduced in {self.reduce})"
-
     def to_json(self) -> dict[str, str]:
         return {"name": self.name, "reduce": self.reduce}
 
@@ -97,14 +93,14 @@ def resolve(precision: str | Precision | None, device: Any, reduce_dtype: str | 
     if isinstance(precision, Precision):
         p = precision
     else:
-        name = precision if precision is not None else device.default_precision
-        name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
-        p = Precision(str(name).lower())
-    if reduce_dtype is not None:
-        reduce_dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
-            reduce_dtype, reduce_dtype)
-        p = Precision(p.name, reduce_dtype)
-    return p
+        p = Precision(_short(precision if precision is not None else device.default_precision))
+    return p if reduce_dtype is None else Precision(p.name, _short(reduce_dtype))
+
+
+def _short(name: str) -> str:
+    """``"bfloat16"`` -> ``"bf16"`` (torch's names taken too), lower case."""
+    name = str(name).lower().removeprefix("torch.")
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
 
 
 # --- the policy while tracing ---------------------------------------------------------------

@@ -24,7 +24,8 @@ Never recomputed: random ops (a second draw would differ; what reads their resul
 kept draw), ops that write an input in place (BatchNorm's running statistics would be updated
 twice), and a parameter's cast to the compute dtype (mixed precision), which is no activation.
 
-Choosing the mode is the planner's (``recompute="auto"``): see :mod:`autopar.planner`.
+Choosing the mode is the planner's (``recompute="auto"``): see :mod:`autopar.planner`; what a
+plan records of it is :class:`autopar.plan.Recompute`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.passes.strategies.registry import mutated_inputs
-from autopar.plan import Recompute  # noqa: F401  (what a plan records of this pass)
 
 MODES = ("auto", "none", "selective", "full")
 FIXED_MODES = ("none", "selective", "full")

@@ -87,9 +87,9 @@ class GradSyncRun:
         s, env = self.s, self.env
         names = [s.grad_names[i] for i in launch.grads]
         grads = [env[n] for n in names]
-        for i, g in zip(launch.grads, grads):
-            self.own_dtype[i] = g.dtype
         if s.reduce_dtype is not None:
+            for i, g in zip(launch.grads, grads):
+                self.own_dtype[i] = g.dtype
             grads = [g.to(s.reduce_dtype) for g in grads]
         kind = launch.bucket
         work = None  # the c10d work of an in-place collective, else the result waits itself
