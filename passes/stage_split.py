@@ -1,0 +1,251 @@
+"""Inter-op slicing: cut the model's layers into pipeline stages by dynamic programming (Alpa).
+
+Layers ``0 .. L-1`` (embedding, blocks, head: whatever pieces the graph's layer ids give) are
+cut into ``n = p*v`` contiguous chunks; chunk ``k`` runs on the rank the schedule gives it
+(``k % p`` for looped schedules, a V for ZBV and DualPipeV). ``cost(i, j, submesh)`` prices
+layers ``[i, j)`` on one submesh choice: the planner plugs the intra-op planner in there, so
+it is called once per (range, submesh) and cached here, ``O(L^2 * |submeshes|)`` calls in all.
+
+Objective, for chunk times ``t_k`` per microbatch (forward + backward) and ``m`` microbatches::
+
+    T = sum_k t_k / v + (m*v - 1) * max_k t_k
+
+At ``v = 1`` it is Alpa's ``sum + (m-1) * max``: the first microbatch's trip through every
+stage, then one slowest stage per further microbatch. With ``v`` chunks per rank a rank's
+share of one microbatch is ``v`` chunks, and the fill is ``(p-1)`` chunks, not stages: for
+equal chunks ``T = (m*v + p - 1) * t``, the interleaved schedule's textbook step. It is the
+ranking; the pipeline schedule model (``passes/pipeline_schedule``) prices the chosen split
+exactly.
+
+Method (Alpa's): the objective is monotone in both the sum and the max, so for each candidate
+bound ``t`` on the max (the distinct chunk times, ascending, from the smallest feasible one)
+a DP over (chunks, layers) finds the least sum with every chunk at most ``t``; the loop stops
+once ``least_sum / v + (m*v-1) * t`` cannot beat the best found. Each DP is ``O(n * L^2)``.
+
+Memory: chunk ``k`` needs ``memory_bytes + in_flight(k, n) * activation_bytes`` (weights,
+gradients and optimizer state, plus the activations of the microbatches it holds; in 1F1B
+stage ``k`` holds up to ``p - k``). The in-flight counts default to the schedule's own, read
+off its order (:func:`schedule_in_flight`). Each chunk must fit ``memory_limit / v``: with
+several chunks per rank this is sufficient, not necessary (it keeps the DP per chunk); the
+split reports each rank's exact total.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.errors import PlanError
+from autopar.passes.pipeline_schedule import PipelineSchedule, StageTime, simulate
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """What a range of layers costs on one submesh: ``time_s`` per microbatch (forward +
+    backward), ``memory_bytes`` held whatever the microbatches in flight, ``activation_bytes``
+    saved per in-flight microbatch."""
+
+    time_s: float
+    memory_bytes: float
+    activation_bytes: float = 0.0
+
+
+CostFn = Callable[[int, int, Any], "StageCost | tuple[float, ...]"]
+InFlightFn = Callable[[int, int], float]  # (chunk k, chunks n) -> microbatches it holds
+
+
+@dataclass(frozen=True, slots=True)
+class StageSplit:
+    ranges: tuple[tuple[int, int], ...]  # per chunk, in pipeline order: layers [i, j)
+    submeshes: tuple[Any, ...]  # per chunk: the submesh choice it runs on
+    time_s: tuple[float, ...]  # per chunk, per microbatch
+    memory_bytes: tuple[float, ...]  # per chunk, with its in-flight activations
+    rank_memory_bytes: tuple[float, ...]  # per rank: the sum over its chunks
+    objective_s: float
+    schedule: PipelineSchedule
+
+    def stage_times(self, weight_share: float = 0.5) -> tuple[StageTime, ...]:
+        """Per-chunk times for the schedule model, forward taken as a third of the step (the
+        usual 1:2 forward:backward of matmul-bound layers)."""
+        return tuple(StageTime.of(t / 3, 2 * t / 3, weight_share) for t in self.time_s)
+
+
+def objective(times: Sequence[float], m: int, v: int = 1) -> float:
+    """The slicing objective of the module docstring."""
+    return sum(times) / v + (m * v - 1) * max(times)
+
+
+def schedule_in_flight(schedule: PipelineSchedule) -> InFlightFn:
+    """The microbatches each stage of ``schedule`` holds at its peak. A stage's allocations
+    (forwards) and frees (backwards) all run on its own rank, so the count follows from the
+    order alone; unit times suffice."""
+    peaks = simulate(schedule, StageTime(1.0, 1.0, 1.0)).stage_peak_in_flight
+    return lambda k, n: peaks[k]
+
+
+def layer_cost(times: Sequence[float], memory: Sequence[float] | None = None,
+               activations: Sequence[float] | None = None) -> CostFn:
+    """A cost function adding per-layer figures (one submesh; for tests and rough plans)."""
+    pre_t = list(itertools.accumulate(times, initial=0.0))
+    pre_m = list(itertools.accumulate(memory or [0.0] * len(times), initial=0.0))
+    pre_a = list(itertools.accumulate(activations or [0.0] * len(times), initial=0.0))
+    return lambda i, j, _submesh: StageCost(pre_t[j] - pre_t[i], pre_m[j] - pre_m[i],
+                                            pre_a[j] - pre_a[i])
+
+
+def split_stages(
+    num_layers: int,
+    cost: CostFn,
+    p: int,
+    m: int,
+    memory_limit: float = math.inf,
+    *,
+    v: int = 1,
+    submeshes: Sequence[Any] = (None,),
+    schedule: str | None = None,
+    in_flight: InFlightFn | None = None,
+) -> StageSplit:
+    """The best contiguous split of ``num_layers`` layers into ``p * v`` chunks.
+
+    ``schedule`` (a torch schedule name; default 1F1B, or Interleaved1F1B when ``v > 1``)
+    places the chunks on ranks and, unless ``in_flight`` is given, says how many microbatches
+    each chunk holds."""
+    name = schedule or ("1F1B" if v == 1 else "Interleaved1F1B")
+    sched = PipelineSchedule(name, p, v, m)
+    n, L = sched.num_stages, num_layers
+    if n > L:
+        raise PlanError(f"cannot cut {L} layers into {n} pipeline stages (p={p} x v={v}): use "
+                        f"at most {L} stages, or trace the model into finer layers")
+    if not submeshes:
+        raise PlanError("split_stages needs at least one submesh choice")
+    flight = in_flight or schedule_in_flight(sched)
+    held = [float(flight(k, n)) for k in range(n)]
+    costs = _CostTable(cost, submeshes)
+    cap = memory_limit / v
+
+    # best[k][i][j]: (time, submesh index, memory) of the fastest submesh on which chunk k =
+    # layers [i, j) fits; min_mem[k][i][j]: its least memory on any submesh (for the error)
+    best: list[dict[tuple[int, int], tuple[float, int, float]]] = []
+    min_mem: list[dict[tuple[int, int], float]] = []
+    for k in range(n):
+        fit, low = {}, {}
+        for i in range(k, L - n + k + 1):
+            for j in range(i + 1, L - n + k + 2):
+                options = []
+                for s in range(len(submeshes)):
+                    c = costs.get(i, j, s)
+                    options.append((c.time_s, s, c.memory_bytes + held[k] * c.activation_bytes))
+                low[(i, j)] = min(o[2] for o in options)
+                fitting = [o for o in options if o[2] <= cap]
+                if fitting:
+                    fit[(i, j)] = min(fitting)
+        best.append(fit)
+        min_mem.append(low)
+
+    least = _least_sum(best, n, L, math.inf)
+    if least is None:
+        need = v * _min_max_memory(min_mem, n, L)
+        raise PlanError(
+            f"no split of {L} layers into {n} pipeline stages fits {_size(memory_limit)} per "
+            f"device: the leanest split needs {_size(need)}. More pipeline stages, "
+            "a schedule with fewer microbatches in flight (1F1B rather than GPipe), "
+            "recomputation of activations, or sharding the stages wider would help"
+        )
+    lower_sum = least[0]
+    thresholds = sorted({entry[0] for fit in best for entry in fit.values()})
+    # feasibility is monotone in the bound: find the smallest feasible one
+    lo, hi = 0, len(thresholds) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _least_sum(best, n, L, thresholds[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    found: tuple[float, list[tuple[int, int]]] | None = None
+    for t in thresholds[lo:]:
+        if found is not None and lower_sum / v + (m * v - 1) * t >= found[0]:
+            break
+        got = _least_sum(best, n, L, t)
+        if got is None:
+            continue
+        times = [best[k][r][0] for k, r in enumerate(got[1])]
+        value = objective(times, m, v)
+        if found is None or value < found[0]:
+            found = (value, got[1])
+    assert found is not None
+    value, ranges = found
+    chosen = [best[k][r] for k, r in enumerate(ranges)]
+    per_rank = [0.0] * p
+    for k, entry in enumerate(chosen):
+        per_rank[sched.stage_rank(k)] += entry[2]
+    return StageSplit(
+        ranges=tuple(ranges),
+        submeshes=tuple(submeshes[e[1]] for e in chosen),
+        time_s=tuple(e[0] for e in chosen),
+        memory_bytes=tuple(e[2] for e in chosen),
+        rank_memory_bytes=tuple(per_rank),
+        objective_s=value,
+        schedule=sched,
+    )
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.3g} bytes"
+
+
+class _CostTable:
+    """``cost`` memoised per (range, submesh), its answer normalised to a StageCost."""
+
+    def __init__(self, cost: CostFn, submeshes: Sequence[Any]) -> None:
+        self.cost, self.submeshes = cost, submeshes
+        self.seen: dict[tuple[int, int, int], StageCost] = {}
+
+    def get(self, i: int, j: int, s: int) -> StageCost:
+        key = (i, j, s)
+        if key not in self.seen:
+            c = self.cost(i, j, self.submeshes[s])
+            self.seen[key] = c if isinstance(c, StageCost) else StageCost(*c)
+        return self.seen[key]
+
+
+def _least_sum(best, n: int, L: int, bound: float):
+    """Least sum of chunk times with each at most ``bound``, and its ranges; None if none."""
+    inf = math.inf
+    f = [0.0] + [inf] * L  # f[i]: least sum of the chunks so far ending at layer i
+    back: list[list[int]] = []
+    for k in range(n):
+        g = [inf] * (L + 1)
+        arg = [-1] * (L + 1)
+        for (i, j), (t, _, _) in best[k].items():
+            if t <= bound and f[i] < inf and f[i] + t < g[j]:
+                g[j], arg[j] = f[i] + t, i
+        back.append(arg)
+        f = g
+    if f[L] == inf:
+        return None
+    ranges, j = [], L
+    for k in reversed(range(n)):
+        i = back[k][j]
+        ranges.append((i, j))
+        j = i
+    return f[L], ranges[::-1]
+
+
+def _min_max_memory(min_mem, n: int, L: int) -> float:
+    """The least, over all splits, of the largest chunk's memory (each on its leanest
+    submesh): what the memory limit per chunk would have to be for any split to fit."""
+    f = [0.0] + [math.inf] * L
+    for k in range(n):
+        g = [math.inf] * (L + 1)
+        for (i, j), mem in min_mem[k].items():
+            g[j] = min(g[j], max(f[i], mem))
+        f = g
+    return f[L]
