@@ -13,9 +13,9 @@ Objective, for chunk times ``t_k`` per microbatch (forward + backward) and ``m``
 At ``v = 1`` it is Alpa's ``sum + (m-1) * max``: the first microbatch's trip through every
 stage, then one slowest stage per further microbatch. With ``v`` chunks per rank a rank's
 share of one microbatch is ``v`` chunks, and the fill is ``(p-1)`` chunks, not stages: for
-equal chunks ``T = (m*v + p - 1) * t``, the interleaved schedule's textbook step. It is the
-ranking; the pipeline schedule model (``passes/pipeline_schedule``) prices the chosen split
-exactly.
+equal chunks ``T = (m*v + p - 1) * t``, the interleaved schedule's textbook step. It ranks
+splits; with unequal chunks a schedule's real step differs, so ``refine=k`` replays the ``k``
+best in the schedule model (``passes/pipeline_schedule``) and keeps the fastest.
 
 Method (Alpa's): the objective is monotone in both the sum and the max, so for each candidate
 bound ``t`` on the max (the distinct chunk times, ascending, from the smallest feasible one)
@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.errors import PlanError
@@ -68,11 +68,14 @@ class StageSplit:
     rank_memory_bytes: tuple[float, ...]  # per rank: the sum over its chunks
     objective_s: float
     schedule: PipelineSchedule
+    step_s: float | None = None  # the schedule's replayed step, when refined
 
-    def stage_times(self, weight_share: float = 0.5) -> tuple[StageTime, ...]:
-        """Per-chunk times for the schedule model, forward taken as a third of the step (the
-        usual 1:2 forward:backward of matmul-bound layers)."""
-        return tuple(StageTime.of(t / 3, 2 * t / 3, weight_share) for t in self.time_s)
+    def stage_times(self, forward_share: float = 1 / 3,
+                    weight_share: float = 0.5) -> tuple[StageTime, ...]:
+        """Per-chunk times for the schedule model; by default forward is a third of a chunk's
+        time (the usual 1:2 forward:backward of matmul-bound layers)."""
+        return tuple(StageTime.of(t * forward_share, t * (1 - forward_share), weight_share)
+                     for t in self.time_s)
 
 
 def objective(times: Sequence[float], m: int, v: int = 1) -> float:
@@ -109,12 +112,16 @@ def split_stages(
     submeshes: Sequence[Any] = (None,),
     schedule: str | None = None,
     in_flight: InFlightFn | None = None,
+    refine: int = 0,
+    forward_share: float = 1 / 3,
 ) -> StageSplit:
     """The best contiguous split of ``num_layers`` layers into ``p * v`` chunks.
 
     ``schedule`` (a torch schedule name; default 1F1B, or Interleaved1F1B when ``v > 1``)
     places the chunks on ranks and, unless ``in_flight`` is given, says how many microbatches
-    each chunk holds."""
+    each chunk holds. With ``refine > 1`` the ``refine`` best splits by the objective are
+    replayed in the schedule (forward taken as ``forward_share`` of each chunk's time) and
+    the fastest is returned, its ``step_s`` set."""
     name = schedule or ("1F1B" if v == 1 else "Interleaved1F1B")
     sched = PipelineSchedule(name, p, v, m)
     n, L = sched.num_stages, num_layers
@@ -156,7 +163,20 @@ def split_stages(
             "a schedule with fewer microbatches in flight (1F1B rather than GPipe), "
             "recomputation of activations, or sharding the stages wider would help"
         )
-    lower_sum = least[0]
+    ranked = _sweep(best, n, L, m, v, keep=max(1, refine), lower_sum=least[0])
+    splits = [_split(sched, best, submeshes, ranges, value) for value, ranges in ranked]
+    if refine > 1:
+        # the formula ranks; the schedule's replay decides among the few best
+        steps = [simulate(sched, sp.stage_times(forward_share)).step_s for sp in splits]
+        order = sorted(range(len(splits)), key=lambda x: (steps[x], x))
+        return replace(splits[order[0]], step_s=steps[order[0]])
+    return splits[0]
+
+
+def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
+    """The ``keep`` best (objective, ranges), one per bound on the chunk time: the DP's least
+    sum under each bound, ascending from the smallest feasible bound, until the bound alone
+    rules out beating the ``keep``-th best."""
     thresholds = sorted({entry[0] for fit in best for entry in fit.values()})
     # feasibility is monotone in the bound: find the smallest feasible one
     lo, hi = 0, len(thresholds) - 1
@@ -166,21 +186,24 @@ def split_stages(
             lo = mid + 1
         else:
             hi = mid
-    found: tuple[float, list[tuple[int, int]]] | None = None
+    found: list[tuple[float, list[tuple[int, int]]]] = []
     for t in thresholds[lo:]:
-        if found is not None and lower_sum / v + (m * v - 1) * t >= found[0]:
+        if len(found) >= keep and lower_sum / v + (m * v - 1) * t >= found[keep - 1][0]:
             break
         got = _least_sum(best, n, L, t)
-        if got is None:
+        if got is None or any(ranges == got[1] for _, ranges in found):
             continue
-        times = [best[k][r][0] for k, r in enumerate(got[1])]
-        value = objective(times, m, v)
-        if found is None or value < found[0]:
-            found = (value, got[1])
-    assert found is not None
-    value, ranges = found
+        value = objective([best[k][r][0] for k, r in enumerate(got[1])], m, v)
+        # stable: among equal objectives the smaller bound (found first) stays first
+        found.insert(sum(1 for x in found if x[0] <= value), (value, got[1]))
+        del found[keep:]
+    return found
+
+
+def _split(sched: PipelineSchedule, best, submeshes: Sequence[Any],
+           ranges: list[tuple[int, int]], value: float) -> StageSplit:
     chosen = [best[k][r] for k, r in enumerate(ranges)]
-    per_rank = [0.0] * p
+    per_rank = [0.0] * sched.p
     for k, entry in enumerate(chosen):
         per_rank[sched.stage_rank(k)] += entry[2]
     return StageSplit(

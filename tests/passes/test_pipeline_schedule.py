@@ -16,6 +16,7 @@ from autopar.passes.pipeline_schedule import (
 )
 
 EQUAL = StageTime(1.0, 1.0, 1.0)  # forward 1, backward 2 (split 1 + 1)
+LETTER = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
 
 VALID = [("GPipe", 1, m) for m in (1, 3, 8)] + [("1F1B", 1, m) for m in (4, 5, 8)] + [
     ("Interleaved1F1B", v, m) for v in (1, 2, 3) for m in (1, 3, 4, 8, 12)] + [
@@ -135,7 +136,7 @@ def test_events_tile_each_rank_and_carry_torch_names():
             if e.kind == "send":
                 assert e.peer != r and "SEND_" in e.action
             elif e.kind != "idle":
-                assert e.action == f"{e.stage}{'FBIW'['forward backward backward_input backward_weight'.split().index(e.kind)]}{e.microbatch}"
+                assert e.action == f"{e.stage}{LETTER[e.kind]}{e.microbatch}"
 
 
 def test_v_schedules_place_stages_in_a_v():
