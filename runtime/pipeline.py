@@ -1,0 +1,402 @@
+"""Pipeline parallelism at run time: stage modules run under torch's pipeline schedules.
+
+:func:`build_pipeline` cuts a model into ``pp x virtual`` stages over contiguous ranges of its
+blocks (:mod:`.pipeline_stages`), places them on the mesh's ``pp`` axis as torch's schedules
+expect (stage ``s`` on pp rank ``s % pp``; for the V-shaped ZBV and DualPipeV schedules rank
+``r`` holds stages ``r`` and ``2 pp - 1 - r``) and returns a :class:`PipelineRunner` whose
+``step(tokens, targets)`` runs one schedule step (forward and backward of every micro-batch)
+and returns the single-device mean loss on every rank.
+
+Why the gradients are the single device's: each micro-batch's loss is its mean, torch's
+schedules divide the summed gradients by the number of micro-batches (``scale_grads``), and
+the data-parallel replicas then average theirs; with equal micro-batches (enforced) that is
+the gradient of the whole batch's mean. Weights two stages share (a tied embedding and head)
+are one copy per stage whose gradients are summed, so the copies stay equal under any
+optimizer. The optimizer is the user's, over :meth:`PipelineRunner.parameters`.
+
+Each rank records what its stages did in the last step (:attr:`PipelineRunner.last_step_events`:
+forward, backward, input-backward and weight-backward per stage and micro-batch, and the
+gradient sync, with wall-clock times) so a benchmark can measure the bubble.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, build_stage
+
+from autopar.errors import PlanError
+from autopar.runtime import pipeline_stages as ps
+
+# schedule name -> (torch class name, stage placement, stages per rank it needs: None = any)
+SCHEDULES: dict[str, tuple[str, str, int | None]] = {
+    "gpipe": ("ScheduleGPipe", "loop", 1),
+    "1f1b": ("Schedule1F1B", "loop", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", None),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop", None),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop", None),
+    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
+    "dualpipev": ("ScheduleDualPipeV", "v", 2),
+}
+
+
+class StageEvent(NamedTuple):
+    """One action of one stage: ``kind`` is ``F`` (forward), ``B`` (full backward), ``I``
+    (backward to the input only), ``W`` (backward to the weights) or ``sync`` (the gradient
+    all-reduces after the schedule, ``stage`` and ``microbatch`` -1). Times in seconds from the
+    step's start on this rank's clock."""
+
+    rank: int
+    kind: str
+    stage: int
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+def stage_placement(pp: int, n_stages: int, style: str) -> dict[int, int]:
+    """Stage index -> pp rank, as torch's schedules place them (``loop`` or ``v``)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    return generate_stage_to_rank_mapping(pp, n_stages, style=style)
+
+
+def _schedule_entry(name: str) -> tuple[type, str, int | None]:
+    import torch.distributed.pipelining.schedules as sched
+
+    key = name.lower().replace("-", "_")
+    entry = SCHEDULES.get(key)
+    if entry is None or not hasattr(sched, entry[0]):
+        known = [k for k, v in SCHEDULES.items() if hasattr(sched, v[0])]
+        raise PlanError(f"unknown pipeline schedule {name!r}: use one of {', '.join(known)}")
+    return getattr(sched, entry[0]), entry[1], entry[2]
+
+
+def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
+    """The torch DeviceMesh and the process group of each of its axes."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        from autopar.api import resolve_mesh
+
+        mesh = resolve_mesh(mesh)[0]
+    names = mesh.mesh_dim_names or ()
+    if "pp" not in names:
+        raise PlanError(f"the mesh's axes are {names}: name one axis 'pp' for the pipeline "
+                        "stages (and 'dp' for data parallelism)")
+    unknown = [n for n in names if n not in ("pp", "dp")]
+    if unknown and any(mesh.size(names.index(n)) > 1 for n in unknown):
+        raise PlanError(f"pipelines run on 'pp' and 'dp' axes; axis {unknown} is not supported "
+                        "here yet: give a mesh of axes ('pp', 'dp')")
+    return mesh, {n: mesh.get_group(n) for n in names}
+
+
+def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
+                   split: Sequence[int] | Sequence[tuple[int, int]] | None = None,
+                   schedule: str = "1f1b", n_microbatches: int = 4, virtual: int | None = None,
+                   frontend: str = "auto",
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                   ) -> PipelineRunner:
+    """``model`` as a pipeline on ``mesh`` (a torch DeviceMesh or an :class:`autopar.Mesh`
+    with a ``pp`` axis and optionally a ``dp`` axis).
+
+    ``example_inputs``: ``(tokens, targets)`` of the global batch, as every rank will pass them
+    to :meth:`PipelineRunner.step`. ``split``: blocks per stage or block ranges, one per stage
+    (``pp x virtual`` stages; ``None``: as even as can be). ``virtual``: stages per rank
+    (default: 2 for ``zbv``/``dualpipev``, else 1). ``frontend``: ``"trace"`` (torch's
+    splitter), ``"module"`` (autopar's model families) or ``"auto"`` (trace, except MoE, whose
+    balance loss the traced logits would drop). ``loss_fn(last_stage_output, targets)``: the
+    per-micro-batch mean loss (default: the model's own, :func:`pipeline_stages.loss_fn_for`).
+
+    Every rank must hold the same initial weights (seed them alike), as for ``parallelize``.
+    """
+    cls, style, per_rank = _schedule_entry(schedule)
+    virtual = virtual if virtual is not None else (per_rank or 1)
+    if per_rank is not None and virtual != per_rank:
+        raise PlanError(f"schedule {schedule!r} runs {per_rank} stage(s) per rank, got "
+                        f"virtual={virtual}: use virtual={per_rank} or another schedule")
+    dmesh, groups = _mesh_groups(mesh)
+    names = dmesh.mesh_dim_names
+    pp = dmesh.size(names.index("pp"))
+    dp = dmesh.size(names.index("dp")) if "dp" in names else 1
+    n_stages = pp * virtual
+    block_path, blocks = ps.find_blocks(model)
+    ranges = ps.stage_ranges(split, len(blocks), n_stages)
+    tokens = example_inputs[0]
+    mb = ps.check_batch(tokens.shape[0], dp, n_microbatches)
+    placement = stage_placement(pp, n_stages, style)
+    pp_rank = dist.get_rank(groups["pp"])
+    local = [s for s in range(n_stages) if placement[s] == pp_rank]
+    if frontend not in ("auto", "trace", "module"):
+        raise PlanError(f"frontend must be 'auto', 'trace' or 'module', got {frontend!r}")
+    family = ps.module_family(model)
+    device = torch.device(dmesh.device_type)
+    if frontend == "auto" and family == "moe":
+        frontend = "module"
+    if frontend in ("auto", "trace"):
+        try:
+            mods, info = ps.traced_stages(model, (tokens[:mb].to(device),), block_path, ranges,
+                                          local)
+            frontend = "trace"
+        except ps.TracedSplitError:
+            if frontend == "trace" or family is None:
+                raise
+            frontend = "module"  # autopar's own model: stages written for it
+    if frontend == "module":
+        mods = ps.module_stages(model, block_path, ranges, local)
+    if frontend == "trace" and style == "loop":
+        stages = [build_stage(mods[s], s, info, device, groups["pp"]) for s in local]
+    else:
+        # torch 2.13's traced stage (build_stage) cannot hand values between two stages on one
+        # rank, as the V-shaped schedules do; the manual stage can, and infers the shapes itself
+        stages = [PipelineStage(mods[s].to(device), s, n_stages, device, group=groups["pp"])
+                  for s in local]
+    loss = loss_fn or ps.loss_fn_for(model)
+    try:
+        sched = cls(stages if per_rank != 1 else stages[0], n_microbatches=n_microbatches,
+                    loss_fn=loss, scale_grads=True)
+    except ValueError as e:  # torch's own conditions (micro-batches per round, ...)
+        raise PlanError(f"schedule {schedule!r} refuses this pipeline ({e}): change "
+                        "n_microbatches or the number of stages") from None
+    aliases = ps.alias_names(model)
+    tied = _tied_groups(ps.tied_names(_all_stage_names(model, block_path, ranges, frontend,
+                                                       mods), aliases),
+                        placement, dmesh)
+    return PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
+                          (tied, aliases), frontend, schedule)
+
+
+def _all_stage_names(model: nn.Module, block_path: str, ranges: ps.Ranges, frontend: str,
+                     local_mods: dict[int, nn.Module]) -> dict[int, nn.Module]:
+    """Every stage's module (as names only matter, the local ones plus stand-ins on meta for
+    the others), so every rank finds the same tied weights and makes the same groups."""
+    if len(local_mods) == len(ranges):
+        return local_mods
+    out = dict(local_mods)
+    if frontend == "module":
+        with torch.device("meta"):
+            meta = ps.module_stages(_meta_copy(model), block_path, ranges,
+                                    [s for s in range(len(ranges)) if s not in out])
+        out.update(meta)
+        return out
+    return _traced_names_everywhere(local_mods, len(ranges))
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    from autopar.api import _meta_skeleton
+
+    return _meta_skeleton(model)
+
+
+def _traced_names_everywhere(local_mods: dict[int, nn.Module], n_stages: int
+                             ) -> dict[int, nn.Module]:
+    """Traced stages exist only where they run: gather every stage's parameter names."""
+    mine = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
+            for s, m in local_mods.items()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict[int, nn.Module] = {}
+    for part in everyone:
+        for s, pnames in part.items():
+            out[int(s)] = _NamesOnly(pnames)
+    return out
+
+
+class _NamesOnly(nn.Module):
+    """A stand-in whose parameters (empty, meta) carry a stage's parameter names."""
+
+    def __init__(self, pnames: list[str]) -> None:
+        super().__init__()
+        self._names = pnames
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
+        return ((n, None) for n in self._names)
+
+
+def _tied_groups(tied: dict[str, list[int]], placement: dict[int, int], dmesh: Any
+                 ) -> dict[str, Any]:
+    """For each tied weight held on more than one pp rank, the process group of those ranks
+    (in this rank's data-parallel column). ``None`` where one rank holds every copy. Every
+    rank makes every group, in the same order, as ``new_group`` requires."""
+    names = dmesh.mesh_dim_names
+    grid = dmesh.mesh.movedim(names.index("pp"), 0).reshape(dmesh.size(names.index("pp")), -1)
+    me = dist.get_rank()
+    out: dict[str, Any] = {}
+    for name in sorted(tied):
+        pp_ranks = sorted({placement[s] for s in tied[name]})
+        out[name] = None
+        if len(pp_ranks) < 2:
+            continue
+        for col in range(grid.shape[1]):
+            ranks = [int(grid[r, col]) for r in pp_ranks]
+            group = dist.new_group(ranks)
+            if me in ranks:
+                out[name] = group
+    return out
+
+
+class PipelineRunner:
+    """This rank's stages of a pipeline and the schedule that runs them.
+
+    ``step(tokens, targets)`` takes the global batch (every rank passes the same), runs the
+    data-parallel share of this rank's replica as ``n_microbatches`` micro-batches, leaves the
+    single-device gradients in the local stage parameters' ``.grad`` and returns the
+    single-device mean loss on every rank. Step the optimizer over :meth:`parameters`.
+    """
+
+    def __init__(self, schedule: Any, stages: list, stage_modules: dict[int, nn.Module],
+                 ranges: ps.Ranges, groups: dict[str, Any], dp: int, n_microbatches: int,
+                 tied: tuple[dict[str, Any], dict[str, str]], frontend: str,
+                 schedule_name: str) -> None:
+        self.schedule = schedule
+        self.stages = stages
+        self.stage_modules = stage_modules
+        self.ranges = ranges
+        self.groups = groups
+        self.dp = dp
+        self.n_microbatches = n_microbatches
+        self.frontend = frontend
+        self.schedule_name = schedule_name
+        # tied weight's first name -> group of the pp ranks holding a copy (None: all here);
+        # and each name of a weight the model holds under several -> its first name
+        self._tied, self._alias = tied
+        self.rank = dist.get_rank()
+        self.dp_rank = dist.get_rank(groups["dp"]) if "dp" in groups else 0
+        self.has_last = any(st.is_last for st in stages)
+        self.last_step_events: list[StageEvent] = []
+        self._t0 = 0.0
+        for st in stages:
+            _instrument(st, self)
+
+    # --- parameters -----------------------------------------------------------------------
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's stage parameters under the whole model's names (a tied weight once per
+        local stage holding a copy)."""
+        for _, mod in sorted(self.stage_modules.items()):
+            yield from mod.named_parameters()
+
+    def stage_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """As :meth:`named_parameters`, also the names under which a stage holds a parameter
+        twice (traced stages keep a tied weight's every name)."""
+        for _, mod in sorted(self.stage_modules.items()):
+            yield from mod.named_parameters(remove_duplicate=False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    # --- one step -------------------------------------------------------------------------
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        ps.check_batch(tokens.shape[0], self.dp, self.n_microbatches)
+        self.last_step_events = []
+        self._t0 = time.perf_counter()
+        device = self.stages[0].device
+        share = tokens.shape[0] // self.dp
+        sl = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        x, y = tokens[sl].to(device), targets[sl].to(device)
+        losses: list[torch.Tensor] = []
+        first = any(st.is_first for st in self.stages)
+        args = (x,) if first else ()
+        self.schedule.step(*args, target=y if self.has_last else None, losses=losses,
+                           return_outputs=False)
+        t = time.perf_counter()
+        self._sync_grads()
+        self._record("sync", -1, -1, t)
+        return self._mean_loss(losses, device)
+
+    def _sync_grads(self) -> None:
+        """Tied copies summed, then the data-parallel replicas averaged (one flat buffer)."""
+        by_name: dict[str, list[nn.Parameter]] = {}
+        for name, p in self.stage_parameters():
+            by_name.setdefault(self._alias.get(name, name), []).append(p)
+        for name, group in self._tied.items():
+            copies = by_name.get(name, [])
+            if not copies:
+                continue
+            # a copy no micro-batch reached has no gradient: it adds zeros, and still joins
+            # the all-reduce its peers wait in
+            total = torch.stack([torch.zeros_like(p) if p.grad is None else p.grad
+                                 for p in copies]).sum(0)
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for p in copies:
+                p.grad = total.clone()
+        if self.dp == 1:
+            return
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.groups["dp"])
+        flat.div_(self.dp)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _mean_loss(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """The whole batch's mean loss on every rank: the last stage's micro-batch mean, summed
+        over the pp group (one member holds it), averaged over the replicas."""
+        if self.has_last:
+            value = torch.stack([v.detach().float() for v in losses]).mean().reshape(1)
+        else:
+            value = torch.zeros(1, device=device)
+        dist.all_reduce(value, group=self.groups["pp"])
+        if self.dp > 1:
+            dist.all_reduce(value, group=self.groups["dp"])
+            value /= self.dp
+        return value[0]
+
+    def _record(self, kind: str, stage: int, mb: int, start: float) -> None:
+        self.last_step_events.append(StageEvent(self.rank, kind, stage, mb, start - self._t0,
+                                                time.perf_counter() - self._t0))
+
+
+def _instrument(stage: Any, runner: PipelineRunner) -> None:
+    """Time the stage's actions by wrapping its three per-micro-batch methods on the instance
+    (the schedules call them by attribute), so every schedule is timed the same way."""
+    fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, \
+        stage.backward_weight_one_chunk
+    s = stage.stage_index
+
+    def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = fwd(mb, *args, **kwargs)
+        runner._record("F", s, mb, t)
+        return out
+
+    def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = bwd(mb, *args, **kwargs)
+        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+        runner._record("B" if full else "I", s, mb, t)
+        return out
+
+    def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = wgt(mb, *args, **kwargs)
+        runner._record("W", s, mb, t)
+        return out
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+
+def bubble_fraction(events: Sequence[StageEvent]) -> dict[int, float]:
+    """Per rank, the share of its step (first action's start to last's end, the gradient sync
+    left out) that no stage action filled."""
+    out: dict[int, float] = {}
+    for rank in sorted({e.rank for e in events}):
+        mine = [e for e in events if e.rank == rank and e.kind != "sync"]
+        if not mine:
+            continue
+        span = max(e.end_s for e in mine) - min(e.start_s for e in mine)
+        busy = sum(e.end_s - e.start_s for e in mine)
+        out[rank] = max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+    return out
