@@ -49,6 +49,8 @@ def parallelize(
     precision: str | Precision | None = None,
     reduce_dtype: str | None = None,
     recompute: str = "auto",
+    zero: str | int = "auto",
+    offload: str = "auto",
 ) -> ParallelModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
 
@@ -70,7 +72,11 @@ def parallelize(
     loss dynamically and skips a step whose gradients overflow (:mod:`autopar.runtime.loss_scale`;
     the module's ``loss_scale`` holds the scale and the count of skipped steps). ``recompute``: ``"auto"`` (only
     where the plan would not fit otherwise), ``"none"``, ``"selective"`` or ``"full"``.
-    A plan given runs with the precision and recomputation it records.
+    ``zero``: the ZeRO stage of the parameters the plan stores split (``"auto"``, 1, 2, 3);
+    ``offload``: optimizer state in host memory (``"auto"``: only where nothing fits
+    without; ``"none"``; ``"optimizer"``): build the optimizer with
+    ``model.make_optimizer(torch.optim.AdamW, ...)`` so that it keeps that state on the host.
+    A plan given runs with the precision, recomputation and parameter state it records.
     """
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
@@ -81,9 +87,9 @@ def parallelize(
             graph = capture(model, example_inputs, example_kwargs, loss_fn, precision=prec)
             _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
             the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget,
-                                                 time_limit_s, recompute))
+                                                 time_limit_s, recompute, zero, offload))
             replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s, prec,
-                                the_plan.recompute.mode)
+                                plan_mode(the_plan))
         else:
             the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
             graph = capture(model, example_inputs, example_kwargs, loss_fn,
@@ -96,6 +102,12 @@ def parallelize(
             "no sharding rule for " + ", ".join(sorted(the_plan.missing_rules)) + ": these ops "
             "run replicated (whole on every rank), which is correct but may be slow",
             stacklevel=2)
+    if the_plan.param_state.offloaded:
+        warnings.warn(
+            f"the plan keeps the optimizer state of {len(the_plan.param_state.offloaded)} "
+            "parameters in host memory: build the optimizer with "
+            "model.make_optimizer(torch.optim.AdamW, ...), which does (a plain torch "
+            "optimizer would keep it on the device, beyond the plan's memory)", stacklevel=2)
     return ParallelModule(model, device_mesh, graph, the_plan, replan, compile)
 
 
@@ -164,12 +176,23 @@ def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 
 
 def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: float | None,
-               time_limit_s: float, recompute: str) -> Plan:
+               time_limit_s: float, recompute: str, zero: str | int, offload: str) -> Plan:
     from autopar.planner import make_plan
 
     return make_plan(model, mesh, graph=graph, memory_budget=memory_budget,
                      time_limit_s=time_limit_s, model_name=type(model).__name__,
-                     recompute=recompute).plan
+                     recompute=recompute, zero=zero, offload=offload).plan
+
+
+def plan_mode(plan: Plan) -> str:
+    """The planner's mode a plan was made in (:func:`autopar.planner.mode_graph`): its
+    recomputation, with ``+zero3`` where it re-gathers parameters in the backward and
+    ``+offload`` where it offloads optimizer state."""
+    from autopar.planner import OFFLOADED, REGATHER, WHOLE_GRADS
+
+    ps = plan.param_state
+    return (plan.recompute.mode + (REGATHER if ps.regathered else "")
+            + (WHOLE_GRADS if ps.zero1 else "") + (OFFLOADED if ps.offloaded else ""))
 
 
 def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
@@ -183,17 +206,25 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
     Used to replan for new input shapes with the parameters where they are, and to turn a
     hand-written reference layout into an executable plan."""
     from autopar.memory_fit import memory_limit
-    from autopar.passes import recompute as recompute_mode
     from autopar.passes import sharding_problem
-    from autopar.planner import assemble_plan, recompute_record, score_reference
+    from autopar.planner import (
+        OFFLOADED,
+        WHOLE_GRADS,
+        assemble_plan,
+        mode_graph,
+        recompute_record,
+        score_reference,
+    )
 
     limit, source = memory_limit(memory_budget, mesh.device)
     captured = graph
-    names = recompute_mode.recompute_nodes(graph, recompute)
-    graph = recompute_mode.apply_recompute(graph, names)
+    graph = mode_graph(graph, recompute)
+    names = graph.recomputed
+    offload = "auto" if OFFLOADED in recompute else "none"
     # no shared layer variables: pins may differ between layers that look alike (Megatron
     # pairs the MLP's equal-width layers 1 and 2 as row then column parallel)
-    sp = sharding_problem.build(graph, mesh, limit, share_layers=False)
+    sp = sharding_problem.build(graph, mesh, limit, share_layers=False, offload=offload,
+                                zero1=WHOLE_GRADS in recompute)
     ref = SimpleNamespace(params=params, inputs=inputs or {})
     got = score_reference(sp, graph, ref, time_limit_s)
     if got is None:
@@ -202,9 +233,11 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
             "among the strategies of its node, e.g. it does not divide the shape evenly): "
             "pin fewer layouts or let autopar plan freely (plan=None)")
     choice = got[1]  # (cost, per-node choice, ...)
-    base = sp if not names else sharding_problem.build(captured, mesh, limit,
-                                                       share_layers=False)
-    rec = recompute_record(recompute, recompute, graph, sp, choice, base)
+    base = sp if not names else sharding_problem.build(
+        mode_graph(captured, "none" + recompute.removeprefix(recompute.split("+")[0])), mesh,
+        limit, share_layers=False, offload=offload, zero1=WHOLE_GRADS in recompute)
+    mode = recompute.split("+")[0]
+    rec = recompute_record(mode, mode, graph, sp, choice, base)
     return assemble_plan(graph, sp, choice, model_name, mesh,
                          SolverInfo("pinned", 0.0, "pinned+solve"), {}, {}, limit, source, rec)
 

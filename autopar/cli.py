@@ -124,7 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         time_limit_s=args.time_limit, references=refs, model_name=loaded.name,
                         max_layers=args.trace_layers if args.trace_layers > 0 else None,
                         precision=args.precision, reduce_dtype=args.reduce_dtype,
-                        recompute=args.recompute)
+                        recompute=args.recompute, zero=args.zero, offload=args.offload)
     print(planned.plan.table())
     for node in args.explain or []:
         print()
@@ -145,6 +145,13 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
                    help="activation recomputation (default auto: only where the plan would "
                    "not fit otherwise)")
+    p.add_argument("--zero", default="auto", choices=("auto", "1", "2", "3"),
+                   help="ZeRO stage of the parameters the plan stores split: 3 gathers them "
+                   "again in the backward, 2 keeps them gathered from the forward, 1 also "
+                   "all-reduces whole gradients (default auto: 2 or 3, the faster that fits)")
+    p.add_argument("--offload", default="auto", choices=("auto", "none", "optimizer"),
+                   help="optimizer state in host memory (default auto: only where no plan "
+                   "fits without; 'optimizer': every parameter's)")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

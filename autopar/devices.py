@@ -40,6 +40,12 @@ class DeviceProfile:
     # the precision a plan gets when none is asked for (passes.mixed_precision): GPUs train in
     # bf16; a CPU's bf16 matmuls are slower than its fp32 ones
     default_precision: str = "bf16"
+    # the link to host memory (PCIe) per device, each way, and the host memory bandwidth one
+    # device's share of the host CPUs reach: what offloading optimizer state pays
+    # (passes.zero.offload_time). A DGX H100: PCIe 5 x16 (about 50 GB/s achieved) and two
+    # sockets of 8-channel DDR5 shared by 8 GPUs (about 40 GB/s each for an optimizer step)
+    host_link_bandwidth: float = 50 * GBps
+    host_memory_bandwidth: float = 40 * GBps
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
@@ -64,12 +70,12 @@ class DeviceProfile:
         return self.mem_capacity - self.memory_reserve
 
 
-def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib) -> DeviceProfile:
+def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib, pcie=50 * GBps) -> DeviceProfile:
     flops = {"float32": tf32, "float32_strict": fp32, "bfloat16": bf16, "float16": bf16}
     if fp8:
         flops["float8_e4m3fn"] = fp8
         flops["float8_e5m2"] = fp8
-    return DeviceProfile(name, flops, bw, cap, nvlink, ib)
+    return DeviceProfile(name, flops, bw, cap, nvlink, ib, host_link_bandwidth=pcie)
 
 
 # float32 matmuls are planned at TF32 rate, which is what torch uses with
@@ -80,7 +86,7 @@ PROFILES: dict[str, DeviceProfile] = {
     "h200": _gpu("h200", 67 * TFLOPS, 495 * TFLOPS, 989 * TFLOPS, 1979 * TFLOPS,
                  4800 * GBps, 141 * GiB, 450 * GBps, 50 * GBps),
     "a100": _gpu("a100", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,
-                 2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps),
+                 2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps, pcie=25 * GBps),
     # A CPU process talking gloo over loopback, as `autopar train` runs, measured with 4 ranks
     # on a 2-core machine: a synchronous collective costs 2.5-4 ms whatever its size up to
     # 64 KiB (16 B all-reduce 3.4 ms, 64 KiB all-gather 3.9 ms; 7 ms right after compute, when
@@ -106,6 +112,9 @@ PROFILES: dict[str, DeviceProfile] = {
         memory_efficiency=0.5,
         comm_overlaps_compute=False,
         default_precision="fp32",
+        # the host is the device: "offloading" copies within the same memory
+        host_link_bandwidth=10 * GBps,
+        host_memory_bandwidth=10 * GBps,
     ),
 }
 

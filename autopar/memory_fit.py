@@ -49,12 +49,17 @@ def leanest(sp: ShardingProblem) -> tuple[float, float]:
 
 def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
                    runs: dict[str, Any], time_limit_s: float) -> str:
-    """Why nothing fits: the leanest need (recomputing everything a layer makes, every tensor
-    at its most sharded layout), and the option that helps most, sized."""
-    from autopar.passes import recompute, sharding_problem
+    """Why nothing fits: the leanest need (recomputing everything a layer makes, parameters
+    gathered again in the backward, every tensor at its most sharded layout, the optimizer
+    state offloaded where that was tried), and the option that helps most, sized."""
+    from autopar.passes import sharding_problem
+    from autopar.planner import mode_graph
 
-    sp = runs["full"].sp if "full" in runs else sharding_problem.build(
-        recompute.apply_recompute(pg, recompute.recompute_nodes(pg, "full")), mesh, limit)
+    # the leanest of the modes tried that recompute everything (with the optimizer state
+    # offloaded where that was tried too)
+    full = [r.sp for m, r in runs.items() if m.startswith("full")]
+    sp = min(full, key=lambda p: leanest(p)[0]) if full else sharding_problem.build(
+        mode_graph(pg, "full+zero3"), mesh, limit)
     need, state = leanest(sp)
     acts = max(need - state, 0.0)
     lim = limit or float("inf")

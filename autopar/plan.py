@@ -14,6 +14,7 @@ from typing import Any
 
 from autopar.errors import PlanError
 from autopar.passes.mixed_precision import Precision
+from autopar.passes.zero import ParamState
 from autopar.placements import Spec, format_spec, parse_spec
 
 # 2: in-op all-reduces (``raw_out``), parameter gathers listed one per layer and phase, gradient
@@ -21,8 +22,9 @@ from autopar.placements import Spec, format_spec, parse_spec
 # targets inside the op. 4: the first gradient bucket's size is the plan's (one size for
 # every bucket on a device whose communication does not overlap compute). 5: the plan's
 # precision (the graph's casts) and recomputation are part of what runs. An older plan's
-# collectives would not match what now runs.
-PLAN_VERSION = 5
+# collectives would not match what now runs. 6: parameters' ZeRO stages (views re-gathered in
+# the backward) and optimizer state offloaded to the host.
+PLAN_VERSION = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,8 @@ class Plan:
     # where the memory limit came from: "given", or the device's capacity less its reserve
     memory_limit_source: str = ""
     recompute: Recompute = field(default_factory=Recompute)
+    # each parameter's ZeRO stage and the optimizer state kept on the host (passes.zero)
+    param_state: ParamState = field(default_factory=ParamState)
     version: int = PLAN_VERSION
 
     def merged_axes(self) -> tuple[tuple[int, ...], ...]:
@@ -155,6 +159,7 @@ class Plan:
             "memory_limit_source": self.memory_limit_source,
             "precision": self.precision.to_json(),
             "recompute": self.recompute.to_json(),
+            "param_state": self.param_state.to_json(),
             "first_bucket_bytes": self.first_bucket_bytes,
             "merged_sums": [list(a) for a in self.merged_sums],
             "solver": asdict(self.solver),
@@ -204,6 +209,7 @@ class Plan:
                 memory_limit_source=d.get("memory_limit_source", ""),
                 precision=Precision.from_json(d.get("precision")),
                 recompute=Recompute.from_json(d.get("recompute")),
+                param_state=ParamState.from_json(d.get("param_state")),
                 first_bucket_bytes=int(d["first_bucket_bytes"]),
                 merged_sums=tuple(tuple(a) for a in d.get("merged_sums", ())),
                 version=version,

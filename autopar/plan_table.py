@@ -60,6 +60,7 @@ def render(plan: Plan, max_params: int = 40) -> str:
         f"{s.nodes} graph nodes, {s.shared_layers} layers sharing variables",
         "precision: " + precision_line(plan),
         "recompute: " + recompute_line(plan),
+        "parameter state: " + param_state_line(plan),
     ]
     if plan.timings:
         t = plan.timings
@@ -144,6 +145,31 @@ def recompute_line(plan: Plan) -> str:
     return (f"{r.mode}{asked}: {each} {len(r.per_layer)} traced layers "
             f"({_ranges(sorted(r.per_layer))}); costs {fmt_time(r.time_s)}{share}, saves "
             f"{fmt_bytes(r.saved_bytes)} at the peak")
+
+
+def param_state_line(plan: Plan) -> str:
+    """ZeRO stages, counted over parameters (with the axes the state is split over), and the
+    optimizer state offloaded to the host."""
+    from autopar.passes.zero import STAGE_NAMES
+
+    ps = plan.param_state
+    groups: dict[tuple[int, tuple[str, ...]], int] = {}
+    for name, stage in ps.stages.items():
+        key = (stage, ps.axes.get(name, ()))
+        groups[key] = groups.get(key, 0) + 1
+    total = len(plan.params)
+    parts = [f"{STAGE_NAMES[stage]} over {','.join(axes)} for {n} of {total}"
+             for (stage, axes), n in sorted(groups.items())]
+    rest = total - sum(groups.values())
+    if rest:
+        parts.append(f"split for compute on every axis (no state repeated) for {rest}")
+    line = "; ".join(parts) or "none"
+    if ps.offloaded:
+        share = f" ({ps.offload_s / plan.cost.step_s:.1%} of the step)" if plan.cost.step_s else ""
+        line += (f"; optimizer state of {len(ps.offloaded)} parameters offloaded to host memory "
+                 f"({fmt_bytes(ps.offload_bytes)} per device; costs {fmt_time(ps.offload_s)}"
+                 f"{share})")
+    return line
 
 
 def _ranges(xs: list[int]) -> str:

@@ -25,6 +25,7 @@ from autopar.mesh import Mesh
 from autopar.passes import bucket_fill, mixed_precision, sharding_problem
 from autopar.passes import cost_model as cm
 from autopar.passes import recompute as recompute_mode
+from autopar.passes import zero as zero_mod
 from autopar.passes.axis_search import solve_axiswise, sweep_was_exact
 from autopar.passes.buckets import first_bucket_bytes
 from autopar.passes.edge_costs import edge_collectives
@@ -77,6 +78,8 @@ def make_plan(
     precision: str | Precision | None = None,
     reduce_dtype: str | None = None,
     recompute: str = "auto",
+    zero: str | int = "auto",
+    offload: str = "auto",
 ) -> Planned:
     """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
 
@@ -94,8 +97,15 @@ def make_plan(
     completes it) only when predicted at least this fraction faster: the cost model errs by
     more than a fraction of a percent, and the hand-written layouts are the proven ones.
     Where the plan leaves gradient buckets nearly empty, they are priced at their real fill
-    and everything solved again (:mod:`autopar.passes.bucket_fill`)."""
+    and everything solved again (:mod:`autopar.passes.bucket_fill`).
+    ``zero``: the ZeRO stage of parameters the plan stores split and gathers for use
+    (:mod:`autopar.passes.zero`): ``"auto"`` (stage 2 or 3, the faster that fits: planned
+    both ways where the plan does not fit at ease), 1, 2 or 3. ``offload``: ``"auto"``
+    (optimizer state is offered to the solver for host memory only where no plan fits
+    without), ``"none"``, ``"optimizer"`` (every parameter's)."""
     recompute_mode.check_mode(recompute)
+    zero = zero_mod.check_stage(zero)
+    zero_mod.check_offload(offload)
     limit, limit_source = memory_limit(memory_budget, mesh.device)
     t0 = time.perf_counter()
     if graph is None:
@@ -106,42 +116,46 @@ def make_plan(
     t_trace = time.perf_counter() - t0
     refs_by_mode: dict[str, dict[str, Any]] = {}
     for name, ref in (references or {}).items():
-        refs_by_mode.setdefault(getattr(ref, "recompute", "none"), {})[name] = ref
+        refs_by_mode.setdefault(_reference_mode(getattr(ref, "recompute", "none")),
+                                {})[name] = ref
     timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
     runs: dict[str, _ModeRun] = {}
 
     seeds: list[_ModeRun] = []  # plans the recomputing modes start from
+    stored = "none" if offload == "auto" else offload  # offload offered from the start?
 
     def run(mode: str, own: bool) -> _ModeRun:
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
                                 time_limit_s, min_gain, own, timings,
-                                seed=seeds[0] if seeds else None)
+                                seed=seeds[0] if seeds else None, offload=stored)
         return runs[mode]
 
-    first = run("none", own=True)  # also the start of the other modes' searches
+    candidates = _candidate_modes(recompute, zero)
+    first = run(candidates[0], own=True)  # also the start of the other modes' searches
     if first.choice is not None:
         seeds.append(first)
-    elif limit is not None and recompute != "none":
+    elif limit is not None and len(candidates) > 1:
         # nothing fits without recomputing: the other modes start from the layout that is
         # fastest with no limit (the solver alone, from the leanest start, can stall far
         # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
-        free = _plan_mode(pg, mesh, "none", None, {}, time_limit_s / 2, min_gain, True,
+        free = _plan_mode(pg, mesh, candidates[0], None, {}, time_limit_s / 2, min_gain, True,
                           timings)
         if free.choice is not None:
             seeds.append(free)
-    if recompute == "auto":
-        # recomputation pays only where memory binds: a plan well inside the limit is the
-        # fastest any mode can give (recomputing adds work and frees no better layout)
-        if not first.fits or (limit is not None and first.peak > AUTO_SLACK * limit):
-            for mode in ("selective", "full"):
-                run(mode, own=True)
-    elif recompute != "none":
-        run(recompute, own=True)
+    # recomputation and re-gathering pay only where memory binds: a plan well inside the
+    # limit is the fastest any mode can give (each adds work and frees no better layout)
+    if not first.fits or (limit is not None and first.peak > AUTO_SLACK * limit):
+        for mode in candidates[1:]:
+            run(mode, own=True)
+    if offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
+        # nothing fits with the state on the device: offer the solver the host for it
+        stored = "auto"
+        for mode in candidates:
+            run(mode + OFFLOADED, own=True)
     for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
         if mode not in runs:
             run(mode, own=False)
-    # a mode asked for is the plan's; the others only complete their reference layouts
-    asked = [runs[recompute]] if recompute != "auto" else list(runs.values())
+    asked = [r for m, r in runs.items() if _base(m) in candidates]
     fitting = [r for r in asked if r.choice is not None and r.fits]
     if not fitting:
         raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs, time_limit_s))
@@ -157,8 +171,8 @@ def make_plan(
                    len(sp.nodes), sp.shared_layers,
                    float(evaluate(sp.problem, sol.assignment)[0])),
         timings, references_cost, limit, limit_source=limit_source,
-        recompute=recompute_record(recompute, best.mode, best.pg, sp, best.choice,
-                                   runs["none"].sp),
+        recompute=recompute_record(recompute, _recompute_of(best.mode), best.pg, sp,
+                                   best.choice, _unrecomputed(pg, mesh, best.mode, runs, stored)),
     )
     return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices)
 
@@ -185,15 +199,80 @@ class _ModeRun:
     fits: bool = False
 
 
+# a mode's suffixes: parameters gathered again in the backward (ZeRO-3), optimizer state
+# offered to the host
+REGATHER = "+zero3"
+WHOLE_GRADS = "+zero1"  # gradients of split parameters all-reduced whole (ZeRO-1)
+OFFLOADED = "+offload"
+
+
+def _candidate_modes(recompute: str, zero: str) -> list[str]:
+    """The modes the planner tries, first the one every other starts from: each recompute
+    mode asked for (``auto``: none, selective, full), with and without re-gathering where the
+    ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing)."""
+    asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
+    out = []
+    for mode in asked:
+        if zero == "3" or (zero == "auto" and mode == "full"):
+            out.append(mode + REGATHER)
+        elif zero == "auto" and mode != "full":
+            out += [mode, mode + REGATHER]
+        else:
+            out.append(mode + (WHOLE_GRADS if zero == "1" else ""))
+    return out
+
+
+def _base(mode: str) -> str:
+    """The mode without its offload suffix."""
+    return mode.removesuffix(OFFLOADED)
+
+
+def _recompute_of(mode: str) -> str:
+    return mode.split("+")[0]
+
+
+def _reference_mode(recompute: str) -> str:
+    """The mode a fixed policy's layout is completed in: full recomputation re-gathers (what
+    FSDP with per-block activation checkpointing does), the others keep what they gather."""
+    return recompute + REGATHER if recompute == "full" else recompute
+
+
+def _unrecomputed(pg: PlanGraph, mesh: Mesh, mode: str, runs: dict[str, _ModeRun],
+                  offload: str) -> ShardingProblem:
+    """The problem of the same graph without recomputation (re-gathering and offload as in
+    ``mode``): what a recomputing plan's price is measured against."""
+    plain = "none" + mode.removeprefix(_recompute_of(mode))
+    if plain in runs:
+        return runs[plain].sp
+    return sharding_problem.build(mode_graph(pg, plain), mesh, offload=offload,
+                                  zero1=WHOLE_GRADS in mode)
+
+
+def mode_graph(pg: PlanGraph, mode: str) -> PlanGraph:
+    """``pg`` with a mode's recomputation and re-gathering applied (the nodes it copies into
+    the backward). Without re-gathering, a parameter's views are not recomputed even where
+    the mode recomputes the rest of the layer: the stage is ZeRO-2, the gathered copy kept."""
+    names = recompute_mode.recompute_nodes(pg, _recompute_of(mode))
+    chain = set(zero_mod.regather_nodes(pg))
+    if REGATHER in mode:
+        names = [n.name for n in pg.graph.nodes if n.name in chain or n.name in set(names)]
+    else:
+        names = [n for n in names if n not in chain]
+    return recompute_mode.apply_recompute(pg, names)
+
+
 def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
                references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
-               timings: dict[str, float], seed: _ModeRun | None = None) -> _ModeRun:
+               timings: dict[str, float], seed: _ModeRun | None = None,
+               offload: str = "none") -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode. ``seed``: another
-    mode's plan, a start for the solver (its placements, each copy as its original)."""
-    mpg = recompute_mode.apply_recompute(pg, recompute_mode.recompute_nodes(pg, mode))
+    mode's plan, a start for the solver (its placements, each copy as its original).
+    ``offload``: whether parameters may keep their optimizer state on the host
+    (:func:`autopar.passes.sharding_problem.build`)."""
+    mpg = mode_graph(pg, mode)
     t1 = time.perf_counter()
-    sp = sharding_problem.build(mpg, mesh, limit)
+    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=WHOLE_GRADS in mode)
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
@@ -262,15 +341,20 @@ def _carried_choice(sp: ShardingProblem, other: _ModeRun) -> list[int]:
 def recompute_record(asked: str, mode: str, mpg: PlanGraph, sp: ShardingProblem,
                      choice: list[int], base: ShardingProblem) -> Recompute:
     """What a plan on ``mpg`` (recomputation applied) recomputes, per traced layer, and its
-    price (:func:`recompute_price`, against ``base``, the problem without it)."""
+    price (:func:`recompute_price`, against ``base``, the problem without it). ``nodes``
+    lists every copied node, re-gathered parameter views too (the runtime copies them all);
+    the layers, counts and price are the activations' only (re-gathering is the parameter
+    state's, :class:`autopar.passes.zero.ParamState`)."""
     names = tuple(mpg.recomputed.values())
     if not names:
         return Recompute(asked, "none")
     per_layer: dict[int, int] = {}
     for n in mpg.graph.nodes:
-        if n.name in mpg.recomputed:
+        if n.name in mpg.recomputed and not zero_mod.is_param_view(n):
             ly = n.meta["autopar"].layer
             per_layer[ly] = per_layer.get(ly, 0) + 1
+    if not per_layer:
+        return Recompute(asked, "none", names)
     extra_s, saved = recompute_price(sp, choice, base)
     return Recompute(asked, mode, names, tuple(sorted(per_layer)), extra_s, saved, per_layer)
 
@@ -279,8 +363,10 @@ def recompute_price(sp: ShardingProblem, choice: list[int], base: ShardingProble
                     ) -> tuple[float, float]:
     """(extra step time, peak memory saved) of a recomputing plan: its copies' compute and the
     collectives of their inputs, and its peak against the same placements on ``base``, the
-    problem of the graph without recomputation."""
-    copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra}
+    problem of the graph without recomputation (a re-gathered parameter view is no
+    recomputation: its gather is the parameter state's price)."""
+    copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra
+              and not zero_mod.is_param_view(n)}
     if not copies:
         return 0.0, 0.0
     w = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
@@ -450,7 +536,9 @@ def _solve_within_budget(
         else:
             limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
             problem = _with_limit(problem, limit)
-        retry = _solve_or_search(sp, problem, time_limit_s,
+        # a retry starts from a solution that nearly fits: a quarter of the time is plenty
+        # (a whole budget let the general solver search 16 s for llama3-405b's full mode)
+        retry = _solve_or_search(sp, problem, max(1.0, time_limit_s / 4),
                                  [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
                                  time.perf_counter())
         if not retry.feasible:
@@ -583,6 +671,7 @@ def assemble_plan(
                           for axes in cm.merged_sums(mesh)),
         precision=pg.precision or Precision(), memory_limit_source=limit_source,
         recompute=recompute or Recompute(),
+        param_state=zero_mod.param_state(pg, sp, choice),
     )
 
 
@@ -590,12 +679,15 @@ def with_recompute(graph: PlanGraph, plan: Plan, mode: str, mesh: Mesh) -> Plan:
     """``plan`` (made without recomputation, on ``graph`` as captured) with ``mode``'s
     recomputation: every original node placed as in ``plan``, every copy as its original, the
     collectives and costs scored again. The same layout, recomputing: what the property tests
-    compare bit for bit, and a way to ask what a mode costs a given plan."""
+    compare bit for bit, and a way to ask what a mode costs a given plan. ``mode``: a
+    recompute mode, with ``+zero3`` to re-gather parameters in the backward too, ``+zero1``
+    to all-reduce the gradients of split parameters whole."""
     if plan.recompute.nodes:
         raise PlanError("with_recompute takes a plan that recomputes nothing")
-    names = recompute_mode.recompute_nodes(graph, mode)
-    mpg = recompute_mode.apply_recompute(graph, names)
-    sp = sharding_problem.build(mpg, mesh, plan.memory_budget, share_layers=False)
+    mpg = mode_graph(graph, mode)
+    offload = "auto" if plan.param_state.offloaded else "none"
+    sp = sharding_problem.build(mpg, mesh, plan.memory_budget, share_layers=False,
+                                offload=offload, zero1=WHOLE_GRADS in mode)
     choice = []
     for i, n in enumerate(sp.nodes):
         place = plan.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
@@ -606,8 +698,9 @@ def with_recompute(graph: PlanGraph, plan: Plan, mode: str, mesh: Mesh) -> Plan:
             raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
                             "was the plan made for this graph?")
         choice.append(ks[0])
-    base = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False)
-    rec = recompute_record(mode, mode, mpg, sp, choice, base)
+    base = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False,
+                                  offload=offload, zero1=WHOLE_GRADS in mode)
+    rec = recompute_record(mode, _recompute_of(mode), mpg, sp, choice, base)
     return assemble_plan(mpg, sp, choice, plan.model, mesh, plan.solver, dict(plan.timings),
                          dict(plan.references), plan.memory_budget, plan.memory_limit_source,
                          rec)

@@ -30,7 +30,7 @@ from autopar.passes.buckets import (
     first_bucket_bytes,
     sync_groups,
 )
-from autopar.passes.edge_costs import edge_meta
+from autopar.passes.edge_costs import edge_meta, sync_target
 from autopar.passes.problem_reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.sharding_problem import ShardingProblem
 
@@ -53,7 +53,7 @@ def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
         if e.in_idx >= 0:
             continue
         src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
-        dst = sp.strategies[e.dst][choice[e.dst]].outs[0]
+        dst = sync_target(sp, e, src, sp.strategies[e.dst][choice[e.dst]].outs[0])
         if src != dst and bucket_kind(src, dst) is not None:
             weight = float(sp.weight[e.dst]) if sp.weight is not None else 1.0
             syncs.append(GradSync(k, edge_meta(sp, e), src, dst, weight))

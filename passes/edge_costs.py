@@ -13,6 +13,7 @@ import numpy as np
 from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
 from autopar.passes.buckets import bucket_kind, gather_move
+from autopar.passes.zero import grad_target
 from autopar.solver.reduce import FORBIDDEN
 
 if TYPE_CHECKING:
@@ -38,9 +39,13 @@ def _reshard_table(sp: ShardingProblem, meta: TensorMeta, srcs: list, dsts: list
     nbytes = float(meta.nbytes)
     table = np.empty((len(srcs), len(dsts)))
     plain = (False, cm.BUCKET_BYTES)  # a move that runs alone (see _batch_price)
+    whole = kind == "grad" and sp.zero1  # ZeRO-1: a gradient is summed whole, then sliced
     for i, (a, ai) in enumerate(zip(srcs, src_ids)):
         row = table[i]
         for j, (b, bj) in enumerate(zip(dsts, dst_ids)):
+            if whole:
+                b = grad_target(a, b)
+                bj = ids.setdefault(b, len(ids))
             bucketed, fill = plain if kind is None else _batch_price(sp, meta, a, b, kind)
             key = (tensor, ai, bj, bucketed, fill)
             t = cache.get(key)
@@ -57,8 +62,15 @@ def edge_collectives(sp: ShardingProblem, e: Edge, src, dst) -> list[cm.Collecti
     """The collectives of edge ``e`` under one (producer, consumer) pair, priced as the
     solver prices them (bucket shares included)."""
     meta = edge_meta(sp, e)
+    dst = sync_target(sp, e, src, dst)
     bucketed, fill = _batch_price(sp, meta, src, dst, _kind(sp, e))
     return cm.reshard_collectives(meta, src, dst, sp.mesh, bucketed, fill)
+
+
+def sync_target(sp: ShardingProblem, e: Edge, src, dst):
+    """Where edge ``e`` moves its value: the consumer's layout, except a ZeRO-1 plan's
+    gradient, summed whole first (:func:`autopar.passes.zero.grad_target`)."""
+    return grad_target(src, dst) if e.in_idx < 0 and sp.zero1 else dst
 
 
 def _batch_price(sp: ShardingProblem, meta: TensorMeta, src, dst,

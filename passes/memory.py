@@ -102,7 +102,7 @@ def step_usage(sp: ShardingProblem, choice: list[int]
     """
     from autopar.passes.buckets import GradSync, first_bucket_bytes, gather_move, sync_groups
     from autopar.passes.cost_model import activation_bytes
-    from autopar.passes.edge_costs import gather_unit, is_param_gather
+    from autopar.passes.edge_costs import gather_unit, is_param_gather, sync_target
 
     weight = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
     usage = [float(sp.usage[i][s]) for i, s in enumerate(choice)]
@@ -116,7 +116,8 @@ def step_usage(sp: ShardingProblem, choice: list[int]
             continue
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
         if e.in_idx < 0:
-            syncs.append(GradSync(e.src, meta, src, dst, float(weight[e.dst])))
+            syncs.append(GradSync(e.src, meta, src, sync_target(sp, e, src, dst),
+                                  float(weight[e.dst])))
             continue
         if sp.nodes[e.dst].meta["autopar"].op == "getitem":
             continue  # a multi-output op's piece: moved where it is read, counted there

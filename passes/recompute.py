@@ -65,7 +65,7 @@ def recompute_nodes(pg: PlanGraph, mode: str) -> list[str]:
                                         and not custom.get("autopar_projection")):
             continue
         out.append(n.name)
-    return _needed(pg, out)
+    return needed_in_backward(pg, out)
 
 
 def _recomputable(n: fx.Node, f: NodeFacts) -> bool:
@@ -90,7 +90,7 @@ def _draws(n: fx.Node, target: torch._ops.OpOverload) -> bool:
     return bool(p)
 
 
-def _needed(pg: PlanGraph, candidates: list[str]) -> list[str]:
+def needed_in_backward(pg: PlanGraph, candidates: list[str]) -> list[str]:
     """Of the candidates, those whose value a backward op reads (directly, or through another
     recomputed node): only those need a copy. A candidate no backward op reaches is freed in
     the forward anyway."""

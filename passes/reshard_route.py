@@ -74,7 +74,6 @@ def _block_permutations(src: Spec, dst: Spec, steps: list[tuple[int, Placement]]
     Simulated on block ids: each dim is cut into as many blocks as the axes sharding it (in
     ``src`` or ``dst``) make; a gather concatenates the peers' lists, a slice, reduce-scatter or
     all-to-all keeps this rank's part of its list."""
-    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
     full = _full_shape(local, src, mesh_shape)
     perms: dict[int, list[int]] = {}
     for d in range(len(full)):
@@ -85,13 +84,17 @@ def _block_permutations(src: Spec, dst: Spec, steps: list[tuple[int, Placement]]
         n_blocks = math.prod(mesh_shape[ax] for ax in axes)
         if full[d] % n_blocks:
             return None
+        # only the axes that split this dim move its blocks: the ranks that differ on the
+        # others hold the same blocks (so 1,024 devices of 128x8 simulate 128 or 8 ranks)
+        coords = [tuple(dict(zip(axes, sub)).get(ax, 0) for ax in range(len(mesh_shape)))
+                  for sub in itertools.product(*(range(mesh_shape[ax]) for ax in axes))]
         state = {c: _piece(src, d, n_blocks, mesh_shape, c) for c in coords}
         cur = list(src)
         for ax, b in steps:
             a, n = cur[ax], mesh_shape[ax]
             if a == sd and b != sd:
-                state = {c: sum((state[c[:ax] + (j,) + c[ax + 1:]] for j in range(n)), [])
-                         for c in coords}
+                state = {c: list(itertools.chain.from_iterable(
+                    state[c[:ax] + (j,) + c[ax + 1:]] for j in range(n))) for c in coords}
             elif b == sd and a != sd:
                 state = {c: _part(state[c], n, c[ax]) for c in coords}
             cur[ax] = b
@@ -100,7 +103,8 @@ def _block_permutations(src: Spec, dst: Spec, steps: list[tuple[int, Placement]]
             want = _piece(dst, d, n_blocks, mesh_shape, c)
             if sorted(want) != sorted(state[c]):
                 return None
-            p = [state[c].index(b) for b in want]
+            at = {blk: k for k, blk in enumerate(state[c])}
+            p = [at[blk] for blk in want]
             if perm is not None and p != perm:
                 return None
             perm = p

@@ -22,7 +22,13 @@ from autopar.passes.buckets import (
     gather_move,
     sync_groups,
 )
-from autopar.passes.edge_costs import edge_collectives, edge_meta, gather_unit, is_param_gather
+from autopar.passes.edge_costs import (
+    edge_collectives,
+    edge_meta,
+    gather_unit,
+    is_param_gather,
+    sync_target,
+)
 from autopar.passes.memory import peak_memory, step_usage
 from autopar.passes.sharding_problem import Edge, ShardingProblem, in_op_collectives
 from autopar.placements import Partial, Replicate
@@ -111,7 +117,8 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
             continue
         per_edge[k] = colls
         if e.in_idx < 0:
-            syncs.append(GradSync(k, meta, src, dst, float(weight[e.dst])))
+            syncs.append(GradSync(k, meta, src, sync_target(sp, e, src, dst),
+                                  float(weight[e.dst])))
         elif is_param_gather(sp, e) and gather_move(src, dst) is not None:
             gathers.append(ParamGather(k, gather_unit(sp.nodes[e.dst]), meta, src, dst,
                                        float(weight[e.dst])))

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
+from autopar.passes import zero
 from autopar.passes.memory import live_intervals, own_storage, peak_memory
 from autopar.passes.problem_reduction import (
     assign_variables,
@@ -76,6 +77,9 @@ class ShardingProblem:
     # precision plan reducing in bf16): gradient syncs are priced in it
     grad_dtype: torch.dtype | None = None
     loss_scaling: bool = False  # fp16: the step all-reduces an overflow flag (passes.scoring)
+    # ZeRO-1: gradients of split parameters are all-reduced whole, then sliced
+    # (passes.zero.grad_target); priced and run so
+    zero1: bool = False
     loss_index: int = -1  # the loss node (reported whole on every rank)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     peak_time: int = 0
@@ -103,7 +107,11 @@ class ShardingProblem:
 
 
 def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
-          share_layers: bool = True) -> ShardingProblem:
+          share_layers: bool = True, offload: str = "none", zero1: bool = False
+          ) -> ShardingProblem:
+    """``offload``: ``none``; ``auto``, each parameter may keep its optimizer state on the
+    host (a strategy variant per layout, :mod:`autopar.passes.zero`); ``optimizer``, every
+    parameter does. ``zero1``: gradients all-reduced whole (ZeRO-1)."""
     nodes = [n for n in pg.graph.nodes if n.op in ("placeholder", "call_function")]
     idx = {n: i for i, n in enumerate(nodes)}
     strategies: list[list[Strategy]] = []
@@ -119,7 +127,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
             if n.op == "placeholder":
                 meta = facts.out
                 specs = all_specs(meta, mesh.shape) if meta is not None else [(Replicate(),) * mesh.ndim]
-                hit = ([Strategy((), (s,)) for s in specs], False)
+                hit = (_placeholder_strategies(specs, facts.role == "param", offload), False)
             else:
                 ns = node_strategies(n, mesh.shape)
                 hit = (ns.strategies, ns.missing_rule)
@@ -149,6 +157,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
             edges.append(Edge(by_name[gname], param_index[pname], 0, -1))
 
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
+    sp.zero1 = zero1
     if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
         sp.grad_dtype = pg.precision.reduce_dtype
     sp.loss_scaling = pg.precision is not None and pg.precision.loss_scaling
@@ -220,10 +229,21 @@ def _strategy_key(n: fx.Node):
     f: NodeFacts = n.meta["autopar"]
     try:
         if n.op == "placeholder":
-            return ("placeholder", f.out)
+            return ("placeholder", f.role == "param", f.out)
         return (n.target, _frozen(n.args), _frozen(n.kwargs), f.outputs)
     except TypeError:
         return None
+
+
+def _placeholder_strategies(specs: list, param: bool, offload: str) -> list[Strategy]:
+    """One strategy per layout; a parameter's also with its optimizer state on the host, where
+    offloading is offered (``auto``: both; ``optimizer``: only that). The whole-replicated
+    layout stays first (the solver's reference start)."""
+    kept = [Strategy((), (s,)) for s in specs]
+    if not param or offload == "none":
+        return kept
+    moved = [Strategy((), (s,), (zero.OFFLOAD,)) for s in specs]
+    return kept + moved if offload == "auto" else moved
 
 
 # --- per-node costs -------------------------------------------------------------------------
@@ -232,7 +252,8 @@ def _strategy_key(n: fx.Node):
 def _node_costs(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
     facts: NodeFacts = n.meta["autopar"]
     if n.op == "placeholder":
-        return np.zeros(len(strategies))
+        return np.array([zero.offload_time(facts.out, s.outs[0], mesh)
+                         if zero.OFFLOAD in s.impls else 0.0 for s in strategies])
     in_metas = tuple(a.meta["autopar"].out for a in tensor_inputs(n)) if n.target is not operator.getitem else ()
     if n.target is operator.getitem:
         return np.zeros(len(strategies))
@@ -267,6 +288,8 @@ def _usage(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
             # why no gradient here: it exists only from the backward op that makes it (counted
             # there, below); zero_grad frees it before the next forward
             out[k] = cm.param_bytes_per_device(facts.out, s.outs[0], mesh, grad=False)
+            if zero.OFFLOAD in s.impls:
+                out[k] -= zero.offload_saving(facts.out, s.outs[0], mesh)
         return out
     if own_storage(n):  # one output of a multi-output op, held for as long as it is read
         for k, s in enumerate(strategies):

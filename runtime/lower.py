@@ -40,6 +40,7 @@ from autopar.graph import PlanGraph, TensorMeta
 from autopar.passes.buckets import GradSync
 from autopar.passes.cost_model import sum_axes
 from autopar.passes.edge_costs import gather_unit
+from autopar.passes.zero import grad_target
 from autopar.passes.strategies.localize import (
     LocalContext,
     finish_call,
@@ -100,6 +101,15 @@ class _Step:
     localized: tuple[tuple, dict] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    """A ZeRO-1 gradient: all-reduced into ``dst`` (whole on the split axes), then sliced
+    into the spec of its parameter (placeholder ``node``)."""
+
+    node: str
+    dst: Spec
+
+
 class LoweredGraph:
     """The per-rank program for one (graph, plan) pair; between calls it holds no tensors but
     the graph's lifted constants."""
@@ -152,6 +162,8 @@ class LoweredGraph:
         self.bwd_gathers = group_gathers(self.bwd, gather_unit, metas, self.mesh_shape)
         self.param_specs = {pg.param_node(p).name: self.spec(pg.param_node(p).name)
                             for p in pg.param_names}
+        # ZeRO-1: gradients summed whole, then sliced into their parameter's spec
+        self.sliced_after_sync: dict[int, _Slice] = {}
         # gradients go in DDP-style buckets when the plan priced them so, each move started
         # as soon as its gradients exist (see grad_sync)
         self.bucketed = grad_sync_mode(self)
@@ -264,7 +276,12 @@ class LoweredGraph:
         env = saved  # not a copy: the copy's source would hold every activation to the end
         syncs = self.grad_sync.start(comm, env)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
-        return syncs.finish()
+        grads = syncs.finish()
+        for i, g in self.sliced_after_sync.items():  # ZeRO-1: each rank keeps its part
+            if grads[i] is not None:
+                grads[i] = redistribute(grads[i], g.dst, self.param_specs[g.node], comm,
+                                        "gradient sync")
+        return grads
 
     def grad_moves(self) -> list[GradSync]:
         """Every gradient that must move into its parameter's spec (``index``: the parameter's
@@ -277,7 +294,13 @@ class LoweredGraph:
                 meta = node.meta["autopar"].out
                 if self.reduce_dtype is not None:  # summed in the plan's reduction dtype
                     meta = TensorMeta(meta.shape, self.reduce_dtype)
-                moves.append(GradSync(i, meta, src, dst))
+                if self.plan.param_state.zero1:  # summed whole, then sliced (passes.zero)
+                    whole = grad_target(src, dst)
+                    if whole != dst:
+                        self.sliced_after_sync[i] = _Slice(node.name, whole)
+                    dst = whole
+                if src != dst:
+                    moves.append(GradSync(i, meta, src, dst))
         return moves
 
     def _run(self, steps: list[_Step], gathers: list[GatherGroup], env: dict[str, Any],

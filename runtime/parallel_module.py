@@ -167,6 +167,14 @@ class ParallelModule(nn.Module):
     def plan(self) -> Plan:
         return self._active[1].plan
 
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """``cls(self.parameters(), **kwargs)``, keeping in host memory the optimizer state
+        of the parameters the plan offloads (:mod:`autopar.runtime.offload`)."""
+        from autopar.runtime.offload import make_optimizer
+
+        return make_optimizer(self.named_parameters(), set(self.plan.param_state.offloaded),
+                              cls, **kwargs)
+
     @property
     def graph(self) -> PlanGraph:
         return self._active[0]

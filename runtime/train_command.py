@@ -58,6 +58,8 @@ class TrainConfig:
     reduce_dtype: str | None = None
     recompute: str = "auto"
     memory_budget: float | None = None  # bytes per rank; None: the cpu profile's limit
+    zero: str = "auto"  # ZeRO stage of parameters stored split (passes.zero)
+    offload: str = "auto"  # optimizer state in host memory
 
     @property
     def mesh_text(self) -> str:
@@ -189,7 +191,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
                        args.timeout, args.time_limit, args.compile, args.grad_accum,
-                       args.clip, args.precision, args.reduce_dtype, args.recompute, budget)
+                       args.clip, args.precision, args.reduce_dtype, args.recompute, budget,
+                       args.zero, args.offload)
 
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
@@ -221,6 +224,10 @@ def _loop_text(cfg: TrainConfig) -> str:
         out += f", {cfg.precision} (the baseline runs fp32)"
     if cfg.recompute != "auto":
         out += f", recompute {cfg.recompute}"
+    if cfg.zero != "auto":
+        out += f", ZeRO-{cfg.zero}"
+    if cfg.offload != "auto":
+        out += f", offload {cfg.offload}"
     if cfg.grad_accum > 1:
         out += f", {cfg.grad_accum} micro-batches of {cfg.batch // cfg.grad_accum} per step"
     if cfg.clip is not None:
@@ -264,7 +271,8 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     pm = autopar.parallelize(model, mesh, example_inputs=example,
                              time_limit_s=cfg.time_limit_s, compile=cfg.compile,
                              precision=cfg.precision, reduce_dtype=cfg.reduce_dtype,
-                             recompute=cfg.recompute, memory_budget=cfg.memory_budget)
+                             recompute=cfg.recompute, memory_budget=cfg.memory_budget,
+                             zero=cfg.zero, offload=cfg.offload)
     if rank == 0:
         plan = getattr(pm, "plan", None)
         if plan is not None:
@@ -279,7 +287,12 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
 
 def _adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """AdamW's fused kernel, on both runs: one kernel per step, where the default on CPU
-    runs about 7 ops per parameter (on DTensors, each through DTensor's dispatch)."""
+    runs about 7 ops per parameter (on DTensors, each through DTensor's dispatch). The
+    parallel model's keeps the state the plan offloads in host memory."""
+    from autopar.runtime.parallel_module import ParallelModule
+
+    if isinstance(model, ParallelModule):
+        return model.make_optimizer(torch.optim.AdamW, lr=cfg.lr, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
 
 

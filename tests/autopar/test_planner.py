@@ -121,7 +121,9 @@ def test_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "plan.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == 5
+    assert doc["version"] == 6
+    assert set(doc["param_state"]) >= {"stages", "axes", "offloaded", "regathered"}
+    assert set(doc["param_state"]["stages"]) <= set(doc["params"])
     assert doc["precision"] == {"name": "bf16", "reduce": "fp32"}  # h100: bf16 by default
     assert doc["recompute"]["asked"] == "auto" and doc["memory_budget"] > 0
     assert doc["mesh"] == {"shape": [2, 2], "axes": ["dp", "tp"], "device": "h100"}

@@ -122,7 +122,8 @@ def train_parallel(pm: nn.Module, inputs: tuple, steps: int,
                    micro: list[tuple] | None = None, clip: Clip | None = None) -> dict[str, Any]:
     """As :func:`train_single`, inside the fake world; results gathered to whole tensors
     (``norms``: what ``clip`` returned, as the user gets it)."""
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS, **(adamw or {}))
+    # the parallel model's: the optimizer state its plan offloads is kept on the host
+    opt = pm.make_optimizer(torch.optim.AdamW, lr=LR, eps=EPS, **(adamw or {}))
     losses, grads, per_step, norms = [], {}, [], []
     for step in range(steps):
         pm.collectives.reset()

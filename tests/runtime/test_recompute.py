@@ -59,9 +59,10 @@ def _assert_bitwise(got: dict, want: dict, what: str) -> None:
 @given(name=st.sampled_from(["gpt2-tiny", "llama3-tiny"]),
        mesh_shape=st.sampled_from([(2,), (4,), (2, 2)]),
        source=st.sampled_from(["solver", "data_parallel", "fsdp", "megatron_tp"]),
-       mode=st.sampled_from(["selective", "full"]))
+       mode=st.sampled_from(["selective", "full", "none+zero3", "full+zero3"]))
 @example(name="llama3-tiny", mesh_shape=(2, 2), source="megatron_tp", mode="full")
 @example(name="gpt2-tiny", mesh_shape=(2, 2), source="solver", mode="selective")
+@example(name="llama3-tiny", mesh_shape=(4,), source="fsdp", mode="none+zero3")
 def test_recompute_is_bitwise_the_same_training(name, mesh_shape, source, mode):
     model, family, preset = _model(name)
     inputs = preset.example_inputs(4, 16, "cpu")
@@ -74,7 +75,8 @@ def test_recompute_is_bitwise_the_same_training(name, mesh_shape, source, mode):
         if base is None:
             return
     plan = with_recompute(graph, base, mode, mesh)
-    assert plan.recompute.mode == mode and plan.recompute.nodes
+    assert plan.recompute.mode == mode.split("+")[0] and plan.recompute.nodes
+    assert plan.param_state.regathered == mode.endswith("+zero3")
     what = f"{name} {mesh_shape} {source} {mode}"
     _assert_bitwise(_train(model, plan, inputs, mesh), _train(model, base, inputs, mesh), what)
 
