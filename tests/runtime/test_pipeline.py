@@ -22,6 +22,7 @@ from collections import Counter
 import pytest
 import torch
 from spmd_harness import EPS, LR, rel_err
+from torch import nn
 
 from autopar.errors import PlanError
 from autopar.models import get_preset
@@ -42,16 +43,38 @@ CONFIGS = [
     ("zbv-gpt2", "gpt2-tiny", (2, 2), "zbv", 2, "module", 4, None),
     ("dualpipev-llama", "llama3-tiny", (2, 2), "dualpipev", 2, "module", 4, None),
     ("gpipe-moe", "moe-tiny", (2, 2), "gpipe", 1, "auto", 2, None),
+    ("1f1b-hf-gpt2", "hf-gpt2", (2, 2), "1f1b", 1, "auto", 2, None),
 ]
 
 
 def _build(preset_name: str):
+    if preset_name == "hf-gpt2":
+        return _hf_gpt2()
     preset = get_preset(preset_name)
     preset = preset.replace(n_layer=4) if preset.family == "gpt2" else preset.replace(n_layers=4)
     torch.manual_seed(0)
     model = preset.build("cpu")
     torch.manual_seed(1)
     return model, preset.example_inputs(BATCH, SEQ, "cpu")
+
+
+def _hf_gpt2():
+    """Hugging Face GPT-2 (its head tied to the embedding) as test_hf builds it, 4 blocks."""
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4,
+                                  n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 64, (BATCH, SEQ))
+    return model, (ids, ids)
+
+
+def _loss(model, tokens, targets) -> torch.Tensor:
+    if isinstance(model, nn.Module) and hasattr(model.config, "to_dict"):  # Hugging Face
+        return model(input_ids=tokens, labels=targets).loss
+    return model(tokens, targets)
 
 
 def _reference(model, tokens, targets, steps: int, micro: int | None) -> dict:
@@ -61,7 +84,7 @@ def _reference(model, tokens, targets, steps: int, micro: int | None) -> dict:
     losses, grads = [], {}
     for _ in range(steps):
         if micro is None:
-            loss = model(tokens, targets)
+            loss = _loss(model, tokens, targets)
             loss.backward()
         else:
             loss = 0.0
@@ -69,11 +92,14 @@ def _reference(model, tokens, targets, steps: int, micro: int | None) -> dict:
                 part = model(x, y) / micro
                 part.backward()
                 loss = loss + part.detach()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        # every name of a tied weight: traced stages hold it under each
+        named = dict(model.named_parameters(remove_duplicate=False))
+        grads = {n: p.grad.clone() for n, p in named.items()}
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "grads": grads, "params": dict(model.named_parameters())}
+    return {"losses": losses, "grads": grads,
+            "params": dict(model.named_parameters(remove_duplicate=False))}
 
 
 def _worker(configs: list) -> dict:
@@ -120,10 +146,12 @@ def test_pipeline_schedules_equal_one_device() -> None:
     from autopar.runtime.launch import launch
 
     reports = launch(_worker, WORLD, (CONFIGS,), timeout_s=240)
-    for name, _, (pp, dp), schedule, virtual, frontend, m, _ in CONFIGS:
+    for name, preset, (pp, dp), schedule, virtual, frontend, m, _ in CONFIGS:
         held = sorted(s for rank in range(pp * dp) for s in reports[rank][name]["stages"])
         assert held == sorted(list(range(pp * virtual)) * dp), name  # each stage once per replica
-        want_frontend = "module" if frontend == "auto" else frontend
+        # auto: torch's splitter, except for MoE (its balance loss needs autopar's stages)
+        want_frontend = frontend if frontend != "auto" else (
+            "module" if preset.startswith("moe") else "trace")
         for rank, rep in enumerate(reports):
             r = rep[name]
             assert r["frontend"] == want_frontend, name
@@ -192,3 +220,18 @@ def test_tied_weights_are_found() -> None:
     mods = ps.module_stages(model, "blocks", ((0, 2), (2, 4)), [0, 1])
     assert ps.tied_names(mods, ps.alias_names(model)) == {"wte.weight": [0, 1]}
     assert mods[0].wte.weight is not mods[1].wte.weight  # one copy per stage
+
+
+def test_traced_hf_llama_is_refused_before_it_runs() -> None:
+    """torch 2.13's splitter drops the inputs of Hugging Face Llama's ``rotary_emb`` (called
+    on position ids its parent computes): refused when the stages are built, with the cause,
+    not in the first step. No autopar stages exist for it, so no fallback either."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=16,
+                                   use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg)
+    with pytest.raises(ps.TracedSplitError, match="dropped the inputs of model.rotary_emb"):
+        ps.traced_stages(model, (torch.randint(0, 64, (2, 8)),), "model.layers",
+                         ((0, 1), (1, 2)), [0])
