@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,10 @@ from torch.distributed.pipelining import PipelineStage, build_stage
 
 from autopar.errors import PlanError
 from autopar.runtime import pipeline_stages as ps
+from autopar.runtime.pipeline_events import StageEvent, bubble_fraction, chrome_trace, instrument
+
+__all__ = ["PipelineRunner", "SCHEDULES", "StageEvent", "bubble_fraction", "build_pipeline",
+           "chrome_trace", "stage_placement"]
 
 # schedule name -> (torch class name, stage placement, stages per rank it needs: None = any)
 SCHEDULES: dict[str, tuple[str, str, int | None]] = {
@@ -43,20 +47,6 @@ SCHEDULES: dict[str, tuple[str, str, int | None]] = {
     "zbv": ("ScheduleZBVZeroBubble", "v", 2),
     "dualpipev": ("ScheduleDualPipeV", "v", 2),
 }
-
-
-class StageEvent(NamedTuple):
-    """One action of one stage: ``kind`` is ``F`` (forward), ``B`` (full backward), ``I``
-    (backward to the input only), ``W`` (backward to the weights) or ``sync`` (the gradient
-    all-reduces after the schedule, ``stage`` and ``microbatch`` -1). Times in seconds from the
-    step's start on this rank's clock."""
-
-    rank: int
-    kind: str
-    stage: int
-    microbatch: int
-    start_s: float
-    end_s: float
 
 
 def stage_placement(pp: int, n_stages: int, style: str) -> dict[int, int]:
@@ -167,8 +157,10 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     tied = _tied_groups(ps.tied_names(_all_stage_names(model, block_path, ranges, frontend,
                                                        mods), aliases),
                         placement, dmesh)
-    return PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
-                          (tied, aliases), frontend, schedule)
+    runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
+                            (tied, aliases), frontend, schedule)
+    runner.input_shapes = (tuple(tokens.shape), tuple(example_inputs[1].shape))
+    return runner
 
 
 def _all_stage_names(model: nn.Module, block_path: str, ranges: ps.Ranges, frontend: str,
@@ -269,9 +261,10 @@ class PipelineRunner:
         self.dp_rank = dist.get_rank(groups["dp"]) if "dp" in groups else 0
         self.has_last = any(st.is_last for st in stages)
         self.last_step_events: list[StageEvent] = []
+        self.input_shapes: tuple[tuple, tuple] | None = None  # (tokens, targets) it runs on
         self._t0 = 0.0
         for st in stages:
-            _instrument(st, self)
+            instrument(st, self._record)
 
     # --- parameters -----------------------------------------------------------------------
 
@@ -294,7 +287,13 @@ class PipelineRunner:
     # --- one step -------------------------------------------------------------------------
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        ps.check_batch(tokens.shape[0], self.dp, self.n_microbatches)
+        shapes = (tuple(tokens.shape), tuple(targets.shape))
+        if self.input_shapes is not None and shapes != self.input_shapes:
+            # the stages' buffers and (traced) graphs have the example's shapes
+            raise PlanError(
+                f"the pipeline was built for inputs of shapes {self.input_shapes[0]} and "
+                f"{self.input_shapes[1]}, called with {shapes[0]} and {shapes[1]}: build "
+                "another pipeline (build_pipeline) for these shapes")
         self.last_step_events = []
         self._t0 = time.perf_counter()
         device = self.stages[0].device
@@ -355,48 +354,3 @@ class PipelineRunner:
     def _record(self, kind: str, stage: int, mb: int, start: float) -> None:
         self.last_step_events.append(StageEvent(self.rank, kind, stage, mb, start - self._t0,
                                                 time.perf_counter() - self._t0))
-
-
-def _instrument(stage: Any, runner: PipelineRunner) -> None:
-    """Time the stage's actions by wrapping its three per-micro-batch methods on the instance
-    (the schedules call them by attribute), so every schedule is timed the same way."""
-    fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, \
-        stage.backward_weight_one_chunk
-    s = stage.stage_index
-
-    def forward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        out = fwd(mb, *args, **kwargs)
-        runner._record("F", s, mb, t)
-        return out
-
-    def backward_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        out = bwd(mb, *args, **kwargs)
-        full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
-        runner._record("B" if full else "I", s, mb, t)
-        return out
-
-    def backward_weight_one_chunk(mb: int, *args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        out = wgt(mb, *args, **kwargs)
-        runner._record("W", s, mb, t)
-        return out
-
-    stage.forward_one_chunk = forward_one_chunk
-    stage.backward_one_chunk = backward_one_chunk
-    stage.backward_weight_one_chunk = backward_weight_one_chunk
-
-
-def bubble_fraction(events: Sequence[StageEvent]) -> dict[int, float]:
-    """Per rank, the share of its step (first action's start to last's end, the gradient sync
-    left out) that no stage action filled."""
-    out: dict[int, float] = {}
-    for rank in sorted({e.rank for e in events}):
-        mine = [e for e in events if e.rank == rank and e.kind != "sync"]
-        if not mine:
-            continue
-        span = max(e.end_s for e in mine) - min(e.start_s for e in mine)
-        busy = sum(e.end_s - e.start_s for e in mine)
-        out[rank] = max(0.0, 1.0 - busy / span) if span > 0 else 0.0
-    return out

@@ -27,7 +27,7 @@ from torch import nn
 from autopar.errors import PlanError
 from autopar.models import get_preset
 from autopar.runtime import pipeline_stages as ps
-from autopar.runtime.pipeline import build_pipeline
+from autopar.runtime.pipeline import StageEvent, bubble_fraction, build_pipeline, chrome_trace
 
 WORLD = 4
 TOL = 1e-5
@@ -125,6 +125,12 @@ def _worker(configs: list) -> dict:
             opt.step()
             opt.zero_grad()
         _compare(name, "param", dict(runner.named_parameters()), want["params"])
+        if name == "gpipe-gpt2-trace":  # refused on every rank before any message is sent
+            try:
+                runner.step(tokens[:, :4], targets[:, :4])
+                raise AssertionError("a step on other shapes than the pipeline's ran")
+            except PlanError as e:
+                assert "built for inputs of shapes (8, 8)" in str(e), e
         report[name] = {
             "frontend": runner.frontend,
             "stages": [st.stage_index for st in runner.stages],
@@ -235,3 +241,13 @@ def test_traced_hf_llama_is_refused_before_it_runs() -> None:
     with pytest.raises(ps.TracedSplitError, match="dropped the inputs of model.rotary_emb"):
         ps.traced_stages(model, (torch.randint(0, 64, (2, 8)),), "model.layers",
                          ((0, 1), (1, 2)), [0])
+
+
+def test_bubble_fraction_and_trace() -> None:
+    """Rank 1 waits 1 s for its first micro-batch, then computes 2 s: a third idle."""
+    events = [StageEvent(1, "F", 1, 0, 1.0, 2.0), StageEvent(1, "B", 1, 0, 2.0, 3.0),
+              StageEvent(1, "sync", -1, -1, 3.0, 9.0), StageEvent(0, "F", 0, 0, 0.0, 1.0)]
+    assert bubble_fraction(events) == {0: 0.0, 1: pytest.approx(1 / 3)}
+    trace = chrome_trace(events)["traceEvents"]
+    assert [(e["name"], e["pid"], e["tid"], e["dur"]) for e in trace[:3]] == [
+        ("F0", 1, 1, 1e6), ("B0", 1, 1, 1e6), ("sync", 1, 0, 6e6)]
