@@ -21,6 +21,7 @@ gradient sync, with wall-clock times) so a benchmark can measure the bubble.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -50,10 +51,16 @@ SCHEDULES: dict[str, tuple[str, str, int | None]] = {
 
 
 def stage_placement(pp: int, n_stages: int, style: str) -> dict[int, int]:
-    """Stage index -> pp rank, as torch's schedules place them (``loop`` or ``v``)."""
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-    return generate_stage_to_rank_mapping(pp, n_stages, style=style)
+    """Stage index -> pp rank, as torch's schedules place them: ``loop`` puts stage ``s`` on
+    rank ``s % pp``; ``v`` runs down the ranks and back up (rank ``r`` holds stages ``r`` and
+    ``2 pp - 1 - r``). Written here, not imported from torch's private ``_utils``; a test
+    checks it against torch's."""
+    if style == "loop":
+        return {s: s % pp for s in range(n_stages)}
+    if n_stages % pp:
+        raise PlanError(f"{n_stages} stages do not fold evenly onto {pp} ranks for a V-shaped "
+                        "schedule: use a multiple of pp stages")
+    return {s: (s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp) for s in range(n_stages)}
 
 
 def _schedule_entry(name: str) -> tuple[type, str, int | None]:
@@ -262,6 +269,9 @@ class PipelineRunner:
         self.has_last = any(st.is_last for st in stages)
         self.last_step_events: list[StageEvent] = []
         self.input_shapes: tuple[tuple, tuple] | None = None  # (tokens, targets) it runs on
+        # the last stage's outputs are not kept for the caller where torch lets us say so
+        self._step_options = {"return_outputs": False} if "return_outputs" in \
+            inspect.signature(schedule.step).parameters else {}
         self._t0 = 0.0
         for st in stages:
             instrument(st, self._record)
@@ -304,7 +314,7 @@ class PipelineRunner:
         first = any(st.is_first for st in self.stages)
         args = (x,) if first else ()
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses,
-                           return_outputs=False)
+                           **self._step_options)
         t = time.perf_counter()
         self._sync_grads()
         self._record("sync", -1, -1, t)

@@ -24,10 +24,17 @@ import torch
 from spmd_harness import EPS, LR, rel_err
 from torch import nn
 
+import autopar
 from autopar.errors import PlanError
 from autopar.models import get_preset
 from autopar.runtime import pipeline_stages as ps
-from autopar.runtime.pipeline import StageEvent, bubble_fraction, build_pipeline, chrome_trace
+from autopar.runtime.pipeline import (
+    StageEvent,
+    bubble_fraction,
+    build_pipeline,
+    chrome_trace,
+    stage_placement,
+)
 
 WORLD = 4
 TOL = 1e-5
@@ -111,7 +118,9 @@ def _worker(configs: list) -> dict:
         model, (tokens, targets) = _build(preset)
         micro = shape[1] * m if preset.startswith("moe") else None
         want = _reference(copy.deepcopy(model), tokens, targets, 3, micro)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp"))
+        # one config on an autopar.Mesh, the others on torch's DeviceMesh
+        mesh = (autopar.Mesh(shape, ("pp", "dp"), "cpu") if name == "1f1b-llama-uneven" else
+                init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")))
         runner = build_pipeline(model, (tokens, targets), mesh, split, schedule, m, virtual,
                                 frontend)
         opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=EPS)
@@ -251,3 +260,16 @@ def test_bubble_fraction_and_trace() -> None:
     trace = chrome_trace(events)["traceEvents"]
     assert [(e["name"], e["pid"], e["tid"], e["dur"]) for e in trace[:3]] == [
         ("F0", 1, 1, 1e6), ("B0", 1, 1, 1e6), ("sync", 1, 0, 6e6)]
+
+
+def test_stage_placement_is_torchs() -> None:
+    """Our placement must be the one torch's schedules assume (theirs is private: if torch
+    changes it, this fails before a pipeline hangs on a message to the wrong rank)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for pp in (1, 2, 3, 4):
+        for virtual in (1, 2, 3):
+            for style in ("loop", "v"):
+                assert stage_placement(pp, pp * virtual, style) == \
+                    generate_stage_to_rank_mapping(pp, pp * virtual, style=style)
+    assert stage_placement(2, 4, "v") == {0: 0, 1: 1, 2: 1, 3: 0}
