@@ -92,11 +92,11 @@ class Combo:
         """The step traced as this combination runs it: under its precision policy, with its
         recomputation applied (what the plan was made on)."""
         from autopar.capture import capture
-        from autopar.passes import recompute
         from autopar.passes.mixed_precision import resolve
+        from autopar.planner import mode_graph
 
         graph = capture(model, inputs, precision=resolve(self.precision, self.amesh().device))
-        return recompute.apply_recompute(graph, recompute.recompute_nodes(graph, self.recompute))
+        return mode_graph(graph, self.recompute)
 
 
 COMBOS = [
@@ -123,6 +123,13 @@ COMBOS = [
     Combo("llama3-tiny", "megatron_tp", precision="bf16", recompute="selective"),
     Combo("llama3-tiny", "fsdp", precision="bf16", recompute="full", mesh=(2, 2)),
     Combo("moe-tiny", "data_parallel", precision="bf16", recompute="full", mesh=(2, 2)),
+    # ZeRO stages (passes/zero.py): FSDP's layout with the weights gathered again in the
+    # backward (ZeRO-3; "full+zero3" is FSDP with per-block checkpointing, as the planner
+    # and the fixed policies run it), and with whole-gradient all-reduces (ZeRO-1)
+    Combo("llama3-tiny", "fsdp", precision="bf16", recompute="none+zero3"),
+    Combo("gpt2-tiny", "fsdp", recompute="full+zero3"),
+    Combo("gpt2-tiny", "fsdp", recompute="full+zero3", mesh=(2, 2)),
+    Combo("llama3-tiny", "fsdp", recompute="none+zero1"),
 ]
 
 
