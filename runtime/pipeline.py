@@ -161,11 +161,11 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
         raise PlanError(f"schedule {schedule!r} refuses this pipeline ({e}): change "
                         "n_microbatches or the number of stages") from None
     aliases = ps.alias_names(model)
-    tied = _tied_groups(ps.tied_names(_all_stage_names(model, block_path, ranges, frontend,
-                                                       mods), aliases),
-                        placement, dmesh)
+    holders = ps.tied_names(_all_stage_names(model, block_path, ranges, frontend, mods),
+                            aliases)
+    tied = _tied_groups(holders, placement, dmesh)
     runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
-                            (tied, aliases), frontend, schedule)
+                            (tied, aliases, holders), frontend, schedule)
     runner.input_shapes = (tuple(tokens.shape), tuple(example_inputs[1].shape))
     return runner
 
@@ -250,7 +250,8 @@ class PipelineRunner:
 
     def __init__(self, schedule: Any, stages: list, stage_modules: dict[int, nn.Module],
                  ranges: ps.Ranges, groups: dict[str, Any], dp: int, n_microbatches: int,
-                 tied: tuple[dict[str, Any], dict[str, str]], frontend: str,
+                 tied: tuple[dict[str, Any], dict[str, str], dict[str, list[int]]],
+                 frontend: str,
                  schedule_name: str) -> None:
         self.schedule = schedule
         self.stages = stages
@@ -262,8 +263,9 @@ class PipelineRunner:
         self.frontend = frontend
         self.schedule_name = schedule_name
         # tied weight's first name -> group of the pp ranks holding a copy (None: all here);
-        # and each name of a weight the model holds under several -> its first name
-        self._tied, self._alias = tied
+        # each name of a weight the model holds under several -> its first name; tied weight's
+        # first name -> the stages holding a copy
+        self._tied, self._alias, self._holders = tied
         self.rank = dist.get_rank()
         self.dp_rank = dist.get_rank(groups["dp"]) if "dp" in groups else 0
         self.has_last = any(st.is_last for st in stages)
@@ -347,6 +349,38 @@ class PipelineRunner:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model's gradients: the norm the
+        single device would compute (each tied weight counted once, at its first stage),
+        returned on every rank, and every local gradient scaled as it would scale them. Call
+        after :meth:`step`, before the optimizer."""
+        mine = {s for s in self.stage_modules}
+        counted: set[str] = set()
+        pieces = []
+        for s, mod in sorted(self.stage_modules.items()):
+            for name, p in mod.named_parameters(remove_duplicate=False):
+                key = self._alias.get(name, name)
+                first = self._holders.get(key, [s])[0]
+                if p.grad is None or key in counted or first not in mine:
+                    continue
+                counted.add(key)
+                pieces.append(p.grad.detach())
+        device = self.stages[0].device
+        inf = norm_type == float("inf")
+        local = torch.zeros((), device=device)
+        if pieces:
+            norms = torch.stack([g.abs().max() if inf else g.float().norm(norm_type)
+                                 for g in pieces])
+            local = norms.max() if inf else norms.pow(norm_type).sum()
+        op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+        dist.all_reduce(local, op=op, group=self.groups["pp"])  # replicas hold the same
+        total = local if inf else local.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
 
     def _mean_loss(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """The whole batch's mean loss on every rank: the last stage's micro-batch mean, summed

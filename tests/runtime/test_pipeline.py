@@ -53,6 +53,9 @@ CONFIGS = [
     ("1f1b-hf-gpt2", "hf-gpt2", (2, 2), "1f1b", 1, "auto", 2, None),
 ]
 
+# gradient clipping (the whole model's norm, tied weights once): max norms low enough to clip
+CLIP = {"gpipe-gpt2-trace": 0.5, "zbv-gpt2": 0.5, "1f1b-hf-gpt2": 0.5, "1f1b-gpt2-pp4": 0.5}
+
 
 def _build(preset_name: str):
     if preset_name == "hf-gpt2":
@@ -84,11 +87,12 @@ def _loss(model, tokens, targets) -> torch.Tensor:
     return model(tokens, targets)
 
 
-def _reference(model, tokens, targets, steps: int, micro: int | None) -> dict:
+def _reference(model, tokens, targets, steps: int, micro: int | None, clip: float | None
+               ) -> dict:
     """One device: the whole batch's mean loss, or (``micro``) gradients accumulated over that
     many equal micro-batches, each loss divided by their number."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for _ in range(steps):
         if micro is None:
             loss = _loss(model, tokens, targets)
@@ -99,13 +103,16 @@ def _reference(model, tokens, targets, steps: int, micro: int | None) -> dict:
                 part = model(x, y) / micro
                 part.backward()
                 loss = loss + part.detach()
+        norm = None if clip is None else float(nn.utils.clip_grad_norm_(model.parameters(),
+                                                                        clip))
         # every name of a tied weight: traced stages hold it under each
         named = dict(model.named_parameters(remove_duplicate=False))
         grads = {n: p.grad.clone() for n, p in named.items()}
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
-    return {"losses": losses, "grads": grads,
+        norms.append(norm)
+    return {"losses": losses, "grads": grads, "norms": norms,
             "params": dict(model.named_parameters(remove_duplicate=False))}
 
 
@@ -117,7 +124,8 @@ def _worker(configs: list) -> dict:
     for name, preset, shape, schedule, virtual, frontend, m, split in configs:
         model, (tokens, targets) = _build(preset)
         micro = shape[1] * m if preset.startswith("moe") else None
-        want = _reference(copy.deepcopy(model), tokens, targets, 3, micro)
+        clip = CLIP.get(name)
+        want = _reference(copy.deepcopy(model), tokens, targets, 3, micro, clip)
         # one config on an autopar.Mesh, the others on torch's DeviceMesh
         mesh = (autopar.Mesh(shape, ("pp", "dp"), "cpu") if name == "1f1b-llama-uneven" else
                 init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")))
@@ -128,6 +136,9 @@ def _worker(configs: list) -> dict:
             loss = runner.step(tokens, targets)
             got = want["losses"][step]
             assert abs(loss.item() - got) <= TOL * abs(got), (name, step, loss.item(), got)
+            if clip is not None:
+                norm, ref = runner.clip_grad_norm_(clip).item(), want["norms"][step]
+                assert abs(norm - ref) <= TOL * ref, (name, step, norm, ref)
             if step == 2:
                 _compare(name, "grad", {n: p.grad for n, p in runner.named_parameters()},
                          want["grads"])
