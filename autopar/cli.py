@@ -132,6 +132,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         planned.plan.save(args.json)
         print(f"\nplan written to {args.json}")
+    if args.timeline:
+        from autopar.timeline import write_timeline
+
+        tl = write_timeline(planned, args.timeline)
+        print(f"\npredicted timeline ({tl.step_s * 1e3:.3f} ms) written to {args.timeline}: "
+              "open it in https://ui.perfetto.dev")
     return 0
 
 
@@ -177,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_memory_options(pl)
     pl.add_argument("--compare", action="store_true", help="score the reference plans beside it")
     pl.add_argument("--json", help="also write the plan as JSON to this path")
+    pl.add_argument("--timeline", metavar="FILE",
+                    help="also write the predicted timeline of one step as a Chrome/Perfetto "
+                    "trace (JSON) to this path")
     pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit, seconds")
     pl.add_argument("--trace-layers", type=int, default=4, metavar="N",
                     help="trace a deeper model as a proxy of N of its layers, the middle ones "

@@ -57,7 +57,7 @@ from autopar.passes.strategies.registry import (
 )
 from autopar.placements import Partial, Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
-from autopar.runtime import _compat
+from autopar.runtime import _compat, profiling
 from autopar.runtime.deferred_loss import LossValue
 from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.param_gather import GatherGroup, group_gathers
@@ -171,8 +171,8 @@ class LoweredGraph:
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
                                           self.grad_moves(), self.mesh_shape, self.bucketed,
                                           plan.first_bucket_bytes, self.reduce_dtype)
-        # (id(self.fwd / self.bwd), Inductor-compiled runs) -> its code
-        self._compiled: dict[tuple[int, bool], Program] = {}
+        # (id(self.fwd / self.bwd), Inductor-compiled runs[, "profiled"]) -> its code
+        self._compiled: dict[tuple, Program] = {}
 
     # --- building -----------------------------------------------------------------------------
 
@@ -309,14 +309,19 @@ class LoweredGraph:
         """Run one phase: the plain steps as generated code, the others by :meth:`_exec_step`
         (see :mod:`.step_code`)."""
         # Inductor cannot compile for LocalTensorMode's simulated ranks: they run eagerly
-        key = (id(steps), self.compile and not _compat.local_tensor_mode_active())
+        key: tuple = (id(steps), self.compile and not _compat.local_tensor_mode_active())
+        if profiling.ACTIVE:  # a profiled step: the program with its units' ranges
+            key += ("profiled",)
         program = self._compiled.get(key)
         if program is None:
             for s in steps:
                 s.localized = self._localize_once(s, comm)
             launches = set(self.grad_sync.by_step) if steps is self.bwd else set()
+            marked = len(key) > 2
             program = self._compiled[key] = compile_steps(
-                steps, _call_localized, launches, self.seed, fuse=key[1])
+                steps, _call_localized, launches, self.seed, fuse=key[1],
+                marks=profiling.unit_marks(steps) if marked else None,
+                marker=profiling.UnitMarker() if marked else None)
         program(env, comm, grad_loss, step_done, {}, gathers, self._exec_step)
 
     def _localize_once(self, s: _Step, comm: Comm) -> tuple[tuple, dict] | None:

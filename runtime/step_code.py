@@ -31,14 +31,19 @@ CallLocalized = Callable[[Any, Any, tuple, dict], Any]
 
 def compile_steps(steps: list[Any], call_localized: CallLocalized,
                   launches: Collection[int] = (), seed: str | None = None,
-                  fuse: bool = False) -> Program:
+                  fuse: bool = False, marks: dict[int, str] | None = None,
+                  marker: Callable[[str | None], None] | None = None) -> Program:
     """``steps`` as one function, which takes the general path (``exec_step``) as its last
     argument (so the code holds no reference to its caller). A step whose ``localized`` holds
     its args made local runs through ``call_localized``; ``launches``: the steps after which
     the backward may start gradient syncs (``step_done(k)``); ``seed``: the step that scales
     by the loss's gradient (run by ``exec_step``, which knows how); ``fuse``: runs of plain
-    steps become Inductor-compiled calls (:mod:`.inductor_segments`)."""
-    ns: dict[str, Any] = {"S": steps, "C": call_localized}
+    steps become Inductor-compiled calls (:mod:`.inductor_segments`); ``marks`` (step index
+    -> name) and ``marker``: ``marker(name)`` is called before those steps and
+    ``marker(None)`` at the end (the profiler's ranges, :mod:`.profiling`; a mark inside a
+    fused run is not taken)."""
+    ns: dict[str, Any] = {"S": steps, "C": call_localized, "M": marker}
+    marks = marks if marker is not None else None
     lines = ["def run(env, comm, grad_loss, step_done, gathered, gathers, X):",
              "    pop = env.pop"]
     fused = runs(steps, lambda s: _is_plain(s, seed, nested=True), launches) if fuse else {}
@@ -46,6 +51,8 @@ def compile_steps(steps: list[Any], call_localized: CallLocalized,
     k = 0
     while k < len(steps):
         end = fused.get(k)
+        if marks and k in marks:
+            lines.append(f"    M({marks[k]!r})")
         if end is not None:  # a run of plain steps as one Inductor-compiled call
             fused_run = CompiledRun(steps[k:end], _template)
             ns[f"G{k}"] = fused_run
@@ -65,6 +72,8 @@ def compile_steps(steps: list[Any], call_localized: CallLocalized,
         if end - 1 in launches:
             lines.append(f"    step_done({end - 1})")
         k = end
+    if marks:
+        lines.append("    M(None)")
     if len(lines) == 2:
         lines.append("    pass")
     source = "\n".join(lines) + "\n"

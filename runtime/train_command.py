@@ -60,6 +60,7 @@ class TrainConfig:
     memory_budget: float | None = None  # bytes per rank; None: the cpu profile's limit
     zero: str = "auto"  # ZeRO stage of parameters stored split (passes.zero)
     offload: str = "auto"  # optimizer state in host memory
+    profile: str | None = None  # a directory: one step's traces, measured and predicted
 
     @property
     def mesh_text(self) -> str:
@@ -112,6 +113,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--memory-budget",
                    help="per-process memory limit of the plan, e.g. 2GiB (default: the cpu "
                         "profile's capacity less a reserve; 'none' for no limit)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="profile one step (the second) with torch.profiler: each rank's trace "
+                        "in DIR/trace_rank{r}.json, the plan's predicted one in "
+                        "DIR/predicted.json, with the same event names (docs/timeline.md)")
     from autopar.cli import add_memory_options
 
     add_memory_options(p)
@@ -133,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
         print("\ninterrupted", file=sys.stderr)
         return 130
     par: RunResult = results[0]
+    if cfg.profile:
+        _side_by_side(cfg.profile, cfg.nproc)
     spread = max(max(abs(a - b) for a, b in zip(r.losses, par.losses)) for r in results)
     _summary("autopar", par, tokens_per_step, cfg.clip)
     if spread > 0:
@@ -192,7 +199,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
                        args.timeout, args.time_limit, args.compile, args.grad_accum,
                        args.clip, args.precision, args.reduce_dtype, args.recompute, budget,
-                       args.zero, args.offload)
+                       args.zero, args.offload, args.profile)
 
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
@@ -278,6 +285,8 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
         if plan is not None:
             print(plan.table(), flush=True)
         print(flush=True)
+        if cfg.profile:
+            _write_predicted(pm, cfg.profile)
     opt = _adamw(pm, cfg)
     setup_s = time.perf_counter() - t0
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty) if rank == 0 \
@@ -315,6 +324,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
     out = RunResult([], [], setup_s)
     for step in range(cfg.steps):
         t = time.perf_counter()
+        profiler = _start_profile(model, cfg, step)
         value = 0.0
         for tokens, targets in _micro_batches(sampler.batch(step), cfg):
             loss = model(tokens, targets)
@@ -327,6 +337,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
             out.clipped += int(float(norm) > cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if profiler is not None:
+            profiler.stop()
         out.step_times.append(time.perf_counter() - t)
         out.losses.append(value)
         if bar is not None:
@@ -334,6 +346,49 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
     if bar is not None:
         bar.close()
     return out
+
+
+def _start_profile(model: nn.Module, cfg: TrainConfig, step: int) -> Any:
+    """With --profile, the parallel run's profile of this step, started, if it is the one
+    profiled (:mod:`autopar.runtime.profiling`): the second, since the first pays one-off
+    costs; with --compile the third, the second compiling the profiled program's runs."""
+    if not cfg.profile or not hasattr(model, "_comm"):
+        return None
+    from autopar.runtime.profiling import ProgramWarmUp, profile_step
+
+    target = min(2 if cfg.compile else 1, cfg.steps - 1)
+    profiler: Any = None
+    if step == target:
+        profiler = profile_step(model, cfg.profile)
+    elif cfg.compile and step == target - 1:
+        profiler = ProgramWarmUp()
+    if profiler is not None:
+        profiler.start()
+    return profiler
+
+
+def _side_by_side(out_dir: str, nproc: int) -> None:
+    """The predicted and measured traces in one file, and where they are."""
+    from pathlib import Path
+
+    from autopar.timeline import merge_traces
+
+    d = Path(out_dir)
+    measured = [d / f"trace_rank{r}.json" for r in range(nproc)]
+    merge_traces(d / "predicted.json", measured, d / "side_by_side.json")
+    print(f"profiled step: predicted {d / 'predicted.json'}, measured {d}/trace_rank*.json, "
+          f"both in {d / 'side_by_side.json'} (open in https://ui.perfetto.dev)", flush=True)
+
+
+def _write_predicted(pm: Any, out_dir: str) -> None:
+    """The plan's predicted timeline of the step, beside the measured traces."""
+    from pathlib import Path
+
+    from autopar.timeline import planned_from_plan, write_timeline
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    planned = planned_from_plan(pm.graph, pm.plan, Mesh.from_device_mesh(pm.device_mesh))
+    write_timeline(planned, Path(out_dir) / "predicted.json")
 
 
 def _micro_batches(batch: tuple[torch.Tensor, ...], cfg: TrainConfig
