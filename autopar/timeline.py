@@ -12,9 +12,10 @@ copies :mod:`autopar.passes.recompute` puts in the backward), and ``forward`` / 
 for the nodes of no layer (embedding, head, loss). Views and ``getitem`` join the unit
 before them. Collectives are named ``kind[axis] reason`` (``all_reduce[dp] gradient sync``,
 ``all_gather[dp] parameter gather``, ``all_reduce[dp+tp] loss``) with their bytes in
-``args``. :func:`unit_names` and :func:`collective_name` make these names, and the runtime's
-profiling (:mod:`autopar.runtime.profiling`) records its ``torch.profiler`` ranges with the
-same functions, so a measured trace carries the same event names.
+``args``. :mod:`autopar.trace_events` makes these names (``unit_names``,
+``collective_name``), and the runtime's profiling (:mod:`autopar.runtime.profiling`) records
+its ``torch.profiler`` ranges with the same functions, so a measured trace carries the same
+event names. The writer (``TraceEvent``, ``write_trace``) lives there too.
 
 **Times** come from the cost model the plan was scored by (:func:`bucket_fill.score`, as
 :func:`autopar.planner.assemble_plan` scores it): each node's compute time on its chosen
@@ -46,21 +47,16 @@ Gradient buckets, formed over the whole model's bytes, are not repeated.
 timeline is the same: it is written for the first ``max_ranks`` ranks (8 by default) only,
 and the trace's ``otherData`` says so. A pipeline schedule's per-rank events
 (:func:`autopar.passes.pipeline_schedule.events`) go through the same writer:
-:func:`pipeline_trace_events` turns them into :class:`TraceEvent` s for :func:`write_trace`.
+``pipeline_trace_events`` turns them into ``TraceEvent`` s for ``write_trace``.
 """
 
 from __future__ import annotations
 
-import json
-import operator
-import re
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch.fx as fx
 
 from autopar.passes import bucket_fill
 from autopar.passes import cost_model as cm
@@ -78,6 +74,18 @@ from autopar.passes.problem_reduction import node_layer
 from autopar.passes.scoring import edge_reason
 from autopar.passes.sharding_problem import in_op_collectives
 from autopar.placements import Replicate
+from autopar.trace_events import (  # noqa: F401 - the writer and names, re-exported
+    LANES,
+    PHASE_NAMES,
+    TraceEvent,
+    collective_name,
+    merge_traces,
+    pipeline_trace_events,
+    trace_json,
+    unit_names,
+    unit_of,
+    write_trace,
+)
 
 if TYPE_CHECKING:
     from autopar.graph import PlanGraph
@@ -85,164 +93,8 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
     from autopar.planner import Planned
 
-LANES = ("compute", "comm", "ops")  # tid = position; other lanes get the next ids
 MAX_RANKS = 8
 IDLE = "idle"
-PHASE_NAMES = {"fwd": "forward", "bwd": "backward"}
-
-
-# --- the writer ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TraceEvent:
-    """One interval on one rank's lane: what the predicted step (this module), a pipeline
-    schedule's replay (:func:`pipeline_trace_events`) and any other picture write."""
-
-    name: str
-    start_s: float
-    dur_s: float
-    rank: int = 0
-    lane: str = "compute"
-    cat: str = "compute"  # forward, backward, recompute, collective, idle, ...
-    args: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def end_s(self) -> float:
-        return self.start_s + self.dur_s
-
-
-def trace_json(events: Iterable[TraceEvent], other: dict[str, Any] | None = None,
-               rank_names: dict[int, str] | None = None) -> dict[str, Any]:
-    """The Chrome trace-event document (``traceEvents``) of ``events``: complete events in
-    microseconds, and metadata naming each rank's process and each lane's thread."""
-    events = list(events)
-    lanes = {name: k for k, name in enumerate(LANES)}
-    for e in events:
-        lanes.setdefault(e.lane, len(lanes))
-    out: list[dict[str, Any]] = []
-    used: dict[int, set[str]] = {}
-    for e in events:
-        used.setdefault(e.rank, set()).add(e.lane)
-    for rank in sorted(used):
-        name = (rank_names or {}).get(rank, f"rank {rank}")
-        out.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                    "args": {"name": name}})
-        out.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
-                    "args": {"sort_index": rank}})
-        for lane in sorted(used[rank], key=lanes.__getitem__):
-            out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": lanes[lane],
-                        "args": {"name": lane}})
-            out.append({"name": "thread_sort_index", "ph": "M", "pid": rank,
-                        "tid": lanes[lane], "args": {"sort_index": lanes[lane]}})
-    for e in sorted(events, key=lambda e: (e.rank, lanes[e.lane], e.start_s)):
-        out.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": e.rank,
-                    "tid": lanes[e.lane], "ts": round(e.start_s * 1e6, 4),
-                    "dur": round(e.dur_s * 1e6, 4), "args": e.args})
-    doc: dict[str, Any] = {"traceEvents": out, "displayTimeUnit": "ms"}
-    if other:
-        doc["otherData"] = other
-    return doc
-
-
-def write_trace(events: Iterable[TraceEvent], path: str | Path,
-                other: dict[str, Any] | None = None,
-                rank_names: dict[int, str] | None = None) -> dict[str, Any]:
-    """Write ``events`` as a Chrome/Perfetto trace JSON file; returns the document."""
-    doc = trace_json(events, other, rank_names)
-    Path(path).write_text(json.dumps(doc))
-    return doc
-
-
-def pipeline_trace_events(per_rank: Sequence[Sequence[Any]]) -> list[TraceEvent]:
-    """A pipeline schedule's replay (:func:`autopar.passes.pipeline_schedule.events`: per rank,
-    events with ``kind``, ``start_s``, ``end_s``, ``stage``, ``microbatch``, ``action``) as
-    trace events: compute actions named by torch's action name (``0F1``, as its runtime's
-    profile has them), sends on the comm lane, idle gaps on the compute lane."""
-    out = []
-    for rank_events in per_rank:
-        for e in rank_events:
-            lane = "comm" if e.kind == "send" else "compute"
-            name = e.action or e.kind
-            args = {k: v for k, v in (("kind", e.kind), ("stage", e.stage),
-                                      ("microbatch", e.microbatch),
-                                      ("peer", getattr(e, "peer", None))) if v is not None}
-            out.append(TraceEvent(name, e.start_s, e.end_s - e.start_s, e.rank, lane, e.kind,
-                                  args))
-    return out
-
-
-def merge_traces(predicted: str | Path, measured: Sequence[str | Path],
-                 out: str | Path) -> dict[str, Any]:
-    """One file with the predicted trace and measured ones (``trace_rank{r}.json`` of
-    ``autopar train --profile``) side by side: processes ``predicted rank r`` and ``measured
-    rank r``, each measured trace shifted so that its first autopar range (a unit or a
-    collective) starts at 0, as the predicted step does."""
-    pred = json.loads(Path(predicted).read_text())
-    events = [e for e in pred["traceEvents"] if e.get("name") != "process_name"]
-    ranks = sorted({e["pid"] for e in events if e.get("ph") == "X"})
-    for r in ranks:
-        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0,
-                       "args": {"name": f"predicted rank {r}"}})
-    base = 1 + max(ranks, default=0)
-    for k, path in enumerate(measured):
-        doc = json.loads(Path(path).read_text())
-        xs = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
-        marks = [e["ts"] for e in xs if e.get("cat") == "user_annotation"]
-        t0 = min(marks or [e["ts"] for e in xs] or [0.0])
-        pid = base + k
-        m = re.search(r"rank(\d+)", Path(path).stem)
-        name = f"measured rank {m.group(1)}" if m else f"measured {Path(path).stem}"
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"name": name}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
-                       "args": {"sort_index": pid}})
-        events += [{**e, "pid": pid} for e in doc["traceEvents"]
-                   if e.get("ph") == "M" and e.get("name") == "thread_name"]
-        events += [{**e, "pid": pid, "ts": float(e["ts"]) - t0} for e in xs]
-    doc = {"traceEvents": events, "displayTimeUnit": "ms",
-           "otherData": pred.get("otherData", {})}
-    Path(out).write_text(json.dumps(doc))
-    return doc
-
-
-# --- names, shared with the runtime's profiling ----------------------------------------------
-
-
-def collective_name(kind: str, axis: str, reason: str) -> str:
-    """``all_reduce[dp] gradient sync``: how both traces name a collective."""
-    return f"{kind}[{axis}] {reason}"
-
-
-def unit_of(facts: Any) -> str | None:
-    """The unit a traced node's compute is drawn in (None: a placeholder, no compute)."""
-    base = PHASE_NAMES.get(facts.phase)
-    if base is None:
-        return None
-    if "recomputes" in facts.extra:
-        base = "recompute"
-    return base if facts.layer is None else f"{base} layer {facts.layer}"
-
-
-def unit_names(nodes: Sequence[fx.Node]) -> list[str | None]:
-    """Each node's unit (see the module docstring); a view or ``getitem`` joins the unit of
-    the node before it in the same phase. The predicted trace and the runtime's ranges both
-    come from this, over the same graph's nodes (a phase at a time or all at once: the same)."""
-    out: list[str | None] = []
-    prev: tuple[str, str] | None = None  # (phase, unit) of the last call
-    for n in nodes:
-        f = n.meta.get("autopar")
-        if n.op != "call_function" or f is None:
-            out.append(None)
-            continue
-        unit = unit_of(f)
-        joins = n.target is operator.getitem or f.op in cm.VIEW_OPS
-        if joins and prev is not None and prev[0] == f.phase:
-            unit = prev[1]
-        out.append(unit)
-        if unit is not None:
-            prev = (f.phase, unit)
-    return out
 
 
 # --- the predicted step -----------------------------------------------------------------------

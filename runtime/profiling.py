@@ -6,12 +6,12 @@ CUDA mesh) around what the caller does inside it, one training step, and writes 
 Chrome trace to ``DIR/trace_rank{r}.json``. While it is on:
 
 - each phase of the per-rank program is written out once more with ``record_function``
-  ranges around its units, named by :func:`autopar.timeline.unit_names` over the same graph
+  ranges around its units, named by :func:`autopar.trace_events.unit_names` over the same graph
   nodes the predicted trace walks (``forward layer 3``, ``backward layer 3``, ``recompute
   layer 3``, ``forward``, ...). A run of steps Inductor fused (``compile=True``) is counted in
   the unit where it starts;
 - every collective the rank's :class:`~autopar.runtime.redistribute.Comm` issues is a range
-  named by :func:`autopar.timeline.collective_name` (``all_reduce[dp] gradient sync``). It
+  named by :func:`autopar.trace_events.collective_name` (``all_reduce[dp] gradient sync``). It
   nests in the unit that issued it; an asynchronous one (gradient buckets, the loss) covers
   its launch only, the wait shows where the step waits for it.
 
@@ -29,7 +29,7 @@ from torch.autograd.profiler import record_function
 
 from autopar.passes.cost_model import axes_label
 from autopar.runtime.redistribute import Comm
-from autopar.timeline import collective_name, unit_names
+from autopar.trace_events import collective_name, unit_names
 
 ACTIVE = False  # read by LoweredGraph._run once per phase
 
