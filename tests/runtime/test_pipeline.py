@@ -10,7 +10,10 @@ every rank), the last step's gradients and the parameters after the third step o
 stage parameters: norm-wise relative error below 1e-5 in fp32 (measured: below 1e-6). The MoE
 model's balance loss is not linear in the batch, so its reference is the single device
 accumulating gradients over the same micro-batches (as any gradient accumulation would):
-equal to the bit there. Each rank also returns its per-action timings, checked here: one
+equal to the bit there. Where CLIP names a config, ``clip_grad_norm_`` must return the single
+device's norm and clip alike; where MODULE_LOOP does, the pipeline trains as a
+``PipelineModule`` in the ordinary loop (``loss.backward()``), once with gradient
+accumulation over two calls. Each rank also returns its per-action timings, checked here: one
 forward and one backward (or input and weight backward) per stage and micro-batch.
 """
 
@@ -35,6 +38,7 @@ from autopar.runtime.pipeline import (
     chrome_trace,
     stage_placement,
 )
+from autopar.runtime.pipeline_module import PipelineModule
 
 WORLD = 4
 TOL = 1e-5
@@ -51,7 +55,11 @@ CONFIGS = [
     ("dualpipev-llama", "llama3-tiny", (2, 2), "dualpipev", 2, "module", 4, None),
     ("gpipe-moe", "moe-tiny", (2, 2), "gpipe", 1, "auto", 2, None),
     ("1f1b-hf-gpt2", "hf-gpt2", (2, 2), "1f1b", 1, "auto", 2, None),
+    ("accumulate-gpt2", "gpt2-tiny", (2, 2), "1f1b", 1, "module", 2, None),
 ]
+# trained as a PipelineModule in the ordinary loop (loss = model(x, y); loss.backward()),
+# the batch as this many calls, each loss divided by their number (gradient accumulation)
+MODULE_LOOP = {"1f1b-llama-uneven": 1, "accumulate-gpt2": 2}
 
 # gradient clipping (the whole model's norm, tied weights once): max norms low enough to clip
 CLIP = {"gpipe-gpt2-trace": 0.5, "zbv-gpt2": 0.5, "1f1b-hf-gpt2": 0.5, "1f1b-gpt2-pp4": 0.5}
@@ -124,16 +132,26 @@ def _worker(configs: list) -> dict:
     for name, preset, shape, schedule, virtual, frontend, m, split in configs:
         model, (tokens, targets) = _build(preset)
         micro = shape[1] * m if preset.startswith("moe") else None
-        clip = CLIP.get(name)
+        clip, calls = CLIP.get(name), MODULE_LOOP.get(name)
+        if calls and calls > 1:
+            micro = calls
         want = _reference(copy.deepcopy(model), tokens, targets, 3, micro, clip)
         # one config on an autopar.Mesh, the others on torch's DeviceMesh
         mesh = (autopar.Mesh(shape, ("pp", "dp"), "cpu") if name == "1f1b-llama-uneven" else
                 init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")))
-        runner = build_pipeline(model, (tokens, targets), mesh, split, schedule, m, virtual,
-                                frontend)
-        opt = torch.optim.AdamW(runner.parameters(), lr=LR, eps=EPS)
+        example = (tokens[: BATCH // (calls or 1)], targets[: BATCH // (calls or 1)])
+        runner = build_pipeline(model, example, mesh, split, schedule, m, virtual, frontend)
+        module = PipelineModule(runner) if calls else None
+        opt = torch.optim.AdamW((module or runner).parameters(), lr=LR, eps=EPS)
         for step in range(3):
-            loss = runner.step(tokens, targets)
+            if module is None:
+                loss = runner.step(tokens, targets)
+            else:
+                loss = 0.0
+                for x, y in zip(tokens.chunk(calls), targets.chunk(calls)):
+                    part = module(x, y) / calls
+                    part.backward()
+                    loss = loss + part.detach()
             got = want["losses"][step]
             assert abs(loss.item() - got) <= TOL * abs(got), (name, step, loss.item(), got)
             if clip is not None:
