@@ -51,6 +51,7 @@ def parallelize(
     recompute: str = "auto",
     zero: str | int = "auto",
     offload: str = "auto",
+    profile: str | Path | None = None,
 ) -> ParallelModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
 
@@ -77,6 +78,12 @@ def parallelize(
     without; ``"none"``; ``"optimizer"``): build the optimizer with
     ``model.make_optimizer(torch.optim.AdamW, ...)`` so that it keeps that state on the host.
     A plan given runs with the precision, recomputation and parameter state it records.
+
+    ``profile``: a directory: the second training step's forward and backward (the first
+    pays one-off costs) run under ``torch.profiler`` and each rank writes its trace to
+    ``DIR/trace_rank{r}.json``, with ranges named as the plan's predicted timeline, which
+    rank 0 writes to ``DIR/predicted.json`` (:mod:`autopar.runtime.profiling`,
+    ``docs/timeline.md``).
     """
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
@@ -108,7 +115,12 @@ def parallelize(
             "parameters in host memory: build the optimizer with "
             "model.make_optimizer(torch.optim.AdamW, ...), which does (a plain torch "
             "optimizer would keep it on the device, beyond the plan's memory)", stacklevel=2)
-    return ParallelModule(model, device_mesh, graph, the_plan, replan, compile)
+    pm = ParallelModule(model, device_mesh, graph, the_plan, replan, compile)
+    if profile is not None:
+        from autopar.runtime.profiling import arm
+
+        arm(pm, profile, amesh)
+    return pm
 
 
 # --- meshes -----------------------------------------------------------------------------------

@@ -67,6 +67,8 @@ class _JointStep(torch.autograd.Function):
         grads = call.run_backward(saved, grad_loss)
         if ctx.loss is not None:  # done by now; leave no collective unwaited
             ctx.loss.resolve()
+        if call.pm._profile is not None:  # parallelize(profile=...): a profiled step ends
+            call.pm._profile.backward_done(call.pm)
         return (None, *_store_fresh_grads(ctx, call.pm._param_list, grads))
 
 
@@ -152,6 +154,7 @@ class ParallelModule(nn.Module):
         self._comm = Comm(device_mesh, tuple(plan.mesh_axes), tuple(plan.mesh_shape), coord,
                           self.collectives)
         self._replan = replan
+        self._profile: Any = None  # a step to profile (runtime.profiling.arm), else None
         self._programs: dict[tuple, tuple[PlanGraph, LoweredGraph]] = {}
         self._install(graph, plan)
         _distribute_state(self, graph, plan, device_mesh)
@@ -188,6 +191,8 @@ class ParallelModule(nn.Module):
     # --- calling --------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._profile is not None and torch.is_grad_enabled():
+            self._profile.forward_starts(self)
         graph = self._active[0]
         leaves = _flatten_inputs(args, kwargs, graph)
         lowered = self._program_for(args, kwargs, leaves)

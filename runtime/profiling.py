@@ -1,9 +1,10 @@
 """The measured timeline: one step under ``torch.profiler``, ranges named as the predicted trace.
 
-:class:`StepProfiler` (``autopar train --profile DIR``, ``parallelize``'s model stepped inside
-``with profile_step(model, DIR):``) runs ``torch.profiler`` (CPU activities, and CUDA on a
-CUDA mesh) around what the caller does inside it, one training step, and writes this rank's
-Chrome trace to ``DIR/trace_rank{r}.json``. While it is on:
+:class:`StepProfiler` (``autopar train --profile DIR``; ``parallelize(..., profile=DIR)``,
+which profiles the second call's forward and backward, :func:`arm`; or a step of your own
+inside ``with profile_step(model, DIR):``) runs ``torch.profiler`` (CPU activities, and CUDA
+on a CUDA mesh) around one training step, and writes this rank's Chrome trace to
+``DIR/trace_rank{r}.json``. While it is on:
 
 - each phase of the per-rank program is written out once more with ``record_function``
   ranges around its units, named by :func:`autopar.trace_events.unit_names` over the same graph
@@ -176,6 +177,50 @@ class ProgramWarmUp:
     def stop(self) -> None:
         global ACTIVE
         ACTIVE = False
+
+
+class ArmedProfile:
+    """``parallelize(..., profile=DIR)``: the model's training call number ``step`` (from 0:
+    forward and backward) is profiled; the module calls :meth:`forward_starts` at each
+    forward with gradients on and :meth:`backward_done` at the end of each backward."""
+
+    def __init__(self, out_dir: str | Path, step: int = 1) -> None:
+        self.out_dir = out_dir
+        self.step = step
+        self.calls = 0
+        self.profiler: StepProfiler | None = None
+
+    def forward_starts(self, model: Any) -> None:
+        if self.calls == self.step and self.profiler is None:
+            self.profiler = StepProfiler(model, self.out_dir)
+            self.profiler.start()
+        self.calls += 1
+
+    def backward_done(self, model: Any) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            model._profile = None  # done: the hot path's checks see None from now on
+
+
+def arm(model: Any, out_dir: str | Path, mesh: Any, step: int = 1) -> None:
+    """Profile ``model``'s training call ``step`` (see :class:`ArmedProfile`); rank 0 writes
+    the plan's predicted step to ``out_dir/predicted.json`` now (``mesh``: the
+    :class:`autopar.Mesh` it was planned on)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        write_predicted(model, out_dir, mesh)
+    model._profile = ArmedProfile(out_dir, step)
+
+
+def write_predicted(model: Any, out_dir: str | Path, mesh: Any) -> Path:
+    """The predicted step of the plan ``model`` runs, as ``out_dir/predicted.json``."""
+    from autopar.timeline import planned_from_plan, write_timeline
+
+    path = Path(out_dir) / "predicted.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_timeline(planned_from_plan(model.graph, model.plan, mesh), path)
+    return path
 
 
 def profile_step(model: Any, out_dir: str | Path, rank: int | None = None) -> StepProfiler:

@@ -382,13 +382,9 @@ def _side_by_side(out_dir: str, nproc: int) -> None:
 
 def _write_predicted(pm: Any, out_dir: str) -> None:
     """The plan's predicted timeline of the step, beside the measured traces."""
-    from pathlib import Path
+    from autopar.runtime.profiling import write_predicted
 
-    from autopar.timeline import planned_from_plan, write_timeline
-
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    planned = planned_from_plan(pm.graph, pm.plan, Mesh.from_device_mesh(pm.device_mesh))
-    write_timeline(planned, Path(out_dir) / "predicted.json")
+    write_predicted(pm, out_dir, Mesh.from_device_mesh(pm.device_mesh))
 
 
 def _micro_batches(batch: tuple[torch.Tensor, ...], cfg: TrainConfig
