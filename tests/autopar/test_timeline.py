@@ -114,7 +114,7 @@ def test_total_matches_the_plans_cost_and_collectives_its_counts(planned, case):
         assert tl.step_s == pytest.approx(step, rel=1e-6)
     rank0 = tl.rank_events(0)
     assert _collective_counts(rank0) == _plan_counts(p.plan)
-    busy = sum(e.dur_s for e in rank0 if e.lane == "comm")
+    busy = sum(e.dur_s for e in rank0 if e.cat == "collective")
     assert busy == pytest.approx(p.plan.cost.comm_s, rel=1e-6, abs=1e-12)
 
 
