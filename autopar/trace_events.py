@@ -89,22 +89,39 @@ def write_trace(events: Iterable[TraceEvent], path: str | Path,
     return doc
 
 
-def pipeline_trace_events(per_rank: Sequence[Sequence[Any]]) -> list[TraceEvent]:
-    """A pipeline schedule's replay (:func:`autopar.passes.pipeline_schedule.events`: per rank,
-    events with ``kind``, ``start_s``, ``end_s``, ``stage``, ``microbatch``, ``action``) as
-    trace events: compute actions named by torch's action name (``0F1``, as its runtime's
-    profile has them), sends on the comm lane, idle gaps on the compute lane."""
+def pipeline_trace_events(events: Sequence[Any]) -> list[TraceEvent]:
+    """A pipeline step's events as trace events, predicted or measured, with the same names:
+
+    - the schedule's replay (:func:`autopar.passes.pipeline_schedule.events`: per rank,
+      events with ``kind`` forward/backward/..., ``start_s``, ``end_s``, ``stage``,
+      ``microbatch``, ``action``): actions named by torch's action name (``0F1``), sends on
+      the comm lane, idle gaps on the compute lane;
+    - a measured step's (:class:`autopar.runtime.pipeline_events.StageEvent`: ``kind`` F, B,
+      I, W or sync, flat or per rank): named as torch names the action too (stage, kind,
+      microbatch: ``0F1``), the gradient sync on the comm lane.
+    """
+    flat = [e for item in events
+            for e in ([item] if hasattr(item, "start_s") else item)]
     out = []
-    for rank_events in per_rank:
-        for e in rank_events:
-            lane = "comm" if e.kind == "send" else "compute"
-            name = e.action or e.kind
-            args = {k: v for k, v in (("kind", e.kind), ("stage", e.stage),
-                                      ("microbatch", e.microbatch),
-                                      ("peer", getattr(e, "peer", None))) if v is not None}
-            out.append(TraceEvent(name, e.start_s, e.end_s - e.start_s, e.rank, lane, e.kind,
-                                  args))
+    for e in flat:
+        kind = e.kind
+        if kind in _ACTION_KINDS:  # a measured action: torch's name for it
+            name = f"{e.stage}{kind}{e.microbatch}"
+            kind = _ACTION_KINDS[kind]
+        elif kind == "sync":
+            name, kind = "gradient sync", "sync"
+        else:
+            name = getattr(e, "action", "") or kind
+        lane = "comm" if kind in ("send", "sync") else "compute"
+        args = {k: v for k, v in (("kind", kind), ("stage", e.stage),
+                                  ("microbatch", e.microbatch),
+                                  ("peer", getattr(e, "peer", None)))
+                if v is not None and v != -1}
+        out.append(TraceEvent(name, e.start_s, e.end_s - e.start_s, e.rank, lane, kind, args))
     return out
+
+
+_ACTION_KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 
 
 def merge_traces(predicted: str | Path, measured: Sequence[str | Path],

@@ -171,6 +171,20 @@ def test_pipeline_schedules_go_through_the_same_writer(tmp_path):
     assert {e["cat"] for e in xs} >= {"forward", "backward", "send"}
 
 
+def test_a_measured_pipeline_step_takes_the_predicted_names(tmp_path):
+    from autopar.runtime.pipeline_events import StageEvent
+
+    measured = [StageEvent(0, "F", 0, 1, 0.0, 1e-3), StageEvent(1, "B", 1, 3, 2e-3, 4e-3),
+                StageEvent(0, "sync", -1, -1, 5e-3, 6e-3)]
+    evs = pipeline_trace_events(measured)
+    assert [(e.name, e.rank, e.lane, e.cat) for e in evs] == [
+        ("0F1", 0, "compute", "forward"), ("1B3", 1, "compute", "backward"),
+        ("gradient sync", 0, "comm", "sync")]
+    predicted = pipeline_trace_events(
+        ps.events(ps.PipelineSchedule("1F1B", 2, 1, 4), ps.StageTime.of(1e-3, 2e-3)))
+    assert {"0F1", "1B3"} <= {e.name for e in predicted}
+
+
 def test_trace_json_orders_and_names_lanes():
     doc = trace_json([TraceEvent("b", 2e-6, 1e-6, 1, "extra"), TraceEvent("a", 0.0, 1e-6)])
     xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
