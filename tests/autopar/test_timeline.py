@@ -216,18 +216,18 @@ def test_plan_timeline_option_writes_the_trace(tmp_path, capsys):
 
 
 def test_train_profile_writes_measured_traces_with_the_predicted_names(tmp_path):
-    """``autopar train --profile``: 2 processes, 2 steps (the second profiled); about 10 s on
-    2 cores, mostly start-up and planning."""
+    """``autopar train --profile``: 2 processes, 2 steps (the second profiled), each layer
+    recomputed; about 15 s on 2 cores, mostly start-up and planning."""
     out = tmp_path / "prof"
     cmd = [sys.executable, "-m", "autopar.cli", "train", "--steps", "2", "--nproc", "2",
            "--mesh", "dp=2", "--seq", "16", "--batch", "2", "--time-limit", "1",
-           "--no-baseline", "--profile", str(out)]
+           "--no-baseline", "--recompute", "full", "--profile", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
                        env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     predicted = json.loads((out / "predicted.json").read_text())
     want = {"forward layer 0", "forward layer 1", "backward layer 0", "backward layer 1",
-            "all_reduce[dp] gradient sync"}
+            "recompute layer 0", "recompute layer 1", "all_reduce[dp] gradient sync"}
     assert want <= {e["name"] for e in predicted["traceEvents"] if e["ph"] == "X"}
     for rank in (0, 1):
         doc = json.loads((out / f"trace_rank{rank}.json").read_text())
