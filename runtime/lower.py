@@ -40,7 +40,6 @@ from autopar.graph import PlanGraph, TensorMeta
 from autopar.passes.buckets import GradSync
 from autopar.passes.cost_model import sum_axes
 from autopar.passes.edge_costs import gather_unit
-from autopar.passes.zero import grad_target
 from autopar.passes.strategies.localize import (
     LocalContext,
     finish_call,
@@ -55,6 +54,7 @@ from autopar.passes.strategies.registry import (
     op_info,
     tensor_inputs,
 )
+from autopar.passes.zero import grad_target
 from autopar.placements import Partial, Replicate, Spec, evenly_divides, spec_str
 from autopar.plan import Plan
 from autopar.runtime import _compat, profiling

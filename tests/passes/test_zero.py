@@ -12,9 +12,9 @@ from autopar.models import get_preset
 from autopar.models.reference_plans import fsdp
 from autopar.passes import zero
 from autopar.passes.mixed_precision import resolve
-from autopar.planner import make_plan, mode_graph, with_recompute
 from autopar.placements import Replicate
 from autopar.plan import Plan
+from autopar.planner import make_plan, mode_graph, with_recompute
 
 MESH = Mesh((4,), ("dp",), "h100")
 

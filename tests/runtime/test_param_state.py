@@ -24,8 +24,8 @@ from spmd_harness import (
 )
 
 import autopar
-from autopar.models import get_preset
 from autopar.capture import capture
+from autopar.models import get_preset
 from autopar.plan import Plan
 from autopar.planner import make_plan, with_recompute
 from autopar.runtime.offload import OffloadedOptimizer
