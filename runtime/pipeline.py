@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, build_stage
 
-from autopar.errors import PlanError
+from autopar.errors import MeshError, PlanError
 from autopar.runtime import pipeline_stages as ps
 from autopar.runtime.pipeline_events import StageEvent, bubble_fraction, chrome_trace, instrument
 
@@ -84,12 +84,13 @@ def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
         mesh = resolve_mesh(mesh)[0]
     names = mesh.mesh_dim_names or ()
     if "pp" not in names:
-        raise PlanError(f"the mesh's axes are {names}: name one axis 'pp' for the pipeline "
+        raise MeshError(f"the mesh's axes are {names}: name one axis 'pp' for the pipeline "
                         "stages (and 'dp' for data parallelism)")
     unknown = [n for n in names if n not in ("pp", "dp")]
     if unknown and any(mesh.size(names.index(n)) > 1 for n in unknown):
-        raise PlanError(f"pipelines run on 'pp' and 'dp' axes; axis {unknown} is not supported "
-                        "here yet: give a mesh of axes ('pp', 'dp')")
+        # a stage sharded over a tp axis needs autopar's plan for a stage (not a whole step)
+        raise MeshError(f"pipelines run on axes 'pp' and 'dp' only; axis {unknown} of size > 1 "
+                        "is not supported yet: give a mesh of axes ('pp', 'dp')")
     return mesh, {n: mesh.get_group(n) for n in names}
 
 
@@ -110,13 +111,22 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     balance loss the traced logits would drop). ``loss_fn(last_stage_output, targets)``: the
     per-micro-batch mean loss (default: the model's own, :func:`pipeline_stages.loss_fn_for`).
 
-    Every rank must hold the same initial weights (seed them alike), as for ``parallelize``.
+    Every rank must hold the same initial weights (seed them alike), as for ``parallelize``,
+    and the mesh must span every process (tied weights get process groups of their own).
     """
     cls, style, per_rank = _schedule_entry(schedule)
     virtual = virtual if virtual is not None else (per_rank or 1)
     if per_rank is not None and virtual != per_rank:
         raise PlanError(f"schedule {schedule!r} runs {per_rank} stage(s) per rank, got "
                         f"virtual={virtual}: use virtual={per_rank} or another schedule")
+    if frontend not in ("auto", "trace", "module"):
+        raise PlanError(f"frontend must be 'auto', 'trace' or 'module', got {frontend!r}")
+    family = ps.module_family(model)
+    if family == "moe":
+        if frontend == "trace":
+            raise PlanError("torch's splitter traces the MoE model's logits, which leave out "
+                            "its load-balancing loss: use frontend='module' (or 'auto')")
+        frontend = "module"
     dmesh, groups = _mesh_groups(mesh)
     names = dmesh.mesh_dim_names
     pp = dmesh.size(names.index("pp"))
@@ -129,12 +139,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     placement = stage_placement(pp, n_stages, style)
     pp_rank = dist.get_rank(groups["pp"])
     local = [s for s in range(n_stages) if placement[s] == pp_rank]
-    if frontend not in ("auto", "trace", "module"):
-        raise PlanError(f"frontend must be 'auto', 'trace' or 'module', got {frontend!r}")
-    family = ps.module_family(model)
     device = torch.device(dmesh.device_type)
-    if frontend == "auto" and family == "moe":
-        frontend = "module"
     if frontend in ("auto", "trace"):
         try:
             mods, info = ps.traced_stages(model, (tokens[:mb].to(device),), block_path, ranges,
@@ -161,8 +166,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
         raise PlanError(f"schedule {schedule!r} refuses this pipeline ({e}): change "
                         "n_microbatches or the number of stages") from None
     aliases = ps.alias_names(model)
-    holders = ps.tied_names(_all_stage_names(model, block_path, ranges, frontend, mods),
-                            aliases)
+    holders = ps.tied_names(_all_stage_names(mods, groups["pp"]), aliases)
     tied = _tied_groups(holders, placement, dmesh)
     runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
                             (tied, aliases, holders), frontend, schedule)
@@ -170,51 +174,14 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     return runner
 
 
-def _all_stage_names(model: nn.Module, block_path: str, ranges: ps.Ranges, frontend: str,
-                     local_mods: dict[int, nn.Module]) -> dict[int, nn.Module]:
-    """Every stage's module (as names only matter, the local ones plus stand-ins on meta for
-    the others), so every rank finds the same tied weights and makes the same groups."""
-    if len(local_mods) == len(ranges):
-        return local_mods
-    out = dict(local_mods)
-    if frontend == "module":
-        with torch.device("meta"):
-            meta = ps.module_stages(_meta_copy(model), block_path, ranges,
-                                    [s for s in range(len(ranges)) if s not in out])
-        out.update(meta)
-        return out
-    return _traced_names_everywhere(local_mods, len(ranges))
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    from autopar.api import _meta_skeleton
-
-    return _meta_skeleton(model)
-
-
-def _traced_names_everywhere(local_mods: dict[int, nn.Module], n_stages: int
-                             ) -> dict[int, nn.Module]:
-    """Traced stages exist only where they run: gather every stage's parameter names."""
+def _all_stage_names(local_mods: dict[int, nn.Module], pp_group: Any) -> dict[int, list[str]]:
+    """Every stage's parameter names, gathered over the pp group (a rank builds only its own
+    stages), so every rank finds the same tied weights and makes the same groups."""
     mine = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
             for s, m in local_mods.items()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    out: dict[int, nn.Module] = {}
-    for part in everyone:
-        for s, pnames in part.items():
-            out[int(s)] = _NamesOnly(pnames)
-    return out
-
-
-class _NamesOnly(nn.Module):
-    """A stand-in whose parameters (empty, meta) carry a stage's parameter names."""
-
-    def __init__(self, pnames: list[str]) -> None:
-        super().__init__()
-        self._names = pnames
-
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, Any]]:
-        return ((n, None) for n in self._names)
+    everyone: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(everyone, mine, group=pp_group)
+    return {int(s): names for part in everyone for s, names in part.items()}
 
 
 def _tied_groups(tied: dict[str, list[int]], placement: dict[int, int], dmesh: Any

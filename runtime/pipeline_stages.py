@@ -122,14 +122,14 @@ def alias_names(model: nn.Module) -> dict[str, str]:
     return {n: c for n, c in out.items() if counts[c] > 1}
 
 
-def tied_names(stage_modules: dict[int, nn.Module], aliases: dict[str, str]
+def tied_names(stage_params: dict[int, list[str]], aliases: dict[str, str]
                ) -> dict[str, list[int]]:
     """Weights held as more than one copy over the stages (a tied embedding and head, under
     one name or, traced, under each of its names), by first name, with the stages holding
-    a copy."""
+    a copy. ``stage_params``: each stage's parameter names, duplicates included."""
     copies: dict[str, list[int]] = {}
-    for s, mod in sorted(stage_modules.items()):
-        for name, _ in mod.named_parameters(remove_duplicate=False):
+    for s, names in sorted(stage_params.items()):
+        for name in names:
             copies.setdefault(aliases.get(name, name), []).append(s)
     return {n: sorted(set(h)) for n, h in copies.items() if len(h) > 1}
 

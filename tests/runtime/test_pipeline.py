@@ -28,7 +28,7 @@ from spmd_harness import EPS, LR, rel_err
 from torch import nn
 
 import autopar
-from autopar.errors import PlanError
+from autopar.errors import MeshError, PlanError
 from autopar.models import get_preset
 from autopar.runtime import pipeline_stages as ps
 from autopar.runtime.pipeline import (
@@ -129,6 +129,12 @@ def _worker(configs: list) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     report = {}
+    model, inputs = _build("gpt2-tiny")
+    try:  # refused on every rank before any message is sent
+        build_pipeline(model, inputs, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)))
+        raise AssertionError("a mesh with no pp axis was taken")
+    except MeshError as e:
+        assert "name one axis 'pp'" in str(e), e
     for name, preset, shape, schedule, virtual, frontend, m, split in configs:
         model, (tokens, targets) = _build(preset)
         micro = shape[1] * m if preset.startswith("moe") else None
@@ -248,6 +254,9 @@ def test_schedule_and_stages_per_rank() -> None:
         build_pipeline(model, inputs, None, schedule="pipedream")
     with pytest.raises(PlanError, match="'zbv' runs 2 stage.*virtual=3.*use virtual=2"):
         build_pipeline(model, inputs, None, schedule="zbv", virtual=3)
+    moe, moe_inputs = _build("moe-tiny")
+    with pytest.raises(PlanError, match="leave out its load-balancing loss.*'module'"):
+        build_pipeline(moe, moe_inputs, None, frontend="trace")
 
 
 def test_traced_llama_past_two_stages_is_refused() -> None:
@@ -262,7 +271,9 @@ def test_traced_llama_past_two_stages_is_refused() -> None:
 def test_tied_weights_are_found() -> None:
     model, _ = _build("gpt2-tiny")
     mods = ps.module_stages(model, "blocks", ((0, 2), (2, 4)), [0, 1])
-    assert ps.tied_names(mods, ps.alias_names(model)) == {"wte.weight": [0, 1]}
+    names = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
+             for s, m in mods.items()}
+    assert ps.tied_names(names, ps.alias_names(model)) == {"wte.weight": [0, 1]}
     assert mods[0].wte.weight is not mods[1].wte.weight  # one copy per stage
 
 
