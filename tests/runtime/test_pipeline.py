@@ -52,7 +52,7 @@ CONFIGS = [
     ("interleaved-llama", "llama3-tiny", (2, 2), "interleaved_1f1b", 2, "module", 2, None),
     ("interleaved-zb-gpt2", "gpt2-tiny", (2, 2), "interleaved_zb", 2, "module", 2, None),
     ("zbv-gpt2", "gpt2-tiny", (2, 2), "zbv", 2, "module", 4, None),
-    ("dualpipev-llama", "llama3-tiny", (2, 2), "dualpipev", 2, "module", 4, None),
+    ("dualpipev-gpt2-trace", "gpt2-tiny", (2, 2), "dualpipev", 2, "trace", 4, None),
     ("gpipe-moe", "moe-tiny", (2, 2), "gpipe", 1, "auto", 2, None),
     ("1f1b-hf-gpt2", "hf-gpt2", (2, 2), "1f1b", 1, "auto", 2, None),
     ("accumulate-gpt2", "gpt2-tiny", (2, 2), "1f1b", 1, "module", 2, None),
