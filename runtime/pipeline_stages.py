@@ -11,7 +11,11 @@ model's (``layers.3.attention.wq.weight``), so stage state maps back to the sing
 
 * ``"trace"``: torch's own splitter (``torch.distributed.pipelining.pipeline``, which exports
   the model with ``torch.export`` and cuts the graph before the first block of each stage).
-  Works for any model that exports, Hugging Face's included.
+  Works for models that export and whose stages read only the stage before: autopar's GPT-2,
+  Llama-3 on 2 stages, Hugging Face GPT-2. Refused when the stages are built (not in the
+  first step) where torch 2.13's stages cannot run the cut: a value read past the next stage
+  (Llama's RoPE tables from 3 stages on) or a submodule call whose inputs the splitter drops
+  (Hugging Face Llama's ``rotary_emb``).
 * ``"module"``: stage modules written here for autopar's own model families (GPT-2, Llama-3,
   MoE), which run the model's own submodules in order. The MoE family needs it: its loss adds a
   load-balancing term summed over every layer, which the traced logits-only forward drops, so
