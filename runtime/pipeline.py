@@ -140,6 +140,8 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     pp_rank = dist.get_rank(groups["pp"])
     local = [s for s in range(n_stages) if placement[s] == pp_rank]
     device = torch.device(dmesh.device_type)
+    if device.type == "cuda":  # this process's GPU (init_from_env set it from LOCAL_RANK)
+        device = torch.device("cuda", torch.cuda.current_device())
     if frontend in ("auto", "trace"):
         try:
             mods, info = ps.traced_stages(model, (tokens[:mb].to(device),), block_path, ranges,
