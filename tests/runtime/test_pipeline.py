@@ -1,10 +1,11 @@
 """Pipeline parallelism on real gloo processes: training equals one device's.
 
 One launch of 4 processes runs every configuration in turn (process start-up dominates on 2
-cores): GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble, ZBV and DualPipeV, with 2 and
-4 stages, 1 or 2 stages per rank, on pp=2 x dp=2 and pp=4 meshes, on GPT-2 (embedding tied to
-the head: one copy per stage, gradients summed, on two ranks or, V-shaped, on one), Llama-3
-and MoE, with torch's traced stages and autopar's own. Every rank trains 3 AdamW steps and
+cores): GPipe, 1F1B, interleaved 1F1B, looped BFS, interleaved zero-bubble, ZBV and
+DualPipeV, with 2 and 4 stages, 1 or 2 stages per rank, on pp=2 x dp=2 and pp=4 meshes, on
+GPT-2 (embedding tied to the head: one copy per stage, gradients summed, on two ranks or,
+V-shaped, on one), Llama-3, MoE and Hugging Face GPT-2, with torch's traced stages and
+autopar's own. Every rank trains 3 AdamW steps and
 checks, against the single-device run it also does itself, the loss of each step (reported on
 every rank), the last step's gradients and the parameters after the third step of its own
 stage parameters: norm-wise relative error below 1e-5 in fp32 (measured: below 1e-6). The MoE
@@ -50,6 +51,7 @@ CONFIGS = [
     ("1f1b-gpt2-pp4", "gpt2-tiny", (4, 1), "1f1b", 1, "module", 4, None),
     ("1f1b-llama-uneven", "llama3-tiny", (2, 2), "1f1b", 1, "module", 2, [3, 1]),
     ("interleaved-llama", "llama3-tiny", (2, 2), "interleaved_1f1b", 2, "module", 2, None),
+    ("looped-bfs-llama", "llama3-tiny", (2, 2), "looped_bfs", 2, "module", 2, None),
     ("interleaved-zb-gpt2", "gpt2-tiny", (2, 2), "interleaved_zb", 2, "module", 2, None),
     ("zbv-gpt2", "gpt2-tiny", (2, 2), "zbv", 2, "module", 4, None),
     ("dualpipev-gpt2-trace", "gpt2-tiny", (2, 2), "dualpipev", 2, "trace", 4, None),
