@@ -212,9 +212,10 @@ class PipelineRunner:
     """This rank's stages of a pipeline and the schedule that runs them.
 
     ``step(tokens, targets)`` takes the global batch (every rank passes the same), runs the
-    data-parallel share of this rank's replica as ``n_microbatches`` micro-batches, leaves the
-    single-device gradients in the local stage parameters' ``.grad`` and returns the
-    single-device mean loss on every rank. Step the optimizer over :meth:`parameters`.
+    data-parallel share of this rank's replica as ``n_microbatches`` micro-batches, adds the
+    single-device gradients to the local stage parameters' ``.grad`` (as ``backward`` does:
+    zero them between optimizer steps) and returns the single-device mean loss on every rank.
+    Step the optimizer over :meth:`parameters`.
     """
 
     def __init__(self, schedule: Any, stages: list, stage_modules: dict[int, nn.Module],
@@ -284,11 +285,20 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         first = any(st.is_first for st in self.stages)
         args = (x,) if first else ()
+        # torch's schedules divide all of .grad by the micro-batch count and the tied sum
+        # would add earlier gradients twice: set them aside, add them back after
+        params = list(self.parameters())
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses,
                            **self._step_options)
         t = time.perf_counter()
         self._sync_grads()
         self._record("sync", -1, -1, t)
+        for p, g in zip(params, earlier):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
         return self._mean_loss(losses, device)
 
     def _sync_grads(self) -> None:

@@ -184,7 +184,26 @@ def _worker(configs: list) -> dict:
         }
         del runner, opt, mesh
         dist.barrier()
+    _accumulating_steps()
     return report
+
+
+def _accumulating_steps() -> None:
+    """Two ``runner.step`` calls without zeroing add up as two backwards do (torch's schedules
+    alone would rescale the first call's gradients, and the tied sum count them twice)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, (tokens, targets) = _build("gpt2-tiny")
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("pp", "dp"))
+    runner = build_pipeline(model, (tokens[:4], targets[:4]), mesh, None, "1f1b", 4,
+                            frontend="module")
+    for x, y in zip(tokens.chunk(2), targets.chunk(2)):
+        runner.step(x, y)
+        ref(x, y).backward()
+    _compare("accumulating runner.step", "grad",
+             {n: p.grad for n, p in runner.named_parameters()},
+             {n: p.grad for n, p in ref.named_parameters()})
 
 
 def _compare(config: str, what: str, got: dict, want: dict) -> None:
