@@ -93,7 +93,8 @@ def step_usage(sp: ShardingProblem, choice: list[int]
       first of those ops runs, and held until the last one has (each also as long as views
       keep it); the all-gather's own buffers (flattened shards, gathered rows) exist while
       it runs;
-    * a gradient bucket is a flat copy of its gradients, made when its last one exists.
+    * a gradient bucket is a flat copy of its gradients, made when its last one exists;
+    * an op that all-reduces its partial result inside the op holds both while it runs.
 
     A view that reads such a copy aliases the copy, not its producer: the producer is freed
     after its own last reader (intervals recomputed with :func:`live_intervals`' ``moved``).
@@ -143,6 +144,14 @@ def step_usage(sp: ShardingProblem, choice: list[int]
         usage.append(nbytes * (w if a < turn <= b else 1.0))
         live.append((a, b))
 
+    for i, k in enumerate(choice):
+        # an op that all-reduces its partial result (Megatron's row-parallel matmul) holds
+        # the partial and the reduced copy at once while the collective runs
+        st = sp.strategies[i][k]
+        if st.raw_outs:
+            f = sp.nodes[i].meta["autopar"]
+            held(sum(activation_bytes(m, a, sp.mesh)
+                     for m, a, b in zip(f.outputs, st.raw_outs, st.outs) if a != b), i, i, 1.0)
     for i in reshaped:
         f = sp.nodes[i].meta["autopar"]
         held(activation_bytes(f.out, sp.strategies[i][choice[i]].outs[0], sp.mesh),
