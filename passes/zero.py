@@ -39,7 +39,9 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from autopar.errors import PlanError
 from autopar.passes.cost_model import ADAM_STATE_BYTES_PER_PARAM, VIEW_OPS, num_shards
+from autopar.passes.recompute import needed_in_backward
 from autopar.placements import Partial, Replicate, Shard
 
 if TYPE_CHECKING:
@@ -62,8 +64,6 @@ OFFLOAD_MODES = ("auto", "none", "optimizer")
 def check_stage(stage: str | int) -> str:
     text = str(stage)
     if text not in STAGES:
-        from autopar.errors import PlanError
-
         raise PlanError(f"unknown ZeRO stage {stage!r}: use auto, 1, 2 or 3 (stage 0, data "
                         "parallel, is a placement: the solver picks it where it is best)")
     return text
@@ -71,8 +71,6 @@ def check_stage(stage: str | int) -> str:
 
 def check_offload(mode: str) -> str:
     if mode not in OFFLOAD_MODES:
-        from autopar.errors import PlanError
-
         raise PlanError(f"unknown offload mode {mode!r}: use one of {', '.join(OFFLOAD_MODES)}")
     return mode
 
@@ -97,8 +95,6 @@ def regather_nodes(pg: PlanGraph) -> list[str]:
         from_param = sf is not None and (sf.param_like or src.name in chosen)
         if from_param and ("param_cast" in f.extra or f.op in VIEW_OPS):
             chosen.add(n.name)
-    from autopar.passes.recompute import needed_in_backward
-
     return needed_in_backward(pg, [n.name for n in pg.graph.nodes if n.name in chosen])
 
 
