@@ -127,7 +127,8 @@ def make_plan(
     def run(mode: str, own: bool) -> _ModeRun:
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
                                 time_limit_s, min_gain, own, timings,
-                                seed=seeds[0] if seeds else None, offload=stored)
+                                seed=seeds[0] if seeds else None, offload=stored,
+                                prices_of=next(iter(runs.values())).sp if runs else None)
         return runs[mode]
 
     candidates = _candidate_modes(recompute, zero)
@@ -264,7 +265,7 @@ def mode_graph(pg: PlanGraph, mode: str) -> PlanGraph:
 def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
                references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
                timings: dict[str, float], seed: _ModeRun | None = None,
-               offload: str = "none") -> _ModeRun:
+               offload: str = "none", prices_of: ShardingProblem | None = None) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode. ``seed``: another
     mode's plan, a start for the solver (its placements, each copy as its original).
@@ -272,7 +273,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
     (:func:`autopar.passes.sharding_problem.build`)."""
     mpg = mode_graph(pg, mode)
     t1 = time.perf_counter()
-    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=WHOLE_GRADS in mode)
+    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=WHOLE_GRADS in mode,
+                                prices_of=prices_of)
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
@@ -577,7 +579,8 @@ def score_reference(
     # the layout places repeated layers differently (an MLP alternating column and row
     # layers): plan it without shared layer variables
     assert sp.problem is not None
-    flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False)
+    flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False,
+                                  zero1=sp.zero1, prices_of=sp)
     bucket_fill.apply(flat, sp.bucket_fill, sp.problem.usage_limit)  # at the same prices
     got = _pinned_solve(flat, ref, time_limit_s)
     if got is None or got is _CONFLICT:

@@ -107,11 +107,14 @@ class ShardingProblem:
 
 
 def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
-          share_layers: bool = True, offload: str = "none", zero1: bool = False
-          ) -> ShardingProblem:
+          share_layers: bool = True, offload: str = "none", zero1: bool = False,
+          prices_of: ShardingProblem | None = None) -> ShardingProblem:
     """``offload``: ``none``; ``auto``, each parameter may keep its optimizer state on the
     host (a strategy variant per layout, :mod:`autopar.passes.zero`); ``optimizer``, every
-    parameter does. ``zero1``: gradients all-reduced whole (ZeRO-1)."""
+    parameter does. ``zero1``: gradients all-reduced whole (ZeRO-1). ``prices_of``: a problem
+    on the same mesh whose resharding prices this one reuses (a planner builds one problem
+    per recomputation mode, of mostly the same tensors: 8B on 8x8 spent 4 of its 7 s of
+    builds pricing the same moves again)."""
     nodes = [n for n in pg.graph.nodes if n.op in ("placeholder", "call_function")]
     idx = {n: i for i, n in enumerate(nodes)}
     strategies: list[list[Strategy]] = []
@@ -158,6 +161,11 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
 
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
     sp.zero1 = zero1
+    if prices_of is not None and prices_of.mesh is mesh:
+        # keyed by spec ids and tensor price keys, valid in any problem on this mesh (not the
+        # matrix cache: it is keyed by the ids of this build's strategy lists)
+        sp.spec_ids, sp.reshard_cache = prices_of.spec_ids, prices_of.reshard_cache
+        sp.moves_cache = prices_of.moves_cache
     if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
         sp.grad_dtype = pg.precision.reduce_dtype
     sp.loss_scaling = pg.precision is not None and pg.precision.loss_scaling
