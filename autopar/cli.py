@@ -111,6 +111,7 @@ def check_batch(mesh: Mesh, batch: int) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from autopar.forked_map import default_workers
     from autopar.models.reference_plans import comparison_plans
     from autopar.planner import make_plan
 
@@ -124,7 +125,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                         time_limit_s=args.time_limit, references=refs, model_name=loaded.name,
                         max_layers=args.trace_layers if args.trace_layers > 0 else None,
                         precision=args.precision, reduce_dtype=args.reduce_dtype,
-                        recompute=args.recompute, zero=args.zero, offload=args.offload)
+                        recompute=args.recompute, zero=args.zero, offload=args.offload,
+                        workers=default_workers())
     print(planned.plan.table())
     for node in args.explain or []:
         print()

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from autopar.capture import capture
 from autopar.errors import PlanError
+from autopar.forked_map import forked_map
 from autopar.graph import PlanGraph
 from autopar.memory_fit import memory_limit, no_fit_message
 from autopar.mesh import Mesh
@@ -80,6 +81,7 @@ def make_plan(
     recompute: str = "auto",
     zero: str | int = "auto",
     offload: str = "auto",
+    workers: int = 1,
 ) -> Planned:
     """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
 
@@ -102,7 +104,8 @@ def make_plan(
     (:mod:`autopar.passes.zero`): ``"auto"`` (stage 2 or 3, the faster that fits: planned
     both ways where the plan does not fit at ease), 1, 2 or 3. ``offload``: ``"auto"``
     (optimizer state is offered to the solver for host memory only where no plan fits
-    without), ``"none"``, ``"optimizer"`` (every parameter's)."""
+    without), ``"none"``, ``"optimizer"`` (every parameter's). ``workers``: the reference
+    layouts are completed on up to this many forked processes (:mod:`autopar.forked_map`)."""
     recompute_mode.check_mode(recompute)
     zero = zero_mod.check_stage(zero)
     zero_mod.check_offload(offload)
@@ -128,7 +131,8 @@ def make_plan(
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
                                 time_limit_s, min_gain, own, timings,
                                 seed=seeds[0] if seeds else None, offload=stored,
-                                prices_of=next(iter(runs.values())).sp if runs else None)
+                                prices_of=next(iter(runs.values())).sp if runs else None,
+                                workers=workers)
         return runs[mode]
 
     candidates = _candidate_modes(recompute, zero)
@@ -265,7 +269,8 @@ def mode_graph(pg: PlanGraph, mode: str) -> PlanGraph:
 def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
                references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
                timings: dict[str, float], seed: _ModeRun | None = None,
-               offload: str = "none", prices_of: ShardingProblem | None = None) -> _ModeRun:
+               offload: str = "none", prices_of: ShardingProblem | None = None,
+               workers: int = 1) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode. ``seed``: another
     mode's plan, a start for the solver (its placements, each copy as its original).
@@ -278,7 +283,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
-    refs = _References.score(sp, mpg, references, time_limit_s, limit)
+    refs = _References.score(sp, mpg, references, time_limit_s, limit, workers)
     timings["references_s"] += time.perf_counter() - t_refs
     out = _ModeRun(mode, mpg, sp, refs)
     if not own:
@@ -321,7 +326,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
         # or as before (one plan's fills, priced on all, may misguide a reference's)
-        again_refs = _References.score(sp, mpg, references, time_limit_s, limit)
+        again_refs = _References.score(sp, mpg, references, time_limit_s, limit, workers)
         refs = refs.rescored(sp, limit).better(again_refs, limit)
         timings["references_s"] += time.perf_counter() - t4
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
@@ -399,12 +404,16 @@ class _References:
 
     @staticmethod
     def score(sp: ShardingProblem, pg: PlanGraph, references: dict[str, Any],
-              time_limit_s: float, budget: float | None) -> _References:
+              time_limit_s: float, budget: float | None, workers: int = 1) -> _References:
+        """Each reference completed on ``sp``; on up to ``workers`` forked processes
+        (:mod:`autopar.forked_map`: each completion is independent)."""
         cost: dict[str, PlanCost] = {}
         choices: dict[str, list[int]] = {}
         assign: dict[str, tuple[int, ...] | None] = {}
-        for name, ref in references.items():
-            got = score_reference(sp, pg, ref, time_limit_s)
+        names = list(references)
+        done = forked_map(lambda n: score_reference(sp, pg, references[n], time_limit_s),
+                          names, workers)
+        for name, got in zip(names, done):
             if got is not None:
                 cost[name], choices[name], assign[name] = got
         return _References.of(cost, choices, assign, budget)

@@ -268,3 +268,23 @@ def test_a_reference_completion_is_polished_by_local_moves_where_the_sweep_was_e
     monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: Solution(
         (0, 1), 2.0, True, "feasible", 0.1, SWEEP))
     assert planner.planner_solve(None, None, 10.0, local_polish=True).assignment == (0, 1)
+
+
+def test_references_completed_on_forked_processes_equal_the_sequential_ones():
+    """autopar.forked_map: --compare completes its reference layouts side by side; each
+    completion is the one this process would make."""
+    from autopar.forked_map import forked_map
+    from autopar.models import get_preset
+    from autopar.models.reference_plans import comparison_plans
+    from autopar.planner import make_plan
+
+    preset = get_preset("llama3-tiny")
+    model = preset.build("meta")
+    mesh = Mesh((2,), ("dp",))
+    refs = comparison_plans(model, mesh.shape, mesh.axes, "llama3", batch_size=4)
+    refs = {k: refs[k] for k in ("data_parallel", "fsdp", "megatron_tp")}
+    inputs = preset.example_inputs(4, 32)
+    one = make_plan(model, mesh, inputs, references=refs, time_limit_s=2.0).plan
+    two = make_plan(model, mesh, inputs, references=refs, time_limit_s=2.0, workers=2).plan
+    assert one.references == two.references and one.cost == two.cost
+    assert forked_map(lambda x: x * x, [1, 2, 3], 2) == [1, 4, 9]

@@ -1,0 +1,61 @@
+"""Independent planning jobs side by side in forked processes (``autopar plan --compare``).
+
+Completing a reference layout is a solve of its own, independent of the others, and
+``--compare`` completes up to eight of them: on a machine with several cores they run in
+forked children, which inherit the problem they solve (nothing but the job's index and its
+small result cross a pipe). Only where forking is safe: the POSIX ``fork`` start method, and
+no process group in this process (gloo's and NCCL's background threads may hold locks a forked
+child would inherit held). The children touch numpy, the solver and meta tensors only; torch's
+compute thread pool, which is not fork-safe once used, is not.
+
+:func:`forked_map` is exact: each job computes what it would in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_JOB: tuple[Callable[[Any], Any], Sequence[Any]] | None = None  # what the children run
+
+
+def default_workers() -> int:
+    """The cores this process may use (``AUTOPAR_PLAN_WORKERS`` overrides; 1: no forking)."""
+    env = os.environ.get("AUTOPAR_PLAN_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def forked_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
+    """``[fn(x) for x in items]``, on up to ``workers`` forked processes where that is safe
+    and there is more than one item; in this process otherwise."""
+    global _JOB
+    workers = min(workers, len(items))
+    if workers <= 1 or not _fork_is_safe():
+        return [fn(x) for x in items]
+    _JOB = (fn, items)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_run, range(len(items)), chunksize=1)
+    finally:
+        _JOB = None
+
+
+def _run(k: int) -> Any:
+    assert _JOB is not None
+    fn, items = _JOB
+    return fn(items[k])
+
+
+def _fork_is_safe() -> bool:
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
