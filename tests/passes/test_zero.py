@@ -32,7 +32,7 @@ def _fsdp(model, inputs, graph, **kw):
     from autopar.api import complete_plan
 
     return complete_plan(graph, MESH, ref.params, ref.inputs, memory_budget=float("inf"),
-                         time_limit_s=5.0, **kw)
+                         time_limit_s=2.0, **kw)
 
 
 def test_regather_copies_only_parameter_views_the_backward_reads(tiny):
@@ -78,29 +78,29 @@ def test_data_parallel_parameters_are_stage_0(tiny):
     from autopar.api import complete_plan
 
     ddp = complete_plan(graph, MESH, {n: (Replicate(),) for n, _ in model.named_parameters()},
-                        memory_budget=float("inf"), time_limit_s=5.0)
+                        memory_budget=float("inf"), time_limit_s=2.0)
     assert set(ddp.param_state.stages.values()) == {0}
     assert "replicated (DDP) over dp" in ddp.table()
 
 
 def test_auto_picks_the_faster_stage_that_fits(tiny):
     model, inputs, graph = tiny
-    free = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=5.0)
-    forced3 = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=5.0,
+    free = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0)
+    forced3 = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0,
                         zero=3, recompute="none")
     assert free.plan.cost.step_s <= forced3.plan.cost.step_s * (1 + 1e-9)
     # under a limit the ZeRO-2 plan misses, the planner weighs re-gathering too
     limit = forced3.plan.cost.mem_bytes * 1.01
-    tight = make_plan(model, MESH, graph=graph, memory_budget=limit, time_limit_s=5.0,
+    tight = make_plan(model, MESH, graph=graph, memory_budget=limit, time_limit_s=2.0,
                       recompute="none")
     assert tight.plan.cost.mem_bytes <= limit
 
 
 def test_offload_moves_the_optimizer_state_and_pays_the_host_link(tiny):
     model, inputs, graph = tiny
-    kept = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=5.0,
+    kept = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0,
                      recompute="none", offload="none").plan
-    moved = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=5.0,
+    moved = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0,
                       recompute="none", offload="optimizer").plan
     ps = moved.param_state
     assert set(ps.offloaded) == set(moved.params) and not kept.param_state.offloaded
