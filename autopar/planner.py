@@ -303,7 +303,9 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
     # variables do not always let the solver find them again in the recomputing graph)
     carried = _carried_choice(sp, seed) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
-    sol = _solve_within_budget(sp, limit, time_limit_s, hint, seeds)
+    # a mode seeded with another's plan has that plan to fall back on: half the time
+    sol = _solve_within_budget(sp, limit, time_limit_s / 2 if seeds else time_limit_s, hint,
+                               seeds)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
