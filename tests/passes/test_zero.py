@@ -121,14 +121,15 @@ def test_offload_is_chosen_only_where_nothing_fits_without(tiny):
     from autopar.memory_fit import leanest
     from autopar.passes import sharding_problem
 
-    model, inputs, graph = tiny
+    model, inputs, _ = tiny
+    graph = capture(model, inputs, precision=resolve("bf16", MESH.device))  # a fresh trace
     lean = mode_graph(graph, "full+zero3")
     on_device = leanest(sharding_problem.build(lean, MESH))[0]
     on_host = leanest(sharding_problem.build(lean, MESH, offload="optimizer"))[0]
     assert on_host < on_device
     roomy = make_plan(model, MESH, graph=graph, time_limit_s=5.0).plan
     assert not roomy.param_state.offloaded  # 74 GiB: nothing to offload
-    limit = on_device * 0.95  # below any plan with all the state on the device
+    limit = on_device * 0.99  # below any plan with all the state on the device
     assert limit > on_host
     with pytest.raises(PlanError):
         make_plan(model, MESH, graph=graph, memory_budget=limit, time_limit_s=5.0,
