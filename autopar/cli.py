@@ -113,20 +113,32 @@ def check_batch(mesh: Mesh, batch: int) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.forked_map import default_workers
     from autopar.models.reference_plans import comparison_plans
+    from autopar.pipeline_planner import pipeline_axis, plan_pipeline, stage_mesh
     from autopar.planner import make_plan
 
     mesh = Mesh.parse(args.mesh, args.device)
     check_batch(mesh, args.batch)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     loaded = load_model(args.model, args.batch, args.seq)
-    refs = comparison_plans(loaded.model, mesh.shape, mesh.axes, loaded.family,
+    pp = pipeline_axis(mesh)
+    if pp is None and (args.schedule or args.microbatches or args.virtual):
+        raise UsageError("--schedule, --microbatches and --virtual need a pipeline axis: "
+                         "add one to the mesh, e.g. --mesh pp=2,dp=4")
+    ref_mesh = mesh if pp is None else stage_mesh(mesh, pp)
+    refs = comparison_plans(loaded.model, ref_mesh.shape, ref_mesh.axes, loaded.family,
                             batch_size=args.batch) if args.compare else {}
-    planned = make_plan(loaded.model, mesh, loaded.inputs, loaded.kwargs, memory_budget=budget,
-                        time_limit_s=args.time_limit, references=refs, model_name=loaded.name,
-                        max_layers=args.trace_layers if args.trace_layers > 0 else None,
-                        precision=args.precision, reduce_dtype=args.reduce_dtype,
-                        recompute=args.recompute, zero=args.zero, offload=args.offload,
-                        workers=default_workers())
+    common = dict(memory_budget=budget, time_limit_s=args.time_limit, references=refs,
+                  model_name=loaded.name,
+                  max_layers=args.trace_layers if args.trace_layers > 0 else None,
+                  precision=args.precision, reduce_dtype=args.reduce_dtype,
+                  recompute=args.recompute, zero=args.zero, offload=args.offload,
+                  workers=default_workers())
+    if pp is None:
+        planned = make_plan(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common)
+    else:
+        planned = plan_pipeline(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common,
+                                schedule=args.schedule, microbatches=args.microbatches,
+                                virtual=args.virtual)
     print(planned.plan.table())
     for node in args.explain or []:
         print()
@@ -162,6 +174,17 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
                    "fits without; 'optimizer': every parameter's)")
 
 
+def add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """The pipeline choices ``plan`` and ``train`` share (a mesh with a ``pp`` axis)."""
+    p.add_argument("--schedule", help="pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
+                   "InterleavedZeroBubble, LoopedBFS, ZBVZeroBubble, DualPipeV (default: the "
+                   "planner's choice)")
+    p.add_argument("--microbatches", type=int, metavar="M",
+                   help="microbatches per step (default: the planner's choice)")
+    p.add_argument("--virtual", type=int, metavar="V",
+                   help="pipeline stages per rank (default: the planner's choice)")
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     from autopar.plan import Plan
     from autopar.plan_table import render_diff
@@ -184,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "less a reserve; 'none' for no limit)")
     add_memory_options(pl)
     pl.add_argument("--compare", action="store_true", help="score the reference plans beside it")
+    add_pipeline_options(pl)
     pl.add_argument("--json", help="also write the plan as JSON to this path")
     pl.add_argument("--timeline", metavar="FILE",
                     help="also write the predicted timeline of one step as a Chrome/Perfetto "

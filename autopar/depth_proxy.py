@@ -9,6 +9,11 @@ that were not traced take the placements of the traced block they stand for.
 
 Step time and collectives come out exactly as from the full trace. Peak memory errs a little
 high: a middle block's short-lived temporaries are weighted like its saved activations.
+
+A pipeline stage is planned the same way (:func:`stage_representative`): the traced blocks
+stand for the blocks one stage holds (``stands_for``), and every activation kept for the
+backward is held ``in_flight`` times, once per microbatch the schedule keeps in flight on a
+rank, so the plan's peak memory is a stage's.
 """
 
 from __future__ import annotations
@@ -26,10 +31,18 @@ class DepthProxy:
     path: str  # the ModuleList's qualified name, e.g. "layers"
     total: int  # blocks in the real model
     kept: int  # blocks traced
+    # blocks the trace stands for (a pipeline stage's share; None: all of them) and the
+    # microbatches whose saved activations a rank holds at once (pipelines; 1 otherwise)
+    stands_for: int | None = None
+    in_flight: float = 1.0
+
+    @property
+    def represented(self) -> int:
+        return self.total if self.stands_for is None else self.stands_for
 
     @property
     def middle_weight(self) -> float:
-        return (self.total - 2) / (self.kept - 2)
+        return (self.represented - 2) / (self.kept - 2)
 
     def layer_weight(self, layer: int | None) -> float:
         if layer is None or layer == 0 or layer == self.kept - 1:
@@ -44,6 +57,8 @@ class DepthProxy:
         i = int(m.group(1))
         if i < self.kept - 1:
             return name
+        if self.kept < 3:  # no middle block: the last traced one stands for the rest
+            return f"{self.path}.{self.kept - 1}.{m.group(2)}"
         j = self.kept - 1 if i == self.total - 1 else 1 + (i - 1) % (self.kept - 2)
         return f"{self.path}.{j}.{m.group(2)}"
 
@@ -74,3 +89,25 @@ def truncated(model: nn.Module, max_layers: int | None) -> Iterator[DepthProxy |
         yield DepthProxy(path, len(blocks), max_layers)
     finally:
         parent._modules[attr] = blocks
+
+
+@contextlib.contextmanager
+def stage_representative(model: nn.Module, blocks: int, max_layers: int | None,
+                         in_flight: float) -> Iterator[DepthProxy]:
+    """Within the block, the model traces as one pipeline stage of ``blocks`` of its repeated
+    blocks (at most ``max_layers`` traced, the middle ones weighted), each activation kept
+    for the backward held ``in_flight`` times. The embedding and the head stay: the first
+    and last stages hold them, and one layout serves every stage."""
+    found = _longest_block_list(model)
+    if found is None:
+        raise ValueError("the model has no list of repeated blocks to cut into stages")
+    path, block_list = found
+    blocks = max(1, min(blocks, len(block_list)))
+    kept = blocks if not max_layers or blocks <= max_layers else max(3, max_layers)
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    parent._modules[attr] = nn.ModuleList(list(block_list)[:kept])
+    try:
+        yield DepthProxy(path, len(block_list), kept, blocks, float(in_flight))
+    finally:
+        parent._modules[attr] = block_list

@@ -23,8 +23,9 @@ from autopar.placements import Spec, format_spec, parse_spec
 # every bucket on a device whose communication does not overlap compute). 5: the plan's
 # precision (the graph's casts) and recomputation are part of what runs. An older plan's
 # collectives would not match what now runs. 6: parameters' ZeRO stages (views re-gathered in
-# the backward) and optimizer state offloaded to the host.
-PLAN_VERSION = 6
+# the backward) and optimizer state offloaded to the host. 7: pipeline stages and schedule
+# (``Plan.pipeline``; the placements are then a stage's, on the stage submesh).
+PLAN_VERSION = 7
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,82 @@ class Recompute:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineStage:
+    """One stage (a virtual stage where a rank holds several) in pipeline order: the blocks
+    ``[first_block, end_block)`` of the model's repeated list, with the embedding where
+    ``first`` and the head where ``last``, on pipeline rank ``rank``."""
+
+    index: int
+    rank: int
+    first_block: int
+    end_block: int
+    first: bool
+    last: bool
+    time_s: float  # forward + backward per microbatch
+    memory_bytes: float  # per device: its state, transients and in-flight activations
+    in_flight: int  # microbatches whose activations it holds at once
+
+    @property
+    def blocks(self) -> int:
+        return self.end_block - self.first_block
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleOption:
+    """A (schedule, stages per rank, microbatches) the planner weighed."""
+
+    schedule: str
+    virtual: int
+    microbatches: int
+    step_s: float  # inf where it does not fit or cannot be cut
+    bubble: float
+    mem_bytes: float
+    note: str = ""  # why it was left out, where it was
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline half of a plan: ``size`` stages' ranks along mesh axis ``axis``, the
+    schedule (torch's name), stages per rank, microbatches, and the stages. ``step_s`` is the
+    schedule replayed on the stages' times plus each rank's gradient sync; ``bubble`` is the
+    replay's idle share, beside the textbook ``(p-1)/(v*m)``."""
+
+    axis: str
+    size: int
+    schedule: str
+    virtual: int
+    microbatches: int
+    stages: tuple[PipelineStage, ...]
+    rank_memory_bytes: tuple[float, ...]
+    step_s: float
+    bubble: float
+    textbook_bubble: float
+    send_s: float  # one boundary tensor between ranks, per microbatch and direction
+    sync_s: float  # the slowest rank's gradient sync, once per step
+    weight_share: float  # of a backward, the weight-gradient part (zero-bubble schedules)
+    reason: str = ""
+    options: tuple[ScheduleOption, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"axis": self.axis, "size": self.size, "schedule": self.schedule,
+                "virtual": self.virtual, "microbatches": self.microbatches,
+                "rank_memory_bytes": list(self.rank_memory_bytes), "step_s": self.step_s,
+                "bubble": self.bubble, "textbook_bubble": self.textbook_bubble,
+                "send_s": self.send_s, "sync_s": self.sync_s,
+                "weight_share": self.weight_share, "reason": self.reason,
+                "options": [asdict(o) for o in self.options]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], stages: list[dict]) -> PipelinePlan:
+        return cls(d["axis"], int(d["size"]), d["schedule"], int(d["virtual"]),
+                   int(d["microbatches"]), tuple(PipelineStage(**s) for s in stages),
+                   tuple(float(x) for x in d["rank_memory_bytes"]), float(d["step_s"]),
+                   float(d["bubble"]), float(d["textbook_bubble"]), float(d["send_s"]),
+                   float(d["sync_s"]), float(d.get("weight_share", 0.5)), d.get("reason", ""),
+                   tuple(ScheduleOption(**o) for o in d.get("options", ())))
+
+
+@dataclass(frozen=True, slots=True)
 class SolverInfo:
     status: str
     time_s: float
@@ -132,7 +209,18 @@ class Plan:
     recompute: Recompute = field(default_factory=Recompute)
     # each parameter's ZeRO stage and the optimizer state kept on the host (passes.zero)
     param_state: ParamState = field(default_factory=ParamState)
+    # pipeline stages and schedule; the mesh and every placement above are then one stage's
+    # (the mesh less the pipeline axis), the same layout on every stage
+    pipeline: PipelinePlan | None = None
     version: int = PLAN_VERSION
+
+    @property
+    def full_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The whole mesh's shape and axes, the pipeline axis (outermost) included."""
+        if self.pipeline is None:
+            return self.mesh_shape, self.mesh_axes
+        return ((self.pipeline.size, *self.mesh_shape),
+                (self.pipeline.axis, *self.mesh_axes))
 
     def merged_axes(self) -> tuple[tuple[int, ...], ...]:
         """:attr:`merged_sums` as mesh-axis indices."""
@@ -160,6 +248,9 @@ class Plan:
             "precision": self.precision.to_json(),
             "recompute": self.recompute.to_json(),
             "param_state": self.param_state.to_json(),
+            **({"schedule": self.pipeline.to_json(),
+                "stages": [asdict(st) for st in self.pipeline.stages]}
+               if self.pipeline is not None else {}),
             "first_bucket_bytes": self.first_bucket_bytes,
             "merged_sums": [list(a) for a in self.merged_sums],
             "solver": asdict(self.solver),
@@ -210,6 +301,8 @@ class Plan:
                 precision=Precision.from_json(d.get("precision")),
                 recompute=Recompute.from_json(d.get("recompute")),
                 param_state=ParamState.from_json(d.get("param_state")),
+                pipeline=(PipelinePlan.from_json(d["schedule"], d["stages"])
+                          if "schedule" in d else None),
                 first_bucket_bytes=int(d["first_bucket_bytes"]),
                 merged_sums=tuple(tuple(a) for a in d.get("merged_sums", ())),
                 version=version,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render(plan: Plan, max_params: int = 40) -> str:
-    mesh = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    mesh = " x ".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
     shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes.items())
     c = plan.cost
     budget = _limit(plan)
@@ -67,6 +68,8 @@ def render(plan: Plan, max_params: int = 40) -> str:
         lines.append(
             "planning time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in t.items())
         )
+    if plan.pipeline is not None:
+        lines += [""] + pipeline_lines(plan)
     lines += ["", "inputs:"]
     lines += _table(["input", "shape", "placement"],
                     [[k, str(plan.input_shapes.get(k, "")), spec_str(v)]
@@ -74,10 +77,12 @@ def render(plan: Plan, max_params: int = 40) -> str:
     grouped = _grouped_params(plan)
     lines += ["", f"parameters ({len(plan.params)}; layers folded as *):"]
     rows = [[name + (f"  (x{n})" if n > 1 else ""), spec] for name, spec, n in grouped[:max_params]]
-    lines += _table(["parameter", "placement per mesh axis"], rows)
+    axes = "per stage-mesh axis" if plan.pipeline is not None else "per mesh axis"
+    lines += _table(["parameter", f"placement {axes}"], rows)
     if len(grouped) > max_params:
         lines.append(f"  ... {len(grouped) - max_params} more")
-    lines += ["", "collectives per step:"]
+    lines += ["", "collectives per step" + (" of one stage, one microbatch (gradient syncs once "
+                                             "per step):" if plan.pipeline is not None else ":")]
     if plan.collectives:
         lines += _table(
             ["collective", "axis", "count", "bytes/device", "time", "why"],
@@ -205,3 +210,47 @@ def render_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
     if not rows:
         return "\n".join(lines + ["the plans place every parameter and input alike"])
     return "\n".join(lines + [""] + _table(["tensor", name_a, name_b], rows))
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """The stages, schedule, microbatches and bubble of a pipeline plan."""
+    pp = plan.pipeline
+    assert pp is not None
+    stage_axes = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    lines = [
+        f"pipeline: {pp.size} ranks on axis {pp.axis}, schedule {pp.schedule} with "
+        f"{pp.virtual} stage(s) per rank, {pp.microbatches} microbatches; each stage on a "
+        f"{stage_axes} submesh",
+        f"  predicted bubble {pp.bubble:.1%} of the step (textbook (p-1)/(v*m) = "
+        f"{pp.textbook_bubble:.3f} of ideal time); boundary send {fmt_time(pp.send_s)} per "
+        f"microbatch; gradient sync {fmt_time(pp.sync_s)} per step on the slowest rank",
+        f"  why: {pp.reason}",
+    ]
+    rows = []
+    for st in pp.stages:
+        what = [f"blocks {st.first_block}-{st.end_block - 1}" if st.blocks > 1
+                else f"block {st.first_block}"]
+        if st.first:
+            what.insert(0, "embedding")
+        if st.last:
+            what.append("head")
+        rows.append([str(st.index), str(st.rank), " + ".join(what), fmt_time(st.time_s),
+                     str(st.in_flight), fmt_bytes(st.memory_bytes)])
+    lines += _table(["stage", "rank", "holds", "time/microbatch", "in flight", "memory"], rows)
+    per_rank = ", ".join(fmt_bytes(b) for b in pp.rank_memory_bytes)
+    lines.append(f"  memory per pipeline rank: {per_rank}")
+    finite = [o for o in pp.options if math.isfinite(o.step_s)]
+    shown = finite[:6]
+    if len(pp.options) > 1:
+        lines.append("  schedules weighed (fastest first):")
+        lines += ["  " + r for r in _table(
+            ["schedule", "v", "m", "step", "bubble", "memory"],
+            [[o.schedule, str(o.virtual), str(o.microbatches), fmt_time(o.step_s),
+              f"{o.bubble:.1%}", fmt_bytes(o.mem_bytes)] for o in shown])]
+        if len(finite) > len(shown):
+            lines.append(f"    ... {len(finite) - len(shown)} slower ones that fit")
+        failed = len(pp.options) - len(finite)
+        if failed:
+            notes = sorted({o.note for o in pp.options if o.note})[:2]
+            lines.append(f"    ... {failed} that do not fit or cannot be cut: " + "; ".join(notes))
+    return lines

@@ -141,7 +141,7 @@ def step_usage(sp: ShardingProblem, choice: list[int]
                 len(sp.nodes))
 
     def held(nbytes: float, a: int, b: int, w: float) -> None:
-        usage.append(nbytes * (w if a < turn <= b else 1.0))
+        usage.append(nbytes * (w * sp.in_flight if a < turn <= b else 1.0))
         live.append((a, b))
 
     for i, k in enumerate(choice):

@@ -82,6 +82,7 @@ class ShardingProblem:
     zero1: bool = False
     loss_index: int = -1  # the loss node (reported whole on every rank)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
+    in_flight: float = 1.0  # microbatches whose kept activations a rank holds (pipelines)
     peak_time: int = 0
     live: list[tuple[int, int]] = field(default_factory=list)
     # reduction results
@@ -199,15 +200,22 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         # each of them holds at once: its parameters, gradients and the activations kept for
         # the backward (live across the forward's end). What a layer frees before the next
         # one runs (its transients, forward or backward) is held by one layer at a time.
+        # A pipeline stage's stand-in (depth_proxy.stage_representative) also holds each
+        # kept activation once per microbatch in flight.
         sp.weight = np.array([pg.layer_weight(node_layer(n)) for n in nodes])
+        sp.in_flight = f = pg.proxy.in_flight
         turn = next((i for i, n in enumerate(nodes) if n.meta["autopar"].phase == "bwd"),
                     len(nodes))
         for i, w in enumerate(sp.weight):
             if w != 1.0:
                 sp.node_cost[i] = sp.node_cost[i] * w
-                a, b = sp.live[i]
-                if a < turn <= b or nodes[i].meta["autopar"].role in ("param", "grad"):
-                    sp.usage[i] = sp.usage[i] * w
+            a, b = sp.live[i]
+            if nodes[i].meta["autopar"].role in ("param", "grad"):
+                scale = w
+            else:
+                scale = w * f if a < turn <= b else 1.0
+            if scale != 1.0:
+                sp.usage[i] = sp.usage[i] * scale
     else:
         sp.weight = np.ones(len(nodes))
     sp.peak_time = _replicated_peak(sp)

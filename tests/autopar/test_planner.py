@@ -121,7 +121,7 @@ def test_plan_round_trips_through_json(tmp_path):
     path = tmp_path / "plan.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == 6
+    assert doc["version"] == 7
     assert set(doc["param_state"]) >= {"stages", "axes", "offloaded", "regathered"}
     assert set(doc["param_state"]["stages"]) <= set(doc["params"])
     assert doc["precision"] == {"name": "bf16", "reduce": "fp32"}  # h100: bf16 by default

@@ -1,0 +1,407 @@
+"""The pipeline planner: stages, schedule and microbatches for a mesh with a ``pp`` axis.
+
+Alpa's inter-op pass, with the intra-op planner inside it:
+
+1. **Microbatches.** ``m`` divides the batch so that each microbatch still splits over the
+   data-parallel axes; the finest two such counts are tried (``microbatches=`` fixes one).
+2. **One stage's intra-op plan.** The model is traced at one microbatch as a stand-in for a
+   stage (:func:`autopar.depth_proxy.stage_representative`): its embedding, head and the
+   ``ceil(L/p)`` blocks a stage holds, each activation kept for the backward held once per
+   microbatch the busiest rank keeps in flight. :func:`autopar.planner.make_plan` plans it on
+   the stage submesh (the mesh less ``pp``) under the device's memory limit, choosing the
+   sharding, recomputation and ZeRO stage together as it does for any plan. Every stage runs
+   that layout: blocks are alike, and the stand-in is the heaviest stage's memory.
+3. **Its cost per part** (:mod:`autopar.passes.stage_profile`): embedding, one block, head,
+   each with forward/backward time per microbatch, gradient sync per step, state, kept
+   activations and transients.
+4. **Slicing** (:mod:`autopar.passes.stage_split`): for every schedule torch ships
+   (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``LoopedBFS``,
+   ``ZBVZeroBubble``, ``DualPipeV``) and stages per rank ``v``, the DP cuts the blocks into
+   ``p*v`` contiguous stages minimising Alpa's objective under the memory limit (each stage
+   with the in-flight count its schedule gives it), the first stage also holding the
+   embedding and the last the head, so a heavy head gets fewer blocks. The best few splits
+   are replayed in the schedule model (:mod:`autopar.passes.pipeline_schedule`), with the
+   boundary sends priced on the ``pp`` axis's link and the weight-gradient share the
+   zero-bubble schedules defer read off the graph.
+5. The fastest (schedule, v, m) that fits wins; the plan records every option weighed and why.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.capture import capture
+from autopar.depth_proxy import _longest_block_list, stage_representative
+from autopar.errors import PlanError
+from autopar.memory_fit import memory_limit
+from autopar.mesh import Mesh
+from autopar.passes import mixed_precision
+from autopar.passes.pipeline_schedule import (
+    SCHEDULES,
+    SINGLE_STAGE,
+    V_SHAPED,
+    PipelineSchedule,
+    StageTime,
+    canonical_name,
+    simulate,
+    textbook_bubble,
+)
+from autopar.passes.stage_profile import StageProfile, stage_profile
+from autopar.passes.stage_split import StageCost, StageSplit, schedule_in_flight, split_stages
+from autopar.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
+from autopar.planner import Planned, make_plan
+
+PIPELINE_AXES = ("pp", "pipe", "pipeline")
+DATA_AXES = ("dp", "data", "fsdp", "ddp", "batch")
+MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none
+REFINE = 3  # splits per option replayed in the schedule model
+
+
+def pipeline_axis(mesh: Mesh) -> int | None:
+    """Index of the mesh's pipeline axis (named ``pp``), None where it has none of size > 1."""
+    for i, name in enumerate(mesh.axes):
+        if name.lower() in PIPELINE_AXES and mesh.shape[i] > 1:
+            return i
+    return None
+
+
+def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """The mesh less its pipeline axis, each other axis with its own link."""
+    keep = [i for i in range(mesh.ndim) if i != axis]
+    if not keep:
+        return Mesh((1,), ("dp",), mesh.device)
+    return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.axes[i] for i in keep),
+                mesh.device, tuple(mesh.bandwidth[i] for i in keep),
+                tuple(mesh.latency[i] for i in keep))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    return math.prod(n for a, n in zip(mesh.axes, mesh.shape) if a.lower() in DATA_AXES)
+
+
+@dataclass(frozen=True, slots=True)
+class _Option:
+    schedule: PipelineSchedule
+    split: StageSplit | None
+    step_s: float
+    bubble: float
+    mem_bytes: float
+    sync_s: float
+    note: str = ""
+
+
+def plan_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    model_name: str = "",
+    max_layers: int | None = None,
+    precision: Any = None,
+    reduce_dtype: str | None = None,
+    recompute: str = "auto",
+    zero: str | int = "auto",
+    offload: str = "auto",
+    workers: int = 1,
+    references: dict[str, Any] | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    virtual: int | None = None,
+) -> Planned:
+    """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
+
+    ``schedule`` (a torch schedule name), ``microbatches`` and ``virtual`` (stages per rank)
+    fix those choices; None leaves them to the planner. The other arguments are
+    :func:`autopar.planner.make_plan`'s, applied to each stage; ``references`` are laid out
+    on the stage submesh and scored as pipelines with the chosen schedule. The returned
+    plan's placements are one stage's on the stage submesh; ``plan.pipeline`` holds the
+    stages and schedule."""
+    t0 = time.perf_counter()
+    axis = pipeline_axis(mesh)
+    if axis is None:
+        raise PlanError(f"mesh {mesh.describe()} has no pipeline axis of size > 1: name one "
+                        "axis 'pp' (e.g. --mesh pp=2,dp=4), or plan it with make_plan")
+    p = mesh.shape[axis]
+    sub = stage_mesh(mesh, axis)
+    found = _longest_block_list(model)
+    if found is None:
+        raise PlanError("the model has no list of repeated blocks (an nn.ModuleList of one "
+                        "block type) to cut into pipeline stages: plan it without a 'pp' axis")
+    n_blocks = len(found[1])
+    if p > n_blocks:
+        raise PlanError(f"{p} pipeline stages but the model has {n_blocks} blocks: use "
+                        f"pp <= {n_blocks} (and give the other devices to dp or tp)")
+    batch = _batch_size(example_inputs, example_kwargs)
+    dp = data_parallel_size(sub)
+    counts = microbatch_counts(batch, dp, p, microbatches)
+    names = _schedule_names(schedule)
+    limit, source = memory_limit(memory_budget, mesh.device)
+    prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
+    all_names = [n for n, q in model.named_parameters() if q.requires_grad]
+
+    best: tuple[float, Planned, _Option, StageProfile, float] | None = None
+    options: list[_Option] = []
+    failures: list[str] = []
+    timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "pipeline_s": 0.0}
+    for m in counts:
+        scheds = _schedules(names, p, m, n_blocks, virtual)
+        if not scheds:
+            failures.append(f"m={m}: no schedule of {', '.join(names)} runs {p} stages "
+                            f"of {n_blocks} blocks")
+            continue
+        flight = _stand_in_flight(scheds)
+        t1 = time.perf_counter()
+        mb_inputs = _microbatch(example_inputs, batch, batch // m)
+        mb_kwargs = _microbatch(example_kwargs or {}, batch, batch // m)
+        with stage_representative(model, math.ceil(n_blocks / p), max_layers, flight) as proxy:
+            pg = capture(model, mb_inputs, mb_kwargs, loss_fn, precision=prec)
+        pg.proxy, pg.all_param_names = proxy, all_names
+        timings["trace_s"] += time.perf_counter() - t1
+        try:
+            planned = make_plan(model, sub, graph=pg, memory_budget=memory_budget,
+                                time_limit_s=time_limit_s, model_name=model_name,
+                                references=references,
+                                recompute=recompute, zero=zero, offload=offload,
+                                workers=workers)
+        except PlanError as e:
+            failures.append(f"m={m}: {e}")
+            continue
+        for k in ("build_s", "solve_s"):
+            timings[k] += planned.plan.timings.get(k, 0.0)
+        t2 = time.perf_counter()
+        prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned), dp)
+        send = _send_time(prof.boundary_bytes, mesh, axis)
+        for sched in scheds:
+            opt = _weigh(sched, prof, n_blocks, limit, send)
+            options.append(opt)
+            if opt.split is not None and (best is None or opt.step_s < best[0]):
+                best = (opt.step_s, planned, opt, prof, send)
+        timings["pipeline_s"] += time.perf_counter() - t2
+    if best is None:
+        raise PlanError(_no_fit(failures, options, limit, p, n_blocks))
+    _, planned, chosen, prof, send = best
+    timings["total_s"] = time.perf_counter() - t0
+    pipe = _pipeline_record(mesh.axes[axis], chosen, prof, n_blocks, options, send)
+    plan = planned.plan
+    cost = _pipeline_cost(plan.cost, chosen)
+    refs = {}
+    for name, choice in planned.reference_choices.items():
+        # a reference layout of the stage, run as a pipeline with the same schedule (split at
+        # its best with no memory limit: the table says whether it fits)
+        ref_prof = stage_profile(planned.problem, choice, proxy_blocks(planned), dp)
+        ref_opt = _weigh(chosen.schedule, ref_prof, n_blocks, None,
+                         _send_time(ref_prof.boundary_bytes, mesh, axis))
+        refs[name] = _pipeline_cost(plan.references[name], ref_opt)
+    plan = replace(plan, cost=cost, pipeline=pipe, timings=timings, memory_budget=limit,
+                   references=refs,
+                   memory_limit_source=source, model=model_name or plan.model,
+                   input_shapes=_full_shapes(plan.input_shapes, batch))
+    return replace(planned, plan=plan)
+
+
+def proxy_blocks(planned: Planned) -> int:
+    assert planned.graph.proxy is not None
+    return planned.graph.proxy.represented
+
+
+def _pipeline_cost(stand_in: PlanCost, opt: _Option) -> PlanCost:
+    """A pipeline's cost: the replayed step (gradient sync included), its busy time split as
+    the stage's own compute and communication, and the largest rank's memory."""
+    share = stand_in.comm_s / stand_in.step_s if stand_in.step_s > 0 else 0.0
+    busy = opt.step_s - opt.sync_s
+    return PlanCost(opt.step_s, busy * (1 - share), busy * share + opt.sync_s, opt.mem_bytes)
+
+
+def microbatch_counts(batch: int, dp: int, p: int, asked: int | None) -> list[int]:
+    """The microbatch counts to plan: ``asked``, checked, or the finest few that keep a
+    microbatch divisible over ``dp`` (at least ``p``, where the batch allows)."""
+    if asked is not None:
+        if not isinstance(asked, int) or asked < 1:
+            raise PlanError(f"microbatches must be a positive integer, got {asked!r}")
+        if batch % asked:
+            raise PlanError(f"{asked} microbatches do not divide the batch of {batch}: use a "
+                            f"divisor of it ({_divisor_list(batch)})")
+        if (batch // asked) % dp:
+            raise PlanError(f"{asked} microbatches of {batch // asked} samples do not split "
+                            f"over the {dp} data-parallel ranks: use microbatches of a "
+                            f"multiple of {dp} samples (m in {_divisor_list(batch, dp)})")
+        return [asked]
+    valid = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
+    if not valid:
+        raise PlanError(f"the batch of {batch} does not split over {dp} data-parallel ranks: "
+                        f"use a multiple of {dp}")
+    enough = [m for m in valid if m >= p] or valid
+    return sorted(enough, reverse=True)[:MICROBATCH_CHOICES]
+
+
+def _divisor_list(batch: int, dp: int = 1) -> str:
+    return ", ".join(str(m) for m in range(1, batch + 1)
+                     if batch % m == 0 and (batch // m) % dp == 0)
+
+
+def _schedule_names(schedule: str | None) -> list[str]:
+    if schedule is None or schedule == "auto":
+        return list(SCHEDULES)
+    return [canonical_name(schedule)]
+
+
+def _schedules(names: Sequence[str], p: int, m: int, n_blocks: int,
+               virtual: int | None) -> list[PipelineSchedule]:
+    """Every valid (schedule, v) for ``p`` ranks, ``m`` microbatches and ``n_blocks``."""
+    out = []
+    for name in names:
+        if name in SINGLE_STAGE:
+            vs = [1]
+        elif name in V_SHAPED:
+            vs = [2]
+        else:
+            vs = [v for v in (2, 4) if p * v <= n_blocks]
+        for v in vs:
+            if (virtual is not None and v != virtual) or p * v > n_blocks:
+                continue
+            try:
+                out.append(PipelineSchedule(name, p, v, m))
+            except PlanError:
+                continue  # torch's own conditions (1F1B needs m >= p, rounds of p, ...)
+    return out
+
+
+def _stand_in_flight(scheds: Sequence[PipelineSchedule]) -> float:
+    """Microbatches of one stage's activations the busiest rank holds, over the schedules
+    to weigh. GPipe and LoopedBFS hold every microbatch: they count only where nothing else
+    runs, or every other schedule's stand-in would be planned needlessly lean."""
+    pool = [s for s in scheds if s.name not in ("GPipe", "LoopedBFS")] or list(scheds)
+    worst = 1.0
+    for s in pool:
+        held = schedule_in_flight(s)
+        for r in range(s.p):
+            worst = max(worst, sum(held(k, s.num_stages) for k in s.rank_stages(r)) / s.v)
+    return worst
+
+
+def _send_time(nbytes: float, mesh: Mesh, axis: int) -> float:
+    if nbytes <= 0:
+        return 0.0
+    return mesh.latency[axis] + nbytes / mesh.bandwidth[axis]
+
+
+def _chunk(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:
+    """(forward, backward, sync, state + transient, kept per microbatch) of blocks [i, j)."""
+    parts = [(prof.block, j - i)]
+    if i == 0:
+        parts.append((prof.pre, 1))
+    if j == n_blocks:
+        parts.append((prof.post, 1))
+    fwd = sum(c.forward_s * k for c, k in parts)
+    bwd = sum(c.backward_s * k for c, k in parts)
+    sync = sum(c.sync_s * k for c, k in parts)
+    held = sum(c.state_bytes * k for c, k in parts) + max(c.transient_bytes for c, _ in parts)
+    kept = sum(c.saved_bytes * k for c, k in parts)
+    return fwd, bwd, sync, held, kept
+
+
+def _weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: float | None,
+           send_s: float) -> _Option:
+    """The best split for one schedule, replayed: its step and peak, or why it fails."""
+
+    def cost(i: int, j: int, _sub: Any) -> StageCost:
+        fwd, bwd, _, held, kept = _chunk(prof, i, j, n_blocks)
+        return StageCost(fwd + bwd, held, kept)
+
+    try:
+        split = split_stages(n_blocks, cost, sched.p, sched.m,
+                             math.inf if limit is None else limit, v=sched.v,
+                             schedule=sched.name, refine=REFINE)
+    except PlanError as e:
+        return _Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
+    times = []
+    rank_sync = [0.0] * sched.p
+    for k, (i, j) in enumerate(split.ranges):
+        fwd, bwd, sync, _, kept = _chunk(prof, i, j, n_blocks)
+        times.append(StageTime.of(fwd, bwd, prof.weight_share, send_s, kept))
+        rank_sync[sched.stage_rank(k)] += sync
+    sim = simulate(sched, times)
+    step = sim.step_s + max(rank_sync)
+    return _Option(sched, split, step, sim.bubble_fraction, max(split.rank_memory_bytes),
+                   max(rank_sync))
+
+
+def _pipeline_record(axis: str, chosen: _Option, prof: StageProfile, n_blocks: int,
+                     options: list[_Option], send_s: float) -> PipelinePlan:
+    sched, split = chosen.schedule, chosen.split
+    assert split is not None
+    held = schedule_in_flight(sched)
+    stages = tuple(
+        PipelineStage(k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
+                      split.memory_bytes[k], int(held(k, sched.num_stages)))
+        for k, (i, j) in enumerate(split.ranges))
+    fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)
+    runner_up = next((o for o in fitting if o is not chosen), None)
+    reason = f"the fastest of {len(fitting)} options that fit"
+    if runner_up is not None:
+        gain = runner_up.step_s / chosen.step_s - 1
+        reason += (f"; next {_label(runner_up.schedule)} is {gain:.1%} slower")
+    left_out = [o for o in options if o.split is None]
+    if left_out:
+        reason += f"; {len(left_out)} left out (do not fit or cannot be cut)"
+    return PipelinePlan(
+        axis=axis, size=sched.p, schedule=sched.name, virtual=sched.v, microbatches=sched.m,
+        stages=stages, rank_memory_bytes=split.rank_memory_bytes, step_s=chosen.step_s,
+        bubble=chosen.bubble, textbook_bubble=textbook_bubble(sched.p, sched.m, sched.v),
+        send_s=send_s, sync_s=chosen.sync_s, weight_share=prof.weight_share, reason=reason,
+        options=tuple(ScheduleOption(o.schedule.name, o.schedule.v, o.schedule.m, o.step_s,
+                                     o.bubble, o.mem_bytes, o.note)
+                      for o in sorted(options, key=lambda o: (o.step_s, _label(o.schedule)))),
+    )
+
+
+def _label(s: PipelineSchedule) -> str:
+    return f"{s.name} v={s.v} m={s.m}"
+
+
+def _no_fit(failures: list[str], options: list[_Option], limit: float | None, p: int,
+            n_blocks: int) -> str:
+    from autopar.plan_table import fmt_bytes
+
+    lim = "no limit" if limit is None else fmt_bytes(limit)
+    lines = [f"no pipeline plan of {n_blocks} blocks on {p} stages fits {lim} per device"]
+    lines += failures[:3]
+    notes = sorted({o.note for o in options if o.note})
+    lines += notes[:2]
+    fix = ("more pipeline stages (a larger pp) or more devices per stage, fewer microbatches "
+           "in flight (1F1B rather than GPipe), a smaller batch, or --recompute full")
+    return "; ".join(lines) + f". Try {fix}"
+
+
+def _batch_size(inputs: tuple, kwargs: dict | None) -> int:
+    for t in [*inputs, *(kwargs or {}).values()]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return int(t.shape[0])
+    raise PlanError("a pipeline needs a batch to cut into microbatches: give example inputs "
+                    "whose first dimension is the batch")
+
+
+def _microbatch(x: Any, batch: int, size: int) -> Any:
+    """``x`` with every tensor of leading dimension ``batch`` cut to its first ``size``."""
+    if isinstance(x, torch.Tensor):
+        return x[:size] if x.dim() >= 1 and x.shape[0] == batch else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_microbatch(v, batch, size) for v in x)
+    if isinstance(x, dict):
+        return {k: _microbatch(v, batch, size) for k, v in x.items()}
+    return x
+
+
+def _full_shapes(shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]:
+    """The inputs' shapes as the user passes them: the whole batch, not a microbatch."""
+    return {k: ([batch, *v[1:]] if v else v) for k, v in shapes.items()}
