@@ -45,7 +45,11 @@ class DepthProxy:
         return (self.represented - 2) / (self.kept - 2)
 
     def layer_weight(self, layer: int | None) -> float:
-        if layer is None or layer == 0 or layer == self.kept - 1:
+        if layer is None:
+            return 1.0
+        if self.represented < self.kept:  # a stage of one block, traced as two to be tagged
+            return self.represented / self.kept
+        if layer == 0 or layer == self.kept - 1:
             return 1.0
         return self.middle_weight
 
@@ -104,6 +108,7 @@ def stage_representative(model: nn.Module, blocks: int, max_layers: int | None,
     path, block_list = found
     blocks = max(1, min(blocks, len(block_list)))
     kept = blocks if not max_layers or blocks <= max_layers else max(3, max_layers)
+    kept = max(kept, 2)  # capture tags a list's blocks only where it holds two or more
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     parent._modules[attr] = nn.ModuleList(list(block_list)[:kept])

@@ -149,7 +149,7 @@ def plan_pipeline(
     prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
     all_names = [n for n, q in model.named_parameters() if q.requires_grad]
 
-    best: tuple[float, Planned, _Option, StageProfile, float] | None = None
+    best: tuple[tuple[float, float], Planned, _Option, StageProfile, float] | None = None
     options: list[_Option] = []
     failures: list[str] = []
     timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "pipeline_s": 0.0}
@@ -184,8 +184,12 @@ def plan_pipeline(
         for sched in scheds:
             opt = _weigh(sched, prof, n_blocks, limit, send)
             options.append(opt)
-            if opt.split is not None and (best is None or opt.step_s < best[0]):
-                best = (opt.step_s, planned, opt, prof, send)
+            if opt.split is None:
+                continue
+            # ties (within a part in a million) go to the leaner option: 1F1B over GPipe
+            key = (float(f"{opt.step_s:.6g}"), opt.mem_bytes)
+            if best is None or key < best[0]:
+                best = (key, planned, opt, prof, send)
         timings["pipeline_s"] += time.perf_counter() - t2
     if best is None:
         raise PlanError(_no_fit(failures, options, limit, p, n_blocks))
@@ -324,16 +328,43 @@ def _weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: fl
                              schedule=sched.name, refine=REFINE)
     except PlanError as e:
         return _Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
+    step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, send_s)
+    return _Option(sched, split, step, bubble, max(split.rank_memory_bytes), sync)
+
+
+def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[int, int]],
+           n_blocks: int, send_s: float) -> tuple[float, float, float]:
+    """(step, bubble, slowest rank's gradient sync) of ``sched`` over stages holding the
+    block ranges ``ranges``: the schedule replayed, plus each rank's sync after it."""
     times = []
     rank_sync = [0.0] * sched.p
-    for k, (i, j) in enumerate(split.ranges):
+    for k, (i, j) in enumerate(ranges):
         fwd, bwd, sync, _, kept = _chunk(prof, i, j, n_blocks)
         times.append(StageTime.of(fwd, bwd, prof.weight_share, send_s, kept))
         rank_sync[sched.stage_rank(k)] += sync
     sim = simulate(sched, times)
-    step = sim.step_s + max(rank_sync)
-    return _Option(sched, split, step, sim.bubble_fraction, max(split.rank_memory_bytes),
-                   max(rank_sync))
+    return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
+
+
+def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]]
+                  ) -> tuple[float, float]:
+    """(step, bubble) a pipeline plan predicts for other block ranges than its own, with its
+    schedule and stage layout: to weigh a hand-made split (equal block counts) against it."""
+    pipe = planned.plan.pipeline
+    if pipe is None:
+        raise PlanError("predict_split needs a pipeline plan (made by plan_pipeline)")
+    axis = pipeline_axis(mesh)
+    if axis is None:
+        raise PlanError(f"mesh {mesh.describe()} has no pipeline axis")
+    n_blocks = pipe.stages[-1].end_block
+    sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)
+    if len(ranges) != sched.num_stages:
+        raise PlanError(f"{len(ranges)} block ranges for {sched.num_stages} stages")
+    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
+                         data_parallel_size(stage_mesh(mesh, axis)))
+    step, bubble, _ = replay(sched, prof, ranges, n_blocks,
+                             _send_time(prof.boundary_bytes, mesh, axis))
+    return step, bubble
 
 
 def _pipeline_record(axis: str, chosen: _Option, prof: StageProfile, n_blocks: int,
