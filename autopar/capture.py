@@ -18,6 +18,7 @@ import operator
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from autopar import _torch_compat as compat
 from autopar.depth_proxy import truncated
 from autopar.errors import CaptureError
-from autopar.graph import NodeFacts, PlanGraph, TensorMeta
+from autopar.graph import NodeFacts, PlanGraph, StageIO, TensorMeta
 from autopar.hf_experts import traceable_experts
 from autopar.passes import mixed_precision
 from autopar.passes.mixed_precision import Precision
@@ -62,7 +63,20 @@ def capture(
     return pg
 
 
-def _capture(model, example_inputs, example_kwargs, loss_fn, precision) -> PlanGraph:
+@dataclass(frozen=True, slots=True)
+class StageMode:
+    """How a pipeline stage's step differs from a whole training step
+    (:func:`autopar.stage_capture.capture_stage`)."""
+
+    input_grad: bool  # the first input is an activation: the step returns its gradient too
+    # the output is an activation sent on, not a loss: the backward starts from its gradient,
+    # the step's last input (the same shape and dtype as the output)
+    seeded: bool
+    blocks: tuple[nn.Module, ...] = ()  # the stage's repeated blocks, tagged as layers
+
+
+def _capture(model, example_inputs, example_kwargs, loss_fn, precision,
+             stage: StageMode | None = None) -> PlanGraph:
     example_kwargs = dict(example_kwargs or {})
     example_inputs = tuple(example_inputs)
     if loss_fn is not None and not example_inputs:
@@ -82,22 +96,37 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, precision) -> PlanG
     buffers = {n: _fake(b, fake_mode) for n, b in named_buffers}
     args = tuple(_fake_tree(a, fake_mode) for a in example_inputs)
     kwargs = {k: _fake_tree(v, fake_mode) for k, v in example_kwargs.items()}
+    stage = stage or StageMode(False, False)
+    if stage.input_grad:  # a stage's activation input: the step returns its gradient
+        args = (_fake(example_inputs[0], fake_mode, requires_grad=True), *args[1:])
 
     param_list = list(params.values())
 
     def step(params_in, buffers_in, args_in, kwargs_in):
+        seed = None
+        if stage.seeded:  # the output's gradient, received from the next stage
+            args_in, seed = args_in[:-1], args_in[-1]
         with compat.annotate({"autopar_phase": "fwd"}):
             with compat.annotate({"autopar_cast": "param"}):
                 state = {**mixed_precision.cast_params(params_in, precision), **buffers_in}
             with mixed_precision.policy(precision):
                 loss = _forward(state, args_in, kwargs_in)
-            if precision.mixed and loss.dtype != torch.float32:
+            if seed is None and precision.mixed and loss.dtype != torch.float32:
                 loss = loss.float()  # the loss, and the backward's seed, in fp32
         with compat.annotate({"autopar_phase": "bwd"}):
-            grads = torch.autograd.grad(loss, list(params_in.values()), allow_unused=True)
+            wrt = list(params_in.values()) + ([args_in[0]] if stage.input_grad else [])
+            grads = torch.autograd.grad(loss, wrt, grad_outputs=seed, allow_unused=True)
         return loss, grads
 
     def _forward(state, args_in, kwargs_in):
+        if stage.seeded:  # a stage's output: an activation, not a loss
+            out = torch.func.functional_call(model, state, args_in, kwargs_in, strict=False)
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                raise CaptureError(
+                    f"a pipeline stage must return one floating-point tensor, "
+                    f"{type(model).__name__} returned {type(out).__name__}{_shape_of(out)}: "
+                    "return the activation the next stage reads")
+            return out
         if loss_fn is None:
             out = torch.func.functional_call(model, state, args_in, kwargs_in, strict=False)
             loss = _extract_loss(out)
@@ -110,7 +139,10 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, precision) -> PlanG
                 raise CaptureError("loss_fn must return a scalar tensor")
         return loss
 
-    hooks, open_tags = _tag_repeated_blocks(model)
+    if stage.seeded:  # the output's gradient: a tensor like the output, the last input
+        args = (*args, _output_like(model, params, buffers, args, kwargs, fake_mode,
+                                    precision))
+    hooks, open_tags = _tag_repeated_blocks(model, list(stage.blocks) or None)
     try:
         with fake_mode, compat.preserve_node_meta(), compat.annotation_scope(), \
                 warnings.catch_warnings():
@@ -144,6 +176,8 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, precision) -> PlanG
     _drop_unused_items(gm)
 
     input_names = [f"arg{i}" for i in range(len(args))] + [f"kw:{k}" for k in kwargs]
+    if stage.seeded:
+        input_names[len(args) - 1] = GRAD_OUT
     pg = _annotate_graph(
         gm,
         list(params),
@@ -153,7 +187,44 @@ def _capture(model, example_inputs, example_kwargs, loss_fn, precision) -> PlanG
         param_list,
     )
     pg.trace_s = trace_s
+    if stage.input_grad or stage.seeded:
+        pg.stage = _stage_io(pg, stage)
     return pg
+
+
+# the input name of a stage's output gradient (a stage step's last input)
+GRAD_OUT = "grad_out"
+
+
+def _output_like(model: nn.Module, params: dict, buffers: dict, args: tuple, kwargs: dict,
+                 mode: Any, precision: Precision) -> torch.Tensor:
+    """A fake tensor like the stage's output: its gradient's example. The forward runs once
+    on the fake tensors, under the step's precision, to learn its shape and dtype (no graph
+    is recorded)."""
+    with mode, torch.no_grad(), mixed_precision.policy(precision):
+        state = {**mixed_precision.cast_params(params, precision), **buffers}
+        out = torch.func.functional_call(model, state, args, kwargs, strict=False)
+        if not isinstance(out, torch.Tensor):
+            raise CaptureError(
+                f"a pipeline stage must return one tensor, {type(model).__name__} returned "
+                f"{type(out).__name__}: return the activation the next stage reads")
+        return torch.empty_like(out)
+
+
+def _stage_io(pg: PlanGraph, stage: StageMode) -> StageIO:
+    """The stage's boundary nodes: its activation input, that input's gradient (the step's
+    last output) and its output's gradient (its last input)."""
+    inputs = {n.meta["autopar"].input_index: n.name for n in pg.graph.nodes
+              if n.op == "placeholder" and n.meta["autopar"].role == "input"}
+    out_node = next(n for n in pg.graph.nodes if n.op == "output")
+    flat_out = tree_flatten(out_node.args[0])[0]
+    dx = flat_out[-1] if stage.input_grad else None
+    if stage.input_grad and not isinstance(dx, fx.Node):
+        raise CaptureError("the stage's output does not depend on its input activation: a "
+                           "pipeline stage must compute its output from what it receives")
+    return StageIO(inputs[0] if stage.input_grad else None,
+                   dx.name if isinstance(dx, fx.Node) else None,
+                   inputs[max(inputs)] if stage.seeded else None)
 
 
 def _fake(t: torch.Tensor, mode, requires_grad: bool = False) -> torch.Tensor:
@@ -209,7 +280,10 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def _tag_repeated_blocks(model: nn.Module) -> tuple[list[Any], list[Any]]:
+def _tag_repeated_blocks(model: nn.Module, blocks: list[nn.Module] | None = None
+                         ) -> tuple[list[Any], list[Any]]:
+    """Hooks tagging each block's nodes with its index (``blocks``: the model's own, else
+    :func:`repeated_blocks`), and the stack of tags open while tracing."""
     handles, stack = [], []
 
     def enter(tag: dict) -> None:
@@ -221,7 +295,7 @@ def _tag_repeated_blocks(model: nn.Module) -> tuple[list[Any], list[Any]]:
         if stack:
             stack.pop().__exit__(None, None, None)
 
-    for i, block in enumerate(repeated_blocks(model)):
+    for i, block in enumerate(repeated_blocks(model) if blocks is None else blocks):
         layer = {"autopar_layer": i}
         handles.append(block.register_forward_pre_hook(lambda m, a, t=layer: enter(t)))
         handles.append(block.register_forward_hook(lambda m, a, o: leave()))

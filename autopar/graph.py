@@ -15,6 +15,7 @@ import torch.fx as fx
 if TYPE_CHECKING:
     from autopar.depth_proxy import DepthProxy
     from autopar.passes.mixed_precision import Precision
+    from autopar.placements import Spec
 
 Role = Literal["param", "buffer", "input", "activation", "grad", "loss", "output"]
 
@@ -74,6 +75,19 @@ class NodeFacts:
         return self.role == "param" or "param_cast" in self.extra
 
 
+@dataclass(frozen=True, slots=True)
+class StageIO:
+    """What one pipeline stage's step exchanges with its neighbours besides its parameters
+    (:mod:`autopar.stage_capture`), as node names of its graph. The graph's ``loss_node`` is
+    the stage's output: the activation it sends on, or the loss on the last stage."""
+
+    input: str | None  # placeholder of the activation received (None: the first stage's tokens)
+    input_grad: str | None  # the node computing that activation's gradient, sent back
+    # placeholder of the gradient of the output, received from the next stage; None on the
+    # last stage, whose output is the loss (its backward starts from ``ones_like(loss)``)
+    output_grad: str | None
+
+
 @dataclass
 class PlanGraph:
     """The traced step and its facts. ``gm`` computes ``(loss, *grads)`` from
@@ -92,6 +106,16 @@ class PlanGraph:
     precision: Precision | None = None  # the policy the step was traced under (None: fp32)
     # forward nodes copied into the backward (passes.recompute): copy name -> original's
     recomputed: dict[str, str] = field(default_factory=dict)
+    stage: StageIO | None = None  # a pipeline stage's step (None: a whole training step)
+    # placeholder name -> the only spec the planner may give it (a stage's boundary layouts
+    # on one mesh, :func:`autopar.stage_capture.pin_boundary`)
+    pins: dict[str, Spec] = field(default_factory=dict)
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether ``loss_node`` is a loss (reported whole on every rank), not a stage's
+        activation sent to the next stage."""
+        return self.stage is None or self.stage.output_grad is None
 
     def layer_weight(self, layer: int | None) -> float:
         """How many real layers a traced layer stands for (1 without a depth proxy)."""

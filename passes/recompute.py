@@ -30,6 +30,8 @@ plan records of it is :class:`autopar.plan.Recompute`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.fx as fx
 
@@ -157,9 +159,8 @@ def apply_recompute(pg: PlanGraph, names: list[str] | tuple[str, ...]) -> PlanGr
                     u.replace_input_with(n, c)
     graph.lint()
     gm = fx.GraphModule(pg.gm, graph)
-    return PlanGraph(gm, pg.param_names, pg.buffer_names, pg.input_names, pg.grad_of,
-                     pg.loss_node, pg.trace_s, pg.num_layers, pg.proxy, pg.all_param_names,
-                     pg.precision, copies)
+    # every other field (a pipeline stage's boundary and pins among them) as the original's
+    return dataclasses.replace(pg, gm=gm, recomputed=copies)
 
 
 def _phase(n: fx.Node) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from autopar.graph import TensorMeta
 from autopar.passes import cost_model as cm
+from autopar.passes import stage_boundary
 from autopar.passes.buckets import (
     GradSync,
     ParamGather,
@@ -132,9 +133,11 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
             add(colls, "resharding", float(weight[i]))
             compute -= sum(c.time_s for c in colls) * float(weight[i])
     loss_i = sp.loss_index
-    loss_meta = sp.nodes[loss_i].meta["autopar"].out
-    add(cm.loss_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0], sp.mesh),
-        "loss")
+    if loss_i >= 0:  # a pipeline stage that sends its output on has no loss
+        loss_meta = sp.nodes[loss_i].meta["autopar"].out
+        add(cm.loss_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
+                                sp.mesh), "loss")
+    add(stage_boundary.collectives(sp, choice), stage_boundary.REASON)
     if sp.loss_scaling:  # fp16: one flag of overflowed gradients summed over the mesh
         n = sp.mesh.ndim
         add(cm.reshard_collectives(TensorMeta((), torch.float32), (Partial(),) * n,

@@ -21,7 +21,7 @@ import torch.fx as fx
 from autopar.graph import NodeFacts, PlanGraph
 from autopar.mesh import Mesh
 from autopar.passes import cost_model as cm
-from autopar.passes import zero
+from autopar.passes import stage_boundary, zero
 from autopar.passes.memory import live_intervals, own_storage, peak_memory
 from autopar.passes.problem_reduction import (
     assign_variables,
@@ -81,6 +81,8 @@ class ShardingProblem:
     # (passes.zero.grad_target); priced and run so
     zero1: bool = False
     loss_index: int = -1  # the loss node (reported whole on every rank)
+    # a pipeline stage's output and input gradient: (node, the layout each leaves in)
+    boundary: list[tuple[int, tuple]] = field(default_factory=list)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     in_flight: float = 1.0  # microbatches whose kept activations a rank holds (pipelines)
     peak_time: int = 0
@@ -218,6 +220,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
                 sp.usage[i] = sp.usage[i] * scale
     else:
         sp.weight = np.ones(len(nodes))
+    stage_boundary.apply(sp, pg)  # a pipeline stage's pinned inputs and priced outputs
     sp.peak_time = _replicated_peak(sp)
     merge_followers(sp)
     sp.share_layers = share_layers
