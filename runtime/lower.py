@@ -40,6 +40,7 @@ from autopar.graph import PlanGraph, TensorMeta
 from autopar.passes.buckets import GradSync
 from autopar.passes.cost_model import sum_axes
 from autopar.passes.edge_costs import gather_unit
+from autopar.passes.stage_boundary import REASON as BOUNDARY
 from autopar.passes.strategies.localize import (
     LocalContext,
     finish_call,
@@ -55,7 +56,14 @@ from autopar.passes.strategies.registry import (
     tensor_inputs,
 )
 from autopar.passes.zero import grad_target
-from autopar.placements import Partial, Replicate, Spec, evenly_divides, spec_str
+from autopar.placements import (
+    Partial,
+    Replicate,
+    Spec,
+    evenly_divides,
+    local_shape,
+    spec_str,
+)
 from autopar.plan import Plan
 from autopar.runtime import _compat, profiling
 from autopar.runtime.deferred_loss import LossValue
@@ -146,15 +154,29 @@ class LoweredGraph:
             raise PlanError("internal: the traced graph interleaves forward and backward nodes")
         out_node = next(n for n in nodes if n.op == "output")
         flat_out = tree_flatten(out_node.args[0])[0]
-        self.loss = pg.loss_node
-        self.grads = [g.name if isinstance(g, fx.Node) else None for g in flat_out[1:]]
+        self.loss = pg.loss_node  # a pipeline stage's: its output (the loss on the last)
+        self.grads = [g.name if isinstance(g, fx.Node) else None
+                      for g in flat_out[1:1 + len(pg.param_names)]]
+        # a pipeline stage (pg.stage): its output's gradient arrives with the backward, which
+        # starts from it; its input's gradient leaves with the parameters' (stage_boundary)
+        st = pg.stage
+        self.output_grad = st.output_grad if st is not None else None
+        self.input_grad = st.input_grad if st is not None else None
+        self.boundary: list[tuple[str, Spec]] = []  # (node, the layout it leaves in)
+        if self.output_grad is not None:
+            self.boundary.append((self.loss, self.spec(self.output_grad)))
+        if st is not None and st.input is not None and self.input_grad is not None:
+            self.boundary.append((self.input_grad, self.spec(st.input)))
         self.seed = _seed_node(calls[n_fwd:], pg.loss_node)
         bwd_reads = {i.producer for s in calls[n_fwd:] for i in self._inputs(s)}
         bwd_reads |= {g for g in self.grads if g}
         # the forward keeps what the backward reads (placeholders included) and the loss
-        self.saved = sorted((bwd_reads - {n.name for n in calls[n_fwd:]}) | {self.loss})
+        kept = {self.loss} if pg.has_loss else set()
+        self.saved = sorted((bwd_reads - {n.name for n in calls[n_fwd:]}
+                             - {self.output_grad}) | kept)
         self.fwd = self._steps(calls[:n_fwd], keep=set(self.saved))
-        self.bwd = self._steps(calls[n_fwd:], keep={g for g in self.grads if g})
+        self.bwd = self._steps(calls[n_fwd:], keep={g for g in self.grads + [self.input_grad]
+                                                    if g})
         # parameter gathers, one all-gather per layer and phase (see param_gather)
         metas = {n.name: n.meta["autopar"].out for n in nodes
                  if "autopar" in n.meta and n.meta["autopar"].param_like}
@@ -227,7 +249,9 @@ class LoweredGraph:
             out += [(m, a, b, "resharding") for m, a, b in
                     zip(metas[s.name], s.strategy.raw_outs, s.strategy.outs) if a != b]
         rep = (Replicate(),) * len(self.mesh_shape)
-        out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
+        if self.pg.has_loss:
+            out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
+        out += [(metas[n][0], self.spec(n), dst, BOUNDARY) for n, dst in self.boundary]
         if self.plan.precision.loss_scaling:  # the overflow flag (runtime.loss_scale)
             flag = TensorMeta((), torch.float32)
             out.append((flag, (Partial(),) * len(self.mesh_shape), rep, "loss scaling"))
@@ -244,13 +268,30 @@ class LoweredGraph:
         rep = (Replicate(),) * len(self.mesh_shape)
         return redistribute(full, rep, self.spec(name), comm, "input")
 
+    def place_local(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """An input already split as planned (a pipeline stage's, received from its
+        neighbour in its pinned layout), checked against the shape this rank's piece has."""
+        meta = next(n for n in self.placeholders if n.name == name).meta["autopar"].out
+        want = local_shape(meta.shape, self.spec(name), self.mesh_shape)
+        if tuple(local.shape) != want:
+            raise PlanError(
+                f"input {name} arrived as a piece of shape {list(local.shape)}, but its layout "
+                f"{spec_str(self.spec(name))} of the traced {list(meta.shape)} gives each rank "
+                f"{list(want)}: the neighbouring stage sends another layout or batch; plan both "
+                "stages for the same boundary and micro-batch")
+        return local
+
     def forward(self, env: dict[str, Any], comm: Comm) -> tuple[torch.Tensor, dict[str, Any]]:
         """Run the forward nodes on ``env`` (placeholder name -> local tensor).
 
-        Returns this rank's loss as computed (in its planned spec; see :meth:`loss_value`) and
-        the values the backward needs."""
+        Returns this rank's loss as computed (in its planned spec; see :meth:`loss_value`), or
+        a pipeline stage's output moved into the layout it is sent in, and the values the
+        backward needs."""
         self._run(self.fwd, self.fwd_gathers, env, comm)
-        return env[self.loss], {k: env[k] for k in self.saved}
+        out = env[self.loss]
+        if self.output_grad is not None:
+            out = redistribute(out, self.spec(self.loss), self.boundary[0][1], comm, BOUNDARY)
+        return out, {k: env[k] for k in self.saved}
 
     def whole_loss(self, local: torch.Tensor, comm: Comm, wait: bool = True) -> torch.Tensor:
         """The loss whole on every rank, by its own collective (if it needs one)."""
@@ -273,7 +314,17 @@ class LoweredGraph:
                  comm: Comm) -> list[torch.Tensor | None]:
         """Local gradients, one per parameter (in ``pg.param_names`` order), in its spec.
         Takes ``saved`` over: each value leaves it after its last reader."""
+        return self.stage_backward(saved, grad_loss, comm)[0]
+
+    def stage_backward(self, saved: dict[str, Any], grad_out: torch.Tensor | None, comm: Comm
+                       ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """:meth:`backward`, and a pipeline stage's input gradient in the layout its input
+        came in (None where the stage has none). ``grad_out``: the loss's incoming gradient,
+        or a stage's output gradient as received (in the output's boundary layout)."""
         env = saved  # not a copy: the copy's source would hold every activation to the end
+        if self.output_grad is not None:  # the backward starts from the gradient received
+            env[self.output_grad], grad_out = grad_out, None
+        grad_loss = grad_out
         syncs = self.grad_sync.start(comm, env)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         grads = syncs.finish()
@@ -281,7 +332,11 @@ class LoweredGraph:
             if grads[i] is not None:
                 grads[i] = redistribute(grads[i], g.dst, self.param_specs[g.node], comm,
                                         "gradient sync")
-        return grads
+        dx = None
+        if self.input_grad is not None:
+            node, dst = self.boundary[-1]
+            dx = redistribute(env.pop(node), self.spec(node), dst, comm, BOUNDARY)
+        return grads, dx
 
     def grad_moves(self) -> list[GradSync]:
         """Every gradient that must move into its parameter's spec (``index``: the parameter's

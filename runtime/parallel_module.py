@@ -72,14 +72,16 @@ class _JointStep(torch.autograd.Function):
         return (None, *_store_fresh_grads(ctx, call.pm._param_list, grads))
 
 
-def _store_fresh_grads(ctx: Any, params: list[torch.Tensor], grads: list) -> list:
+def _store_fresh_grads(ctx: Any, params: list[torch.Tensor], grads: list, skip: int = 0
+                       ) -> list:
     """Store each gradient in ``.grad`` here where autograd would only store it: the parameter
     has none yet, no hook watches it, this backward accumulates into it (not
     ``torch.autograd.grad``) and the layout is the parameter's. Autograd's own accumulation
     of a DTensor costs a DTensor op per parameter. The others go back to autograd. (A pre-hook
     registered on the parameter's accumulator node itself cannot be seen from here, and does
-    not see a gradient stored here; tensor hooks and post-accumulate hooks are honoured.)"""
-    edges = ctx.next_functions  # one per tensor input: the parameters, in order
+    not see a gradient stored here; tensor hooks and post-accumulate hooks are honoured.)
+    ``skip``: tensor inputs of the Function before the parameters."""
+    edges = ctx.next_functions[skip:]  # one per tensor input: the parameters, in order
     if len(edges) != len(params):
         return grads
     out = []
@@ -119,10 +121,16 @@ class _Call:
         return self.lowered.forward(env, self.pm._comm)
 
     def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
+        return self.run_stage_backward(saved, grad_loss)[0]
+
+    def run_stage_backward(self, saved: dict[str, Any], grad_out: torch.Tensor
+                           ) -> tuple[list, torch.Tensor | None]:
+        """The parameters' gradients as DTensors and (a pipeline stage's) its input's local
+        gradient. ``grad_out``: the loss's gradient, or a stage's output gradient."""
         scaler = self.pm.loss_scale
         if scaler is not None:  # fp16: the backward starts from the scaled loss's gradient
-            grad_loss = scaler.seed(grad_loss)
-        locals_ = self.lowered.backward(saved, grad_loss, self.pm._comm)
+            grad_out = scaler.seed(grad_out)
+        locals_, dx = self.lowered.stage_backward(saved, grad_out, self.pm._comm)
         if scaler is not None:
             locals_ = scaler.unscale_or_skip(locals_, self.pm._comm, self.pm._param_list)
         out: list[DTensor | None] = []
@@ -131,7 +139,7 @@ class _Call:
                 out.append(None)
                 continue
             out.append(_compat.dtensor_like(p, g))
-        return out
+        return out, dx
 
 
 class ParallelModule(nn.Module):
@@ -204,9 +212,11 @@ class ParallelModule(nn.Module):
             return lowered.whole_loss(lowered.forward(env, self._comm)[0], self._comm)
         return _JointStep.apply(_Call(self, lowered, env), *self._param_list)
 
-    def _placeholders(self, lowered: LoweredGraph, leaves: list[torch.Tensor]) -> dict:
+    def _placeholders(self, lowered: LoweredGraph, leaves: list[torch.Tensor],
+                      pieces: bool = False) -> dict:
         """This rank's value of every graph input: input slices, parameter and buffer shards,
-        lifted constants."""
+        lifted constants. ``pieces``: the inputs are this rank's pieces already (a pipeline
+        stage's, received in their planned layout), given for the leading input nodes."""
         env: dict[str, Any] = {}
         local = _compat.local_tensor_mode_active()
 
@@ -215,7 +225,8 @@ class ParallelModule(nn.Module):
 
         by_role = lowered.placeholders_by_role
         for node, value in zip(by_role["input"], leaves):
-            env[node.name] = lowered.place_input(node.name, here(value), self._comm)
+            env[node.name] = (lowered.place_local(node.name, here(value)) if pieces else
+                              lowered.place_input(node.name, here(value), self._comm))
         for name, value in lowered.constants.items():
             env[name] = here(value)
         for node, p in zip(by_role["param"], self._param_list):

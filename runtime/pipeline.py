@@ -24,16 +24,21 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, build_stage
+from torch.distributed.tensor import DTensor
 
 from autopar.errors import MeshError, PlanError
+from autopar.runtime import _compat
 from autopar.runtime import pipeline_stages as ps
 from autopar.runtime.pipeline_events import StageEvent, bubble_fraction, chrome_trace, instrument
+
+if TYPE_CHECKING:
+    from autopar.runtime.stage_program import StagePlans
 
 __all__ = ["PipelineRunner", "SCHEDULES", "StageEvent", "bubble_fraction", "build_pipeline",
            "chrome_trace", "stage_placement"]
@@ -85,13 +90,18 @@ def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
     names = mesh.mesh_dim_names or ()
     if "pp" not in names:
         raise MeshError(f"the mesh's axes are {names}: name one axis 'pp' for the pipeline "
-                        "stages (and 'dp' for data parallelism)")
-    unknown = [n for n in names if n not in ("pp", "dp")]
+                        "stages (and 'dp', 'tp' for data and tensor parallelism in each)")
+    unknown = [n for n in names if n not in AXES]
     if unknown and any(mesh.size(names.index(n)) > 1 for n in unknown):
-        # a stage sharded over a tp axis needs autopar's plan for a stage (not a whole step)
-        raise MeshError(f"pipelines run on axes 'pp' and 'dp' only; axis {unknown} of size > 1 "
-                        "is not supported yet: give a mesh of axes ('pp', 'dp')")
+        raise MeshError(f"pipelines run on axes 'pp', 'dp' and 'tp'; axis {unknown} of size > 1 "
+                        "is not one of them: name the mesh's axes from ('pp', 'dp', 'tp')")
     return mesh, {n: mesh.get_group(n) for n in names}
+
+
+AXES = ("pp", "dp", "tp")  # a pipeline's mesh axes: stages, data and tensor parallelism
+# schedules whose backward splits into input and weight parts through autograd's graph of the
+# stage, which a stage program's backward (one lowered program) does not expose
+_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
@@ -99,9 +109,10 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
                    schedule: str = "1f1b", n_microbatches: int = 4, virtual: int | None = None,
                    frontend: str = "auto",
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                   stage_plans: StagePlans = None, plan_time_limit_s: float = 30.0,
                    ) -> PipelineRunner:
     """``model`` as a pipeline on ``mesh`` (a torch DeviceMesh or an :class:`autopar.Mesh`
-    with a ``pp`` axis and optionally a ``dp`` axis).
+    with a ``pp`` axis and optionally ``dp`` and ``tp`` axes).
 
     ``example_inputs``: ``(tokens, targets)`` of the global batch, as every rank will pass them
     to :meth:`PipelineRunner.step`. ``split``: blocks per stage or block ranges, one per stage
@@ -113,6 +124,15 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
 
     Every rank must hold the same initial weights (seed them alike), as for ``parallelize``,
     and the mesh must span every process (tied weights get process groups of their own).
+
+    Where the mesh has a ``tp`` axis of size > 1, or ``stage_plans`` is given, each stage runs
+    autopar's intra-op plan on its submesh (the axes other than ``pp``) as a
+    :class:`~autopar.runtime.stage_program.StageProgram` (autopar's GPT-2 and Llama-3 stages,
+    schedules without a split backward): ``stage_plans`` gives each stage's plan (stage index
+    -> Plan, or a callable ``(stage, graph, submesh) -> Plan`` run on rank 0 with the stage's
+    graph, its boundary pinned); by default :func:`autopar.planner.make_plan` plans it (no
+    memory limit, ``plan_time_limit_s``). Otherwise the stages are plain modules, replicated
+    over ``dp`` with their gradients averaged at the end of the step.
     """
     cls, style, per_rank = _schedule_entry(schedule)
     virtual = virtual if virtual is not None else (per_rank or 1)
@@ -131,6 +151,10 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     names = dmesh.mesh_dim_names
     pp = dmesh.size(names.index("pp"))
     dp = dmesh.size(names.index("dp")) if "dp" in names else 1
+    tp = dmesh.size(names.index("tp")) if "tp" in names else 1
+    programs = tp > 1 or stage_plans is not None
+    if programs:
+        frontend = _program_frontend(family, frontend, schedule, names)
     n_stages = pp * virtual
     block_path, blocks = ps.find_blocks(model)
     ranges = ps.stage_ranges(split, len(blocks), n_stages)
@@ -142,25 +166,18 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     device = torch.device(dmesh.device_type)
     if device.type == "cuda":  # this process's GPU (init_from_env set it from LOCAL_RANK)
         device = torch.device("cuda", torch.cuda.current_device())
-    if frontend in ("auto", "trace"):
-        try:
-            mods, info = ps.traced_stages(model, (tokens[:mb].to(device),), block_path, ranges,
-                                          local)
-            frontend = "trace"
-        except ps.TracedSplitError:
-            if frontend == "trace" or family is None:
-                raise
-            frontend = "module"  # autopar's own model: stages written for it
-    if frontend == "module":
-        mods = ps.module_stages(model, block_path, ranges, local)
-    if frontend == "trace" and style == "loop":
-        stages = [build_stage(mods[s], s, info, device, groups["pp"]) for s in local]
-    else:
-        # torch 2.13's traced stage (build_stage) cannot hand values between two stages on one
-        # rank, as the V-shaped schedules do; the manual stage can, and infers the shapes itself
-        stages = [PipelineStage(mods[s].to(device), s, n_stages, device, group=groups["pp"])
-                  for s in local]
     loss = loss_fn or ps.loss_fn_for(model)
+    if programs:
+        from autopar.runtime.stage_program import build_programs
+
+        mods, stages, plans = build_programs(model, block_path, ranges, local, dmesh,
+                                             groups["pp"], tokens, example_inputs[1], mb * dp,
+                                             loss, device, stage_plans, plan_time_limit_s)
+        loss = _loss_of_last_stage  # the last stage's program computes the loss itself
+    else:
+        mods, stages, frontend = _module_stages(model, family, frontend, style, block_path,
+                                                ranges, local, tokens[:mb], device,
+                                                groups["pp"])
     try:
         sched = cls(stages if per_rank != 1 else stages[0], n_microbatches=n_microbatches,
                     loss_fn=loss, scale_grads=True)
@@ -171,9 +188,79 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     holders = ps.tied_names(_all_stage_names(mods, groups["pp"]), aliases)
     tied = _tied_groups(holders, placement, dmesh)
     runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
-                            (tied, aliases, holders), frontend, schedule)
+                            (tied, aliases, holders), frontend, schedule, programs)
     runner.input_shapes = (tuple(tokens.shape), tuple(example_inputs[1].shape))
+    if programs:
+        runner.plans = plans
     return runner
+
+
+def _module_stages(model: nn.Module, family: str | None, frontend: str, style: str,
+                   block_path: str, ranges: ps.Ranges, local: list[int],
+                   mb_tokens: torch.Tensor, device: torch.device, pp_group: Any
+                   ) -> tuple[dict[int, nn.Module], list, str]:
+    """This rank's stages as plain modules (torch's traced ones or autopar's), torch's
+    pipeline stage over each, and the frontend that made them."""
+    n_stages = len(ranges)
+    if frontend in ("auto", "trace"):
+        try:
+            mods, info = ps.traced_stages(model, (mb_tokens.to(device),), block_path, ranges,
+                                          local)
+            frontend = "trace"
+        except ps.TracedSplitError:
+            if frontend == "trace" or family is None:
+                raise
+            frontend = "module"  # autopar's own model: stages written for it
+    if frontend == "module":
+        mods = ps.module_stages(model, block_path, ranges, local)
+    if frontend == "trace" and style == "loop":
+        stages = [build_stage(mods[s], s, info, device, pp_group) for s in local]
+    else:
+        # torch 2.13's traced stage (build_stage) cannot hand values between two stages on one
+        # rank, as the V-shaped schedules do; the manual stage can, and infers the shapes itself
+        stages = [PipelineStage(mods[s].to(device), s, n_stages, device, group=pp_group)
+                  for s in local]
+    return mods, stages, frontend
+
+
+def _piece(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece: a DTensor's local tensor, else ``t``."""
+    return _compat.local_of(t) if isinstance(t, DTensor) else t
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a DTensor's whole value, else ``t``."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def _loss_of_last_stage(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss where the last stage's program returns the loss already."""
+    return out
+
+
+def _program_frontend(family: str | None, frontend: str, schedule: str,
+                      names: Sequence[str]) -> str:
+    """The frontend of stages that run a plan each: autopar's own block stages, which
+    :mod:`.stage_program` traces one by one; refused where they cannot run."""
+    if family not in ("gpt2", "llama3"):
+        what = "its MoE model" if family == "moe" else "this model"
+        raise PlanError(
+            f"pipeline stages that run a plan each (a 'tp' axis, or stage_plans) are built for "
+            f"autopar's GPT-2 and Llama-3 models, not {what}: use a mesh of axes ('pp', 'dp')")
+    if frontend == "trace":
+        raise PlanError(
+            "torch's traced stages run as plain modules and cannot run a stage's plan over a "
+            f"'tp' axis (mesh axes {tuple(names)}): use frontend='module' (or 'auto'), or a "
+            "mesh without tp")
+    key = schedule.lower().replace("-", "_")
+    if key in _SPLIT_BACKWARD:
+        raise PlanError(
+            f"schedule {schedule!r} splits each backward into input and weight parts through "
+            "autograd's graph of the stage, which a stage running its plan (one lowered "
+            "backward) does not expose: use gpipe, 1f1b, interleaved_1f1b or looped_bfs with "
+            "a 'tp' axis")
+    return "module"
 
 
 def _all_stage_names(local_mods: dict[int, nn.Module], pp_group: Any) -> dict[int, list[str]]:
@@ -222,7 +309,7 @@ class PipelineRunner:
                  ranges: ps.Ranges, groups: dict[str, Any], dp: int, n_microbatches: int,
                  tied: tuple[dict[str, Any], dict[str, str], dict[str, list[int]]],
                  frontend: str,
-                 schedule_name: str) -> None:
+                 schedule_name: str, programs: bool = False) -> None:
         self.schedule = schedule
         self.stages = stages
         self.stage_modules = stage_modules
@@ -232,6 +319,9 @@ class PipelineRunner:
         self.n_microbatches = n_microbatches
         self.frontend = frontend
         self.schedule_name = schedule_name
+        # the stages run a plan each (stage_program): DTensor parameters whose gradients the
+        # plan sums over dp, the loss computed by the last stage from its targets
+        self.programs = programs
         # tied weight's first name -> group of the pp ranks holding a copy (None: all here);
         # each name of a weight the model holds under several -> its first name; tied weight's
         # first name -> the stages holding a copy
@@ -241,6 +331,7 @@ class PipelineRunner:
         self.has_last = any(st.is_last for st in stages)
         self.last_step_events: list[StageEvent] = []
         self.input_shapes: tuple[tuple, tuple] | None = None  # (tokens, targets) it runs on
+        self.plans: list[Any] | None = None  # every stage's plan, where stages run one each
         # the last stage's outputs are not kept for the caller where torch lets us say so
         self._step_options = {"return_outputs": False} if "return_outputs" in \
             inspect.signature(schedule.step).parameters else {}
@@ -291,8 +382,11 @@ class PipelineRunner:
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
+        # a stage program's last stage reads its targets as a keyword input, which torch's
+        # schedules split into micro-batches and hand every stage (the others ignore it)
+        extra = {"targets": y} if self.programs else {}
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses,
-                           **self._step_options)
+                           **self._step_options, **extra)
         t = time.perf_counter()
         self._sync_grads()
         self._record("sync", -1, -1, t)
@@ -311,14 +405,17 @@ class PipelineRunner:
             if not copies:
                 continue
             # a copy no micro-batch reached has no gradient: it adds zeros, and still joins
-            # the all-reduce its peers wait in
-            total = torch.stack([torch.zeros_like(p) if p.grad is None else p.grad
-                                 for p in copies]).sum(0)
+            # the all-reduce its peers wait in. A stage program's copies are DTensors placed
+            # alike on every stage (stage_program.plan_stages): their pieces are summed
+            local = [_piece(p) for p in copies]
+            total = torch.stack([torch.zeros_like(t) if p.grad is None else
+                                 _piece(p.grad) for t, p in zip(local, copies)]).sum(0)
             if group is not None:
                 dist.all_reduce(total, group=group)
             for p in copies:
-                p.grad = total.clone()
-        if self.dp == 1:
+                p.grad = (_compat.dtensor_like(p, total.clone()) if self.programs
+                          else total.clone())
+        if self.dp == 1 or self.programs:  # a stage program's plan summed them over dp
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -349,7 +446,9 @@ class PipelineRunner:
         inf = norm_type == float("inf")
         local = torch.zeros((), device=device)
         if pieces:
-            norms = torch.stack([g.abs().max() if inf else g.float().norm(norm_type)
+            # a stage program's gradients are DTensors: each norm is the whole tensor's, made
+            # by DTensor's own collectives over the stage's submesh
+            norms = torch.stack([_whole(g.abs().max() if inf else g.float().norm(norm_type))
                                  for g in pieces])
             local = norms.max() if inf else norms.pow(norm_type).sum()
         op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
@@ -358,7 +457,7 @@ class PipelineRunner:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.parameters():
             if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                _piece(p.grad).mul_(coef.to(p.grad.dtype))  # a DTensor's piece
         return total
 
     def _mean_loss(self, losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -369,7 +468,7 @@ class PipelineRunner:
         else:
             value = torch.zeros(1, device=device)
         dist.all_reduce(value, group=self.groups["pp"])
-        if self.dp > 1:
+        if self.dp > 1 and not self.programs:  # a program's loss is the whole micro-batch's
             dist.all_reduce(value, group=self.groups["dp"])
             value /= self.dp
         return value[0]
