@@ -8,6 +8,9 @@ Repeated blocks (the children of an ``nn.ModuleList`` that share a type) are tag
 their index, forward and backward alike, by module hooks that annotate the nodes being traced.
 The solver uses those tags to give every layer one shared set of variables.
 
+A pipeline stage's step (an activation out, seeded by its gradient; the input's gradient
+returned too) is traced by the same code in a :class:`StageMode` (:mod:`autopar.stage_capture`).
+
 Hugging Face MoE layers whose experts implementation cannot be traced are traced with one that
 can (:mod:`autopar.hf_experts`).
 """

@@ -18,6 +18,12 @@ incoming gradient. Gradients leave in their parameter's spec (in DDP-style bucke
 plan priced them so, each started as soon as its gradients exist and overlapped with the rest
 of the backward, :mod:`.grad_sync`), the loss replicated.
 
+A pipeline stage's graph (``pg.stage``, :mod:`autopar.stage_capture`) ends in an activation,
+not a loss: its forward returns that output moved into the layout it is sent in, its backward
+starts from the output's gradient (a placeholder set when the backward starts, not a seed
+scaled) and also returns the input's gradient, moved into the layout its input came in; both
+moves are edges the plan priced as ``"stage boundary"``.
+
 Only even shards execute: the planner never emits others (``registry.expand`` filters them, so
 a dim the mesh does not divide is simply not split on that axis) and :func:`validate` rejects a
 given plan that has one, naming the node.

@@ -14,6 +14,10 @@ the gradient of the whole batch's mean. Weights two stages share (a tied embeddi
 are one copy per stage whose gradients are summed, so the copies stay equal under any
 optimizer. The optimizer is the user's, over :meth:`PipelineRunner.parameters`.
 
+On a mesh with a ``tp`` axis each stage runs autopar's intra-op plan on its submesh instead
+(:mod:`.stage_program`): DTensor parameters, the plan's collectives (data parallelism's
+gradient sums among them), the loss computed inside the last stage.
+
 Each rank records what its stages did in the last step (:attr:`PipelineRunner.last_step_events`:
 forward, backward, input-backward and weight-backward per stage and micro-batch, and the
 gradient sync, with wall-clock times) so a benchmark can measure the bubble.

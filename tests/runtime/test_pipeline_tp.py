@@ -10,7 +10,8 @@ and head shared by two stages) or, for GPipe, as the plans another pipeline made
 Every rank trains 3 AdamW steps and checks against the single-device run (done once, here):
 the loss of each step, the last step's gradients and the parameters after the third step of
 its own stages (each whole, gathered over the stage's submesh), norm-wise relative error below
-1e-5; and that each stage program ran exactly its plan's collectives once per micro-batch
+1e-5, and where CLIP names a config the whole model's gradient norm ``clip_grad_norm_``
+returns; and that each stage program ran exactly its plan's collectives once per micro-batch
 (kind, axis, reason, count, bytes).
 
 The tests after it need no processes: the stage graph's shape, the pinned boundary, the
@@ -54,6 +55,9 @@ CONFIGS = [
      "interleaved_1f1b", 2, 2, "megatron"),
     ("1f1b-gpt2-pp4-tp2", "gpt2-tiny", {"pp": 4, "tp": 2}, "1f1b", 1, 4, "solver"),
 ]
+# gradient clipping (the whole model's norm over DTensor gradients, the tied weight once):
+# max norms low enough to clip
+CLIP = {"1f1b-gpt2-pp4-tp2": 0.5, "1f1b-llama": 0.5}
 
 
 def _build(preset_name: str):
@@ -65,20 +69,22 @@ def _build(preset_name: str):
     return model, preset.example_inputs(BATCH, SEQ, "cpu")
 
 
-def _reference(preset_name: str) -> dict:
-    """One device, the whole batch's mean loss: each step's loss, the last step's gradients,
-    the parameters after the last step."""
+def _reference(preset_name: str, clip: float | None) -> dict:
+    """One device, the whole batch's mean loss: each step's loss (and gradient norm, where
+    ``clip`` clips), the last step's gradients, the parameters after the last step."""
     model, (tokens, targets) = _build(preset_name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for _ in range(STEPS):
         loss = model(tokens, targets)
         loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grads": grads,
+    return {"losses": losses, "grads": grads, "norms": norms,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -103,7 +109,7 @@ def _worker(configs: list, references: dict) -> dict:
     report, made = {}, {}
     for name, preset, axes, schedule, virtual, m, plans in configs:
         model, (tokens, targets) = _build(preset)
-        want = references[preset]
+        want, clip = references[name], CLIP.get(name)
         mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
         stage_plans = (None if plans == "solver" else
                        _megatron(model, get_preset(preset).family) if plans == "megatron" else
@@ -118,6 +124,9 @@ def _worker(configs: list, references: dict) -> dict:
             loss = runner.step(tokens, targets).item()
             got = want["losses"][step]
             assert abs(loss - got) <= TOL * abs(got), (name, step, loss, got)
+            if clip is not None:
+                norm, ref = runner.clip_grad_norm_(clip).item(), want["norms"][step]
+                assert abs(norm - ref) <= TOL * ref, (name, step, norm, ref)
             if step == STEPS - 1:
                 _compare(name, "grad", {n: p.grad.full_tensor()
                                         for n, p in runner.named_parameters()}, want["grads"])
@@ -159,7 +168,12 @@ def _check_collectives(config: str, stage: int, prog, n_microbatches: int) -> No
 def test_pipeline_stages_run_their_plans() -> None:
     from autopar.runtime.launch import launch
 
-    references = {preset: _reference(preset) for preset in {c[1] for c in CONFIGS}}
+    made = {}
+    for name, preset, *_ in CONFIGS:
+        key = (preset, CLIP.get(name))
+        if key not in made:
+            made[key] = _reference(preset, CLIP.get(name))
+    references = {c[0]: made[(c[1], CLIP.get(c[0]))] for c in CONFIGS}
     reports = launch(_worker, WORLD, (CONFIGS, references), timeout_s=300)
     for name, _, axes, _, virtual, m, plans in CONFIGS:
         pp = axes["pp"]
