@@ -116,7 +116,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.pipeline_planner import pipeline_axis, plan_pipeline, stage_mesh
     from autopar.planner import make_plan
 
-    mesh = Mesh.parse(args.mesh, args.device)
+    if args.devices is not None:
+        if args.mesh is not None:
+            raise UsageError("give --mesh or --devices, not both: --devices N searches the "
+                             "mesh shapes of N devices itself")
+        return plan_for_devices(args)
+    mesh = Mesh.parse(args.mesh or "dp=8", args.device)
     check_batch(mesh, args.batch)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     loaded = load_model(args.model, args.batch, args.seq)
@@ -139,6 +144,63 @@ def cmd_plan(args: argparse.Namespace) -> int:
         planned = plan_pipeline(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common,
                                 schedule=args.schedule, microbatches=args.microbatches,
                                 virtual=args.virtual)
+    return _report(planned, args)
+
+
+def plan_for_devices(args: argparse.Namespace) -> int:
+    """``--devices N``: every pp x dp x tp shape of N devices planned, the best few shown
+    side by side, then the winner's plan (:mod:`autopar.shape_search`)."""
+    from autopar.forked_map import default_workers
+    from autopar.pipeline_planner import plan_pipeline
+    from autopar.plan_table import fmt_bytes, fmt_time
+    from autopar.planner import make_plan
+    from autopar.shape_search import search_shapes, shape_mesh
+
+    if args.schedule or args.microbatches or args.virtual or args.compare:
+        raise UsageError("--devices picks the mesh shape itself: drop --schedule, "
+                         "--microbatches, --virtual and --compare, or give --mesh")
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    loaded = load_model(args.model, args.batch, args.seq)
+    options = dict(memory_budget=budget, recompute=args.recompute, zero=args.zero,
+                   offload=args.offload)
+    results = search_shapes(loaded.model, args.devices, loaded.inputs, loaded.kwargs,
+                            args.device, workers=default_workers(), model_name=loaded.name,
+                            max_layers=args.trace_layers if args.trace_layers > 0 else None,
+                            precision=args.precision, reduce_dtype=args.reduce_dtype,
+                            **options)
+    fitting = [r for r in results if r.fits]
+    print(f"mesh shapes of {args.devices} devices ({args.device}), {len(results)} planned; "
+          f"{len(fitting)} fit:")
+    rows = [["pp x dp x tp", "step", "vs best", "memory", ""]]
+    for r in results[:args.top]:
+        rows.append([f"{r.shape.pp} x {r.shape.dp} x {r.shape.tp}",
+                     fmt_time(r.step_s) if r.fits else "-",
+                     f"{r.step_s / results[0].step_s:.2f}x" if r.fits else "-",
+                     fmt_bytes(r.mem_bytes) if r.fits else "-", r.note[:70]])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    if not fitting:
+        raise UsageError(f"no mesh shape of {args.devices} devices fits: "
+                         + (results[0].note if results else "no shape splits the batch"))
+    best = fitting[0]
+    print()
+    if not (args.explain or args.timeline):
+        print(best.plan.table())
+        if args.json:
+            best.plan.save(args.json)
+            print(f"\nplan written to {args.json}")
+        return 0
+    mesh = shape_mesh(best.shape, args.device)  # planned again, whole, for its graph
+    common = dict(time_limit_s=args.time_limit, model_name=loaded.name, workers=1,
+                  max_layers=args.trace_layers if args.trace_layers > 0 else None,
+                  precision=args.precision, reduce_dtype=args.reduce_dtype, **options)
+    planner = plan_pipeline if best.shape.pp > 1 else make_plan
+    return _report(planner(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common), args)
+
+
+def _report(planned, args: argparse.Namespace) -> int:
+    """The plan's table, then what the options ask for: explanations, JSON, timeline."""
     print(planned.plan.table())
     for node in args.explain or []:
         print()
@@ -198,7 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="print the sharding plan autopar picks for a model and mesh")
     pl.add_argument("model", help="a preset (e.g. llama3-8b, gpt2-small) or package.module:factory")
-    pl.add_argument("--mesh", default="dp=8", help="axis=size pairs, e.g. dp=8,tp=8 (default dp=8)")
+    pl.add_argument("--mesh", help="axis=size pairs, e.g. dp=8,tp=8 or pp=4,dp=8,tp=8 "
+                    "(default dp=8)")
+    pl.add_argument("--devices", type=int, metavar="N",
+                    help="search the pp x dp x tp shapes of N devices instead of a given mesh "
+                    "(tp within a node) and plan the best")
+    pl.add_argument("--top", type=int, default=6, metavar="K",
+                    help="with --devices: how many shapes to list (default 6)")
     pl.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     pl.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
     pl.add_argument("--device", default="h100", help="device profile: h100, h200, a100, cpu")

@@ -95,6 +95,14 @@ def truncated(model: nn.Module, max_layers: int | None) -> Iterator[DepthProxy |
         parent._modules[attr] = blocks
 
 
+def traced_blocks(blocks: int, max_layers: int | None) -> int:
+    """How many blocks a stage of ``blocks`` is traced with: all of them up to
+    ``max_layers``, at least 3 for a proxy, and at least 2, since capture tags a list's
+    blocks only where it holds two or more."""
+    kept = blocks if not max_layers or blocks <= max_layers else max(3, max_layers)
+    return max(kept, 2)
+
+
 @contextlib.contextmanager
 def stage_representative(model: nn.Module, blocks: int, max_layers: int | None,
                          in_flight: float) -> Iterator[DepthProxy]:
@@ -107,8 +115,7 @@ def stage_representative(model: nn.Module, blocks: int, max_layers: int | None,
         raise ValueError("the model has no list of repeated blocks to cut into stages")
     path, block_list = found
     blocks = max(1, min(blocks, len(block_list)))
-    kept = blocks if not max_layers or blocks <= max_layers else max(3, max_layers)
-    kept = max(kept, 2)  # capture tags a list's blocks only where it holds two or more
+    kept = traced_blocks(blocks, max_layers)
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     parent._modules[attr] = nn.ModuleList(list(block_list)[:kept])

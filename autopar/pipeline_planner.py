@@ -3,7 +3,8 @@
 Alpa's inter-op pass, with the intra-op planner inside it:
 
 1. **Microbatches.** ``m`` divides the batch so that each microbatch still splits over the
-   data-parallel axes; the finest two such counts are tried (``microbatches=`` fixes one).
+   data-parallel axes; the fewest with ``m >= 2p`` and the fewest with ``m >= p`` are tried
+   (``microbatches=`` fixes one).
 2. **One stage's intra-op plan.** The model is traced at one microbatch as a stand-in for a
    stage (:func:`autopar.depth_proxy.stage_representative`): its embedding, head and the
    ``ceil(L/p)`` blocks a stage holds, each activation kept for the backward held once per
@@ -28,6 +29,8 @@ Alpa's inter-op pass, with the intra-op planner inside it:
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from autopar.capture import capture
-from autopar.depth_proxy import _longest_block_list, stage_representative
+from autopar.depth_proxy import _longest_block_list, stage_representative, traced_blocks
 from autopar.errors import PlanError
 from autopar.memory_fit import memory_limit
 from autopar.mesh import Mesh
@@ -60,7 +63,7 @@ from autopar.planner import Planned, make_plan
 
 PIPELINE_AXES = ("pp", "pipe", "pipeline")
 DATA_AXES = ("dp", "data", "fsdp", "ddp", "batch")
-MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none
+MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none (at most two)
 REFINE = 3  # splits per option replayed in the schedule model
 
 
@@ -117,11 +120,16 @@ def plan_pipeline(
     schedule: str | None = None,
     microbatches: int | None = None,
     virtual: int | None = None,
+    microbatch_choices: int = MICROBATCH_CHOICES,
+    trace_cache: dict | None = None,
 ) -> Planned:
     """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
 
     ``schedule`` (a torch schedule name), ``microbatches`` and ``virtual`` (stages per rank)
-    fix those choices; None leaves them to the planner. The other arguments are
+    fix those choices; None leaves them to the planner, which plans the finest
+    ``microbatch_choices`` microbatch counts. ``trace_cache``: a dict that keeps the traced
+    stand-ins for later calls (a mesh-shape search plans the same model many times). The
+    other arguments are
     :func:`autopar.planner.make_plan`'s, applied to each stage; ``references`` are laid out
     on the stage submesh and scored as pipelines with the chosen schedule. The returned
     plan's placements are one stage's on the stage submesh; ``plan.pipeline`` holds the
@@ -141,13 +149,12 @@ def plan_pipeline(
     if p > n_blocks:
         raise PlanError(f"{p} pipeline stages but the model has {n_blocks} blocks: use "
                         f"pp <= {n_blocks} (and give the other devices to dp or tp)")
-    batch = _batch_size(example_inputs, example_kwargs)
+    batch = batch_size(example_inputs, example_kwargs)
     dp = data_parallel_size(sub)
-    counts = microbatch_counts(batch, dp, p, microbatches)
+    counts = microbatch_counts(batch, dp, p, microbatches)[:max(1, microbatch_choices)]
     names = _schedule_names(schedule)
     limit, source = memory_limit(memory_budget, mesh.device)
     prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
-    all_names = [n for n, q in model.named_parameters() if q.requires_grad]
 
     best: tuple[tuple[float, float], Planned, _Option, StageProfile, float] | None = None
     options: list[_Option] = []
@@ -161,11 +168,8 @@ def plan_pipeline(
             continue
         flight = _stand_in_flight(scheds)
         t1 = time.perf_counter()
-        mb_inputs = _microbatch(example_inputs, batch, batch // m)
-        mb_kwargs = _microbatch(example_kwargs or {}, batch, batch // m)
-        with stage_representative(model, math.ceil(n_blocks / p), max_layers, flight) as proxy:
-            pg = capture(model, mb_inputs, mb_kwargs, loss_fn, precision=prec)
-        pg.proxy, pg.all_param_names = proxy, all_names
+        pg = stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
+                            math.ceil(n_blocks / p), max_layers, flight, trace_cache)
         timings["trace_s"] += time.perf_counter() - t1
         try:
             planned = make_plan(model, sub, graph=pg, memory_budget=memory_budget,
@@ -226,9 +230,31 @@ def _pipeline_cost(stand_in: PlanCost, opt: _Option) -> PlanCost:
     return PlanCost(opt.step_s, busy * (1 - share), busy * share + opt.sync_s, opt.mem_bytes)
 
 
+def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn: Any,
+                   prec: Any, mb_size: int, blocks: int, max_layers: int | None,
+                   in_flight: float, cache: dict | None = None) -> Any:
+    """The stand-in of a stage of ``blocks`` blocks, traced at microbatches of ``mb_size``
+    (:func:`autopar.depth_proxy.stage_representative`). The trace depends on the microbatch
+    and the blocks traced only, so ``cache`` keeps it for other stage sizes and in-flight
+    counts: a copy of the graph carries each call's own proxy."""
+    batch = batch_size(inputs, kwargs)
+    key = ("stage", mb_size, traced_blocks(blocks, max_layers), prec)
+    hit = cache.get(key) if cache is not None else None
+    with stage_representative(model, blocks, max_layers, in_flight) as proxy:
+        if hit is None:
+            hit = capture(model, _microbatch(inputs, batch, mb_size),
+                          _microbatch(kwargs or {}, batch, mb_size), loss_fn, precision=prec)
+            if cache is not None:
+                cache[key] = hit
+    pg = copy.copy(hit)
+    pg.proxy = proxy
+    pg.all_param_names = [n for n, q in model.named_parameters() if q.requires_grad]
+    return pg
+
+
 def microbatch_counts(batch: int, dp: int, p: int, asked: int | None) -> list[int]:
-    """The microbatch counts to plan: ``asked``, checked, or the finest few that keep a
-    microbatch divisible over ``dp`` (at least ``p``, where the batch allows)."""
+    """The microbatch counts to plan: ``asked``, checked, or up to two that keep a
+    microbatch divisible over ``dp`` (below)."""
     if asked is not None:
         if not isinstance(asked, int) or asked < 1:
             raise PlanError(f"microbatches must be a positive integer, got {asked!r}")
@@ -244,8 +270,15 @@ def microbatch_counts(batch: int, dp: int, p: int, asked: int | None) -> list[in
     if not valid:
         raise PlanError(f"the batch of {batch} does not split over {dp} data-parallel ranks: "
                         f"use a multiple of {dp}")
-    enough = [m for m in valid if m >= p] or valid
-    return sorted(enough, reverse=True)[:MICROBATCH_CHOICES]
+    # first the fewest microbatches that keep 1F1B's bubble near a third ((p-1)/m, m >= 2p),
+    # then the fewest that fill the pipeline at all (m >= p): more microbatches shrink the
+    # bubble but pay each microbatch's fixed costs again (gathers, sends, small kernels)
+    out: list[int] = []
+    for floor in (2 * p, p):
+        m = min((m for m in valid if m >= floor), default=max(valid))
+        if m not in out:
+            out.append(m)
+    return out
 
 
 def _divisor_list(batch: int, dp: int = 1) -> str:
@@ -317,11 +350,7 @@ def _chunk(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ..
 def _weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: float | None,
            send_s: float) -> _Option:
     """The best split for one schedule, replayed: its step and peak, or why it fails."""
-
-    def cost(i: int, j: int, _sub: Any) -> StageCost:
-        fwd, bwd, _, held, kept = _chunk(prof, i, j, n_blocks)
-        return StageCost(fwd + bwd, held, kept)
-
+    cost = _range_costs(prof, n_blocks)
     try:
         split = split_stages(n_blocks, cost, sched.p, sched.m,
                              math.inf if limit is None else limit, v=sched.v,
@@ -330,6 +359,22 @@ def _weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: fl
         return _Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
     step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, send_s)
     return _Option(sched, split, step, bubble, max(split.rank_memory_bytes), sync)
+
+
+@functools.lru_cache(maxsize=8)
+def _range_table(prof: StageProfile, n_blocks: int) -> dict[tuple[int, int], StageCost]:
+    """Every block range's StageCost, made once per profile for all the schedules weighed."""
+    out = {}
+    for i in range(n_blocks):
+        for j in range(i + 1, n_blocks + 1):
+            fwd, bwd, _, held, kept = _chunk(prof, i, j, n_blocks)
+            out[(i, j)] = StageCost(fwd + bwd, held, kept)
+    return out
+
+
+def _range_costs(prof: StageProfile, n_blocks: int) -> Callable[[int, int, Any], StageCost]:
+    table = _range_table(prof, n_blocks)
+    return lambda i, j, _sub: table[(i, j)]
 
 
 def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[int, int]],
@@ -344,6 +389,24 @@ def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[i
         rank_sync[sched.stage_rank(k)] += sync
     sim = simulate(sched, times)
     return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
+
+
+def planned_stages(planned: Planned) -> tuple[PipelineSchedule, list[StageTime], list[float]]:
+    """A pipeline plan's schedule, each stage's times (as the plan replayed them) and each
+    rank's gradient sync: what its predicted timeline draws."""
+    pipe = planned.plan.pipeline
+    if pipe is None:
+        raise PlanError("not a pipeline plan (made by plan_pipeline)")
+    sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)
+    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
+                         data_parallel_size(planned.problem.mesh))
+    n_blocks = pipe.stages[-1].end_block
+    times, rank_sync = [], [0.0] * sched.p
+    for st in pipe.stages:
+        fwd, bwd, sync, _, kept = _chunk(prof, st.first_block, st.end_block, n_blocks)
+        times.append(StageTime.of(fwd, bwd, prof.weight_share, pipe.send_s, kept))
+        rank_sync[st.rank] += sync
+    return sched, times, rank_sync
 
 
 def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]]
@@ -414,7 +477,7 @@ def _no_fit(failures: list[str], options: list[_Option], limit: float | None, p:
     return "; ".join(lines) + f". Try {fix}"
 
 
-def _batch_size(inputs: tuple, kwargs: dict | None) -> int:
+def batch_size(inputs: tuple, kwargs: dict | None) -> int:
     for t in [*inputs, *(kwargs or {}).values()]:
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             return int(t.shape[0])

@@ -112,6 +112,7 @@ class Timeline:
     ranks: int
     world: int
     overlap: bool
+    pipeline: bool = False  # one pipeline rank per process of the trace (its stages differ)
 
     def rank_events(self, rank: int = 0) -> list[TraceEvent]:
         return [e for e in self.events if e.rank == rank]
@@ -121,7 +122,10 @@ class Timeline:
             "autopar": "predicted", "step_s": self.step_s, "plan_step_s": self.plan_step_s,
             "hidden_comm_s": self.hidden_s, "comm_overlaps_compute": self.overlap,
             "ranks_written": self.ranks, "world_size": self.world,
-            "note": ("a non-pipelined SPMD plan runs one program on every rank: every rank's "
+            "note": (f"one process per pipeline rank ({self.ranks}); the devices of one "
+                     f"stage's submesh ({self.world // max(1, self.ranks)}) run alike"
+                     if self.pipeline else
+                     "a non-pipelined SPMD plan runs one program on every rank: every rank's "
                      f"timeline is the same; the first {self.ranks} of {self.world} are written"),
         }
 
@@ -151,6 +155,13 @@ def predicted_timeline(planned: Planned, ops: bool = False, max_ranks: int = MAX
     mesh = sp.mesh
     if overlap is None:
         overlap = mesh.device.comm_overlaps_compute
+    if planned.plan.pipeline is not None:  # ranks differ: the schedule's replay, per rank
+        from autopar.pipeline_timeline import pipeline_timeline
+
+        events, span = pipeline_timeline(planned)
+        p = planned.plan.pipeline.size
+        return Timeline(events, span, planned.plan.cost.step_s, 0.0, p,
+                        p * int(np.prod(mesh.shape)), overlap, pipeline=True)
     items = _items(pg, sp, choice, overlap)
     one, hidden = _schedule(_expand(items, pg), overlap, ops)
     span = max((e.end_s for e in one), default=0.0)

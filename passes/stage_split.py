@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from autopar.errors import PlanError
 from autopar.passes.pipeline_schedule import PipelineSchedule, StageTime, simulate
 
@@ -132,31 +134,12 @@ def split_stages(
         raise PlanError("split_stages needs at least one submesh choice")
     flight = in_flight or schedule_in_flight(sched)
     held = [float(flight(k, n)) for k in range(n)]
-    costs = _CostTable(cost, submeshes)
+    table = _CostTable(cost, submeshes, L)
     cap = memory_limit / v
-
-    # best[k][i][j]: (time, submesh index, memory) of the fastest submesh on which chunk k =
-    # layers [i, j) fits; min_mem[k][i][j]: its least memory on any submesh (for the error)
-    best: list[dict[tuple[int, int], tuple[float, int, float]]] = []
-    min_mem: list[dict[tuple[int, int], float]] = []
-    for k in range(n):
-        fit, low = {}, {}
-        for i in range(k, L - n + k + 1):
-            for j in range(i + 1, L - n + k + 2):
-                options = []
-                for s in range(len(submeshes)):
-                    c = costs.get(i, j, s)
-                    options.append((c.time_s, s, c.memory_bytes + held[k] * c.activation_bytes))
-                low[(i, j)] = min(o[2] for o in options)
-                fitting = [o for o in options if o[2] <= cap]
-                if fitting:
-                    fit[(i, j)] = min(fitting)
-        best.append(fit)
-        min_mem.append(low)
-
+    best = [table.best_fitting(held[k], cap, k, n) for k in range(n)]
     least = _least_sum(best, n, L, math.inf)
     if least is None:
-        need = v * _min_max_memory(min_mem, n, L)
+        need = v * _min_max_memory([table.leanest(held[k], k, n) for k in range(n)], n, L)
         raise PlanError(
             f"no split of {L} layers into {n} pipeline stages fits {_size(memory_limit)} per "
             f"device: the leanest split needs {_size(need)}. More pipeline stages, "
@@ -177,7 +160,7 @@ def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
     """The ``keep`` best (objective, ranges), one per bound on the chunk time: the DP's least
     sum under each bound, ascending from the smallest feasible bound, until the bound alone
     rules out beating the ``keep``-th best."""
-    thresholds = sorted({entry[0] for fit in best for entry in fit.values()})
+    thresholds = np.unique(np.concatenate([b.time[np.isfinite(b.time)] for b in best])).tolist()
     # feasibility is monotone in the bound: find the smallest feasible one
     lo, hi = 0, len(thresholds) - 1
     while lo < hi:
@@ -193,16 +176,17 @@ def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
         got = _least_sum(best, n, L, t)
         if got is None or any(ranges == got[1] for _, ranges in found):
             continue
-        value = objective([best[k][r][0] for k, r in enumerate(got[1])], m, v)
+        value = objective([float(best[k].time[r]) for k, r in enumerate(got[1])], m, v)
         # stable: among equal objectives the smaller bound (found first) stays first
         found.insert(sum(1 for x in found if x[0] <= value), (value, got[1]))
         del found[keep:]
     return found
 
 
-def _split(sched: PipelineSchedule, best, submeshes: Sequence[Any],
+def _split(sched: PipelineSchedule, best: list[_Fit], submeshes: Sequence[Any],
            ranges: list[tuple[int, int]], value: float) -> StageSplit:
-    chosen = [best[k][r] for k, r in enumerate(ranges)]
+    chosen = [(float(best[k].time[r]), int(best[k].sub[r]), float(best[k].mem[r]))
+              for k, r in enumerate(ranges)]
     per_rank = [0.0] * sched.p
     for k, entry in enumerate(chosen):
         per_rank[sched.stage_rank(k)] += entry[2]
@@ -224,51 +208,86 @@ def _size(nbytes: float) -> str:
     return f"{nbytes:.3g} bytes"
 
 
+@dataclass(frozen=True, slots=True)
+class _Fit:
+    """Per layer range ``[i, j)`` of one chunk (arrays indexed ``[i, j]``): the time,
+    submesh index and memory of its fastest fitting submesh; ``inf`` time where none fits
+    or the range cannot be that chunk."""
+
+    time: np.ndarray
+    sub: np.ndarray
+    mem: np.ndarray
+
+
 class _CostTable:
-    """``cost`` memoised per (range, submesh), its answer normalised to a StageCost."""
+    """``cost`` asked once per (range, submesh), as arrays ``[submesh, i, j]``."""
 
-    def __init__(self, cost: CostFn, submeshes: Sequence[Any]) -> None:
-        self.cost, self.submeshes = cost, submeshes
-        self.seen: dict[tuple[int, int, int], StageCost] = {}
+    def __init__(self, cost: CostFn, submeshes: Sequence[Any], L: int) -> None:
+        shape = (len(submeshes), L + 1, L + 1)
+        self.time = np.full(shape, math.inf)
+        self.memory = np.full(shape, math.inf)
+        self.act = np.zeros(shape)
+        for s, sub in enumerate(submeshes):
+            for i in range(L):
+                for j in range(i + 1, L + 1):
+                    c = cost(i, j, sub)
+                    c = c if isinstance(c, StageCost) else StageCost(*c)
+                    self.time[s, i, j] = c.time_s
+                    self.memory[s, i, j] = c.memory_bytes
+                    self.act[s, i, j] = c.activation_bytes
+        # chunk k of n may hold layers [i, j) only with room for the chunks around it
+        i, j = np.indices((L + 1, L + 1))
+        self._i, self._j, self._L = i, j, L
 
-    def get(self, i: int, j: int, s: int) -> StageCost:
-        key = (i, j, s)
-        if key not in self.seen:
-            c = self.cost(i, j, self.submeshes[s])
-            self.seen[key] = c if isinstance(c, StageCost) else StageCost(*c)
-        return self.seen[key]
+    def _allowed(self, k: int, n: int) -> np.ndarray:
+        i, j, L = self._i, self._j, self._L
+        return (i >= k) & (i <= L - n + k) & (j > i) & (j <= L - n + k + 1)
+
+    def best_fitting(self, held: float, cap: float, k: int, n: int) -> _Fit:
+        mem = self.memory + held * self.act
+        time = np.where((mem <= cap) & self._allowed(k, n)[None], self.time, math.inf)
+        sub = np.argmin(time, axis=0)  # ties: the first submesh
+        pick = np.take_along_axis
+        return _Fit(pick(time, sub[None], 0)[0], sub, pick(mem, sub[None], 0)[0])
+
+    def leanest(self, held: float, k: int, n: int) -> np.ndarray:
+        """Least memory of each range on any submesh (inf where not allowed)."""
+        mem = (self.memory + held * self.act).min(axis=0)
+        return np.where(self._allowed(k, n), mem, math.inf)
 
 
-def _least_sum(best, n: int, L: int, bound: float):
+def _least_sum(best: list[_Fit], n: int, L: int, bound: float):
     """Least sum of chunk times with each at most ``bound``, and its ranges; None if none."""
-    inf = math.inf
-    f = [0.0] + [inf] * L  # f[i]: least sum of the chunks so far ending at layer i
-    back: list[list[int]] = []
+    f = np.full(L + 1, math.inf)
+    f[0] = 0.0
+    back = []
+    # among splits of (nearly) the same sum, the most even: each chunk also pays a squared
+    # term far below the sum's resolution (equal blocks sum alike however they are cut)
+    top = max((float(b.time[np.isfinite(b.time)].max(initial=0.0)) for b in best), default=1.0)
+    eps = 1e-12 / max(top, 1e-300)
     for k in range(n):
-        g = [inf] * (L + 1)
-        arg = [-1] * (L + 1)
-        for (i, j), (t, _, _) in best[k].items():
-            if t <= bound and f[i] < inf and f[i] + t < g[j]:
-                g[j], arg[j] = f[i] + t, i
+        t = np.where(best[k].time <= bound, best[k].time, math.inf)
+        t = t + eps * t * t
+        cand = f[:, None] + t  # [i, j]: chunks so far ending at i, then this one to j
+        arg = np.argmin(cand, axis=0)
+        f = cand[arg, np.arange(L + 1)]
         back.append(arg)
-        f = g
-    if f[L] == inf:
+    if not math.isfinite(f[L]):
         return None
     ranges, j = [], L
     for k in reversed(range(n)):
-        i = back[k][j]
+        i = int(back[k][j])
         ranges.append((i, j))
         j = i
-    return f[L], ranges[::-1]
+    ranges.reverse()
+    return sum(float(best[k].time[r]) for k, r in enumerate(ranges)), ranges
 
 
-def _min_max_memory(min_mem, n: int, L: int) -> float:
+def _min_max_memory(min_mem: list[np.ndarray], n: int, L: int) -> float:
     """The least, over all splits, of the largest chunk's memory (each on its leanest
     submesh): what the memory limit per chunk would have to be for any split to fit."""
-    f = [0.0] + [math.inf] * L
+    f = np.full(L + 1, math.inf)
+    f[0] = 0.0
     for k in range(n):
-        g = [math.inf] * (L + 1)
-        for (i, j), mem in min_mem[k].items():
-            g[j] = min(g[j], max(f[i], mem))
-        f = g
-    return f[L]
+        f = np.maximum(f[:, None], min_mem[k]).min(axis=0)
+    return float(f[L])
