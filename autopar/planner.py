@@ -56,6 +56,12 @@ class Planned:
     solution: Solution
     node_choice: list[int]
     reference_choices: dict[str, list[int]] = field(default_factory=dict)
+    # every reference layout as completed, in the problem of its own recomputation mode
+    reference_problems: dict[str, tuple[ShardingProblem, list[int]]] = field(
+        default_factory=dict)
+    # name -> a Planned whose plan is that reference layout (a caller that weighs plans by
+    # another measure than this planner's, as the pipeline planner does, may keep one)
+    as_reference: Callable[[str], Planned] | None = None
 
     def explain(self, node: str, top: int = 5) -> str:
         from autopar.explain import explain_node
@@ -179,7 +185,26 @@ def make_plan(
         recompute=recompute_record(recompute, _recompute_of(best.mode), best.pg, sp,
                                    best.choice, _unrecomputed(pg, mesh, best.mode, runs, stored)),
     )
-    return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices)
+    ref_runs = {name: r for r in runs.values() for name in r.refs.choices}
+
+    def as_reference(name: str) -> Planned:
+        r = ref_runs[name]
+        choice = r.refs.choices[name]
+        c = r.refs.cost[name]
+        ref_sol = Solution(tuple(r.refs.assign[name] or ()), c.step_s, True, "feasible", 0.0,
+                           f"kept {name}")
+        ref_plan = assemble_plan(
+            r.pg, r.sp, choice, model_name, mesh,
+            SolverInfo("feasible", 0.0, f"kept {name}", r.sp.problem.num_nodes,
+                       len(r.sp.nodes), r.sp.shared_layers, c.step_s),
+            timings, references_cost, limit, limit_source=limit_source,
+            recompute=recompute_record(recompute, _recompute_of(r.mode), r.pg, r.sp, choice,
+                                       _unrecomputed(pg, mesh, r.mode, runs, stored)))
+        return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices)
+
+    return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices,
+                   {name: (r.sp, r.refs.choices[name]) for name, r in ref_runs.items()},
+                   as_reference)
 
 
 # a plan in mode "none" whose peak is under this fraction of the limit is kept without trying
