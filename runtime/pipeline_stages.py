@@ -17,9 +17,11 @@ model's (``layers.3.attention.wq.weight``), so stage state maps back to the sing
   (Llama's RoPE tables from 3 stages on) or a submodule call whose inputs the splitter drops
   (Hugging Face Llama's ``rotary_emb``).
 * ``"module"``: stage modules written here for autopar's own model families (GPT-2, Llama-3,
-  MoE), which run the model's own submodules in order. The MoE family needs it: its loss adds a
-  load-balancing term summed over every layer, which the traced logits-only forward drops, so
-  each stage here passes the running sum on beside the hidden state.
+  MoE), and in :mod:`.hf_stages` for Hugging Face Llama-style decoders (each stage makes its
+  own rotary tables and causal mask), which run the model's own submodules in order. The MoE
+  family needs it: its loss adds a load-balancing term summed over every layer, which the
+  traced logits-only forward drops, so each stage here passes the running sum on beside the
+  hidden state.
 
 A weight used by two stages (GPT-2's embedding tied to its head) becomes one copy per stage;
 the runner sums their gradients (:func:`tied_names` finds them).
@@ -286,8 +288,10 @@ def _untie_local(mods: dict[int, nn.Module]) -> None:
 
 
 def module_family(model: nn.Module) -> str | None:
-    """``"gpt2"``, ``"llama3"`` or ``"moe"`` for autopar's own models, else ``None``."""
+    """``"gpt2"``, ``"llama3"`` or ``"moe"`` for autopar's own models, ``"hf"`` for the
+    Hugging Face decoders :mod:`.hf_stages` builds stages for, else ``None``."""
     from autopar.models import GPT2, MoETransformer, Transformer
+    from autopar.runtime.hf_stages import is_hf_decoder
 
     if isinstance(model, MoETransformer):
         return "moe"
@@ -295,7 +299,7 @@ def module_family(model: nn.Module) -> str | None:
         return "llama3"
     if isinstance(model, GPT2):
         return "gpt2"
-    return None
+    return "hf" if is_hf_decoder(model) else None
 
 
 class BlockStage(nn.Module):
@@ -373,10 +377,15 @@ def module_stages(model: nn.Module, block_path: str, ranges: Ranges,
                   local: Sequence[int]) -> dict[int, nn.Module]:
     """The local stages as :class:`BlockStage` modules (each with its own parameter copies)."""
     family = module_family(model)
+    if family == "hf":
+        from autopar.runtime.hf_stages import hf_stages
+
+        return hf_stages(model, ranges, local)
     if family is None:
         raise PlanError(
-            f"frontend='module' knows autopar's GPT-2, Llama-3 and MoE models, not "
-            f"{type(model).__name__}: use frontend='trace' (torch's splitter)")
+            f"frontend='module' knows autopar's GPT-2, Llama-3 and MoE models and Hugging Face "
+            f"Llama-style decoders, not {type(model).__name__}: use frontend='trace' (torch's "
+            "splitter)")
     last = len(ranges) - 1
     return {s: BlockStage(model, family, block_path, *ranges[s], s == 0, s == last)
             for s in local}
