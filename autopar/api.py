@@ -14,12 +14,13 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar import errors
 from autopar.capture import capture
 from autopar.devices import PROFILES
 from autopar.errors import MeshError, PlanError
@@ -32,6 +33,9 @@ from autopar.placements import Spec
 from autopar.plan import Plan, SolverInfo
 from autopar.runtime import _compat
 from autopar.runtime.parallel_module import ParallelModule
+
+if TYPE_CHECKING:
+    from autopar.runtime.pipeline_module import PipelineModule
 
 _BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda", "fake": "cpu", "threaded": "cpu"}
 
@@ -52,7 +56,10 @@ def parallelize(
     zero: str | int = "auto",
     offload: str = "auto",
     profile: str | Path | None = None,
-) -> ParallelModule:
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    virtual: int | None = None,
+) -> ParallelModule | PipelineModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
 
     ``plan=None`` solves a plan; a :class:`Plan` or a plan JSON path is used as given, after
@@ -84,9 +91,36 @@ def parallelize(
     ``DIR/trace_rank{r}.json``, with ranges named as the plan's predicted timeline, which
     rank 0 writes to ``DIR/predicted.json`` (:mod:`autopar.runtime.profiling`,
     ``docs/timeline.md``).
+
+    A mesh with a ``pp`` axis of size > 1 (or a plan with a pipeline section) trains the model
+    as a pipeline: :func:`autopar.pipeline_planner.plan_pipeline` picks the stages, the
+    schedule (``schedule=``: torch's name, ``"1F1B"``, ``"ZBVZeroBubble"``, ...), the
+    micro-batches (``microbatches=``) and the stages per rank (``virtual=``), or takes them
+    from ``plan=``, and the result is a :class:`~autopar.runtime.pipeline_module.PipelineModule`
+    (``docs/pipelines.md``). Stages run in fp32 (the default precision there), replicated
+    over ``dp`` where the plan keeps their parameters whole, else each running its own plan
+    on the stage submesh with the parameters placed as planned; what the runtime cannot run
+    as planned is refused with the fix. The model itself is left as it was: train the
+    returned module's parameters.
     """
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if _is_pipeline(amesh, plan):
+        if loss_fn is not None or compile or profile is not None:
+            what = "loss_fn" if loss_fn is not None else "compile" if compile else "profile"
+            raise PlanError(f"{what}= does not apply to pipelines yet (their loss is the "
+                            "model's own, their stages run eagerly and unprofiled): leave it "
+                            "out, or use a mesh without a 'pp' axis")
+        return _pipeline(model, device_mesh, amesh, example_inputs, example_kwargs, plan,
+                         dict(memory_budget=memory_budget, time_limit_s=time_limit_s,
+                              precision=precision or "fp32", reduce_dtype=reduce_dtype,
+                              recompute=recompute, zero=zero, offload=offload),
+                         dict(schedule=schedule, microbatches=microbatches, virtual=virtual))
+    if (schedule, microbatches, virtual) != (None, None, None):
+        raise PlanError("schedule=, microbatches= and virtual= choose a pipeline: give a mesh "
+                        "with a 'pp' axis (e.g. pp=2,dp=2), or leave them out")
     skeleton = _meta_skeleton(model)
     with _compat.outside_local_tensor_mode():
         if plan is None:
@@ -98,7 +132,7 @@ def parallelize(
             replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s, prec,
                                 plan_mode(the_plan))
         else:
-            the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+            the_plan = plan
             graph = capture(model, example_inputs, example_kwargs, loss_fn,
                             precision=the_plan.precision)
             replan = None
@@ -121,6 +155,49 @@ def parallelize(
 
         arm(pm, profile, amesh)
     return pm
+
+
+# --- pipelines --------------------------------------------------------------------------------
+
+
+def _is_pipeline(mesh: Mesh, plan: Plan | None) -> bool:
+    from autopar.pipeline_planner import pipeline_axis
+
+    return pipeline_axis(mesh) is not None or (plan is not None and plan.pipeline is not None)
+
+
+def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwargs: dict | None,
+              plan: Plan | None, options: dict[str, Any], fixed: dict[str, Any]
+              ) -> PipelineModule:
+    """The pipeline branch of :func:`parallelize`: plan (rank 0, shared) or check the plan
+    given, then build this rank's stages as the plan says."""
+    from autopar.pipeline_planner import plan_pipeline
+    from autopar.runtime import pipeline_module as pm
+
+    pm.PipelineInputs.of(args, kwargs)
+    if plan is not None:
+        shapes = [t.shape for t in [*args, *(kwargs or {}).values()]]
+        pm.check_plan(plan, amesh, model, shapes, fixed)
+    pm.check_mesh(amesh)  # before any planning: what the runtime cannot run at all
+    if plan is None:
+        skeleton = _meta_skeleton(model)
+        _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
+
+        def make() -> Plan:
+            made = plan_pipeline(skeleton, amesh, args, kwargs, model_name=type(model).__name__,
+                                 **options, **fixed).plan
+            runs = pm.runnable_option(made)
+            if runs is None or fixed["schedule"] is not None:
+                return made  # runs as chosen, or as asked (then refused, with the fix)
+            # stages that run their own plan cannot split their backward: the fastest option
+            # weighed that they run, planned with its choices fixed
+            return plan_pipeline(skeleton, amesh, args, kwargs, model_name=type(model).__name__,
+                                 **options, schedule=runs.schedule, virtual=runs.virtual,
+                                 microbatches=runs.microbatches).plan
+
+        with _compat.outside_local_tensor_mode():
+            plan = _agree(make)
+    return pm.from_plan(model, device_mesh, plan, args, kwargs, options["time_limit_s"])
 
 
 # --- meshes -----------------------------------------------------------------------------------
@@ -282,12 +359,17 @@ def _agree(make: Callable[[], Plan]) -> Plan:
         try:
             box[0] = json.dumps(make().to_json())
         except Exception as e:  # every rank must leave the broadcast, then all raise
-            box[0] = "error:" + f"{type(e).__name__}: {e}"
+            box[0] = ("error", type(e).__name__, str(e))
     dist.broadcast_object_list(box, src=0)
-    text = box[0]
-    if text.startswith("error:"):
-        raise PlanError(f"planning failed on rank 0: {text[6:]}")
-    return Plan.from_json(json.loads(text))
+    got = box[0]
+    if isinstance(got, tuple):
+        _, kind, message = got
+        # a user's error (a bad option, a budget nothing fits) reads the same on every rank
+        cls = getattr(errors, kind, None)
+        if isinstance(cls, type) and issubclass(cls, errors.AutoparError):
+            raise cls(message)
+        raise PlanError(f"planning failed on rank 0: {kind}: {message}")
+    return Plan.from_json(json.loads(got))
 
 
 def _real_multi_process() -> bool:

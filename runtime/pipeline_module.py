@@ -6,16 +6,61 @@ hands them to autograd scaled by the gradient it receives. So ``loss.backward()`
 step's gradients in ``.grad`` as a one-device backward would, ``(loss / k).backward()`` over
 k calls accumulates them as gradient accumulation does, and hooks run as usual. Any
 ``torch.optim`` optimizer steps :meth:`PipelineModule.parameters` (this rank's stages).
+
+:func:`from_plan` is ``autopar.parallelize``'s way in for a mesh with a ``pp`` axis: it runs a
+pipeline plan (:func:`autopar.pipeline_planner.plan_pipeline`) as it is written, its stages'
+block ranges, schedule, stages per rank and micro-batches. Where the plan's stage layout keeps
+every parameter whole on a ``dp``-only stage mesh, the stages are plain modules replicated
+over ``dp`` (any schedule, autopar's models and Hugging Face ones); where it splits them (a
+``tp`` axis, ZeRO/FSDP over ``dp``), each stage runs its own intra-op plan with the
+parameters placed as the pipeline plan says (:mod:`.stage_program`). What neither runs as
+written (bf16, recomputation, offload; a split-backward schedule in stage programs) is
+refused with the cause and the fix (:func:`check_runnable`), never run as something else.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from autopar.runtime.pipeline import PipelineRunner
+from autopar.errors import MeshError, PlanError
+from autopar.mesh import Mesh
+from autopar.placements import R
+from autopar.plan import Plan, ScheduleOption
+from autopar.runtime import pipeline_stages as ps
+from autopar.runtime.pipeline import _SPLIT_BACKWARD as SPLIT_BACKWARD
+from autopar.runtime.pipeline import (
+    AXES,
+    SCHEDULES,
+    PipelineRunner,
+    build_pipeline,
+    stage_placement,
+)
+
+# the plan's schedule names (torch's class names less "Schedule") -> the runtime's keys
+RUNTIME_SCHEDULE = {
+    "GPipe": "gpipe",
+    "1F1B": "1f1b",
+    "Interleaved1F1B": "interleaved_1f1b",
+    "LoopedBFS": "looped_bfs",
+    "InterleavedZeroBubble": "interleaved_zb",
+    "ZBVZeroBubble": "zbv",
+    "DualPipeV": "dualpipev",
+}
+
+
+def runtime_schedule(name: str) -> str:
+    """The runtime's key (:data:`autopar.runtime.pipeline.SCHEDULES`) of a plan's schedule."""
+    key = RUNTIME_SCHEDULE.get(name)
+    if key is None:
+        raise PlanError(f"the plan's pipeline schedule {name!r} has no runtime schedule: make "
+                        f"the plan with one of {', '.join(RUNTIME_SCHEDULE)}")
+    return key
 
 
 class _WholeStep(torch.autograd.Function):
@@ -39,8 +84,42 @@ class _WholeStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:  # type: ignore[override]
         grads, ctx.grads = ctx.grads, None
-        scaled = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+        # a number, not a tensor: a stage program's gradients are DTensors, which take no
+        # plain tensor operand
+        scale = float(grad_loss)
+        scaled = [g if g is None or scale == 1.0 else g * scale for g in grads]
         return (None, None, None, *scaled)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineInputs:
+    """How a call hands the pipeline its token ids and targets: two positional tensors
+    (``keys`` None) or two keywords (a Hugging Face model's ``input_ids`` and ``labels``)."""
+
+    keys: tuple[str, str] | None = None
+
+    @classmethod
+    def of(cls, args: Sequence[Any], kwargs: dict | None) -> PipelineInputs:
+        kwargs = kwargs or {}
+        if not kwargs and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args):
+            return cls(None)
+        if not args and set(kwargs) == {"input_ids", "labels"}:
+            return cls(("input_ids", "labels"))
+        raise PlanError(
+            f"a pipeline takes the token ids and the targets (two positional tensors, or "
+            f"input_ids= and labels= for a Hugging Face model), got {len(args)} positional and "
+            f"keywords {sorted(kwargs)}: call the model with those two only")
+
+    def split(self, args: Sequence[Any], kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None and not kwargs and len(args) == 2:
+            return args[0], args[1]
+        if self.keys is not None and not args and set(kwargs) == set(self.keys):
+            return kwargs[self.keys[0]], kwargs[self.keys[1]]
+        want = "two positional tensors" if self.keys is None else \
+            f"keywords {self.keys[0]}= and {self.keys[1]}="
+        raise PlanError(f"the pipeline was built for calls with {want}, called with "
+                        f"{len(args)} positional and keywords {sorted(kwargs)}: call it as it "
+                        "was parallelized")
 
 
 class PipelineModule(nn.Module):
@@ -49,21 +128,221 @@ class PipelineModule(nn.Module):
     gradients. ``stages.<s>`` holds stage ``s`` under the whole model's names
     (``stages.1.layers.3.attention.wq.weight``); a tied weight has one copy per stage.
     Clip gradients with :meth:`clip_grad_norm_` (torch's own would see this rank's stages
-    only)."""
+    only). ``plan``: the pipeline plan it runs, where ``parallelize`` made it."""
 
-    def __init__(self, runner: PipelineRunner) -> None:
+    def __init__(self, runner: PipelineRunner, plan: Plan | None = None,
+                 inputs: PipelineInputs | None = None) -> None:
         super().__init__()
         self.runner = runner
+        self.plan = plan
+        self.inputs = inputs or PipelineInputs()
         self.stages = nn.ModuleDict({str(s): m for s, m in sorted(runner.stage_modules.items())})
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        params = list(self.runner.parameters())
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        tokens, targets = self.inputs.split(args, kwargs)
+        shapes = (tuple(tokens.shape), tuple(targets.shape))
+        if self.plan is not None and shapes != self.runner.input_shapes:
+            # the stages' buffers (and traced graphs) have the example's shapes
+            raise PlanError(
+                f"the pipeline was parallelized for inputs of shapes {self.runner.input_shapes}, "
+                f"called with {shapes}: call it with those shapes, or parallelize again for "
+                "these (a pipeline does not replan on its own)")
         if not torch.is_grad_enabled():
             raise RuntimeError("a pipeline step runs forward and backward together; call it "
                                "with gradients enabled (not under torch.no_grad())")
+        params = list(self.runner.parameters())
         return _WholeStep.apply(self.runner, tokens, targets, *params)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm (as one device computes it) on every rank, the
         gradients scaled as torch's ``clip_grad_norm_`` scales them."""
         return self.runner.clip_grad_norm_(max_norm, norm_type)
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """``cls(self.parameters(), **kwargs)``, as ``ParallelModule.make_optimizer``."""
+        return cls(self.parameters(), **kwargs)
+
+
+# --- parallelize's way in -----------------------------------------------------------------------
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """A pipeline mesh the runtime runs: a ``pp`` axis, the others ``dp`` or ``tp``."""
+    if "pp" not in mesh.axes:
+        raise MeshError(f"mesh {mesh.describe()} has no axis named 'pp': name the pipeline "
+                        "axis 'pp' (e.g. pp=2,dp=2)")
+    other = [f"{a}={n}" for a, n in zip(mesh.axes, mesh.shape) if a not in AXES and n > 1]
+    if other:
+        raise MeshError(f"pipelines run on mesh axes 'pp', 'dp' and 'tp'; {', '.join(other)} is "
+                        "not one of them: name the mesh's axes from ('pp', 'dp', 'tp')")
+
+
+def runs_programs(plan: Plan) -> bool:
+    """Whether the plan's stages run as stage programs (their intra-op plan on the stage
+    submesh: :mod:`.stage_program`), not as plain modules replicated over ``dp``: where the
+    submesh has a ``tp`` axis of size > 1 or the stage layout splits a parameter (or its
+    optimizer state) over an axis."""
+    tp = any(a not in ("dp",) and n > 1 for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    split = any(p != R for spec in plan.params.values() for p in spec)
+    return tp or split or plan.param_state.zero1
+
+
+def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
+    """Refuse, naming what differs and the fix, a pipeline plan whose stages the runtime would
+    run otherwise than written: stages trace and run in fp32, without recomputation or
+    offload; stage programs run autopar's GPT-2 and Llama-3 stages under schedules whose
+    backward is one piece."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    fix_fit = ("give a larger memory_budget (--memory-budget), more pipeline stages or "
+               "smaller micro-batches")
+    if plan.precision.name != "fp32":
+        raise PlanError(f"the plan computes in {plan.precision.name}, but pipeline stages run "
+                        "in fp32 for now: plan it with precision='fp32' (--precision fp32)")
+    if plan.recompute.mode != "none":
+        raise PlanError(f"the plan recomputes activations ({plan.recompute.mode}), which "
+                        f"pipeline stages do not do yet: plan with recompute='none', or {fix_fit}")
+    if plan.param_state.offloaded:
+        raise PlanError(f"the plan keeps the optimizer state of "
+                        f"{len(plan.param_state.offloaded)} parameters on the host, which "
+                        f"pipeline stages do not do: plan with offload='none', or {fix_fit}")
+    if not runs_programs(plan):
+        return
+    why = ("its stage mesh has a 'tp' axis" if "tp" in plan.mesh_axes else
+           "its stage layout splits parameters over dp (ZeRO/FSDP)")
+    if model is not None and ps.module_family(model) not in ("gpt2", "llama3"):
+        raise PlanError(f"the plan runs each stage's own intra-op plan ({why}), which pipelines "
+                        f"do for autopar's GPT-2 and Llama-3 models only, not "
+                        f"{type(model).__name__}: use a mesh of axes ('pp', 'dp'), or "
+                        f"{fix_fit} so that stages stay replicated")
+    if runtime_schedule(pipe.schedule) in SPLIT_BACKWARD:
+        raise PlanError(f"the plan's schedule {pipe.schedule} splits each backward into input "
+                        f"and weight parts, which stages that run their own plan ({why}) "
+                        "cannot: make the plan with schedule 1F1B, GPipe, Interleaved1F1B or "
+                        "LoopedBFS")
+
+
+def runnable_option(plan: Plan) -> ScheduleOption | None:
+    """Where the planner chose a schedule the plan's stages cannot run (a split backward in
+    stage programs), the fastest option it weighed that they can; None where its choice
+    runs."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    if not runs_programs(plan) or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
+        return None
+    fit = [o for o in pipe.options if math.isfinite(o.step_s)
+           and runtime_schedule(o.schedule) not in SPLIT_BACKWARD]
+    return min(fit, key=lambda o: o.step_s, default=None)
+
+
+def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequence[int]],
+               fixed: dict[str, Any]) -> None:
+    """A given plan was made for this model, these inputs, this mesh and the ``fixed``
+    pipeline choices (schedule, microbatches, virtual: the caller's, None where not given)."""
+    from autopar.pipeline_planner import pipeline_axis, stage_mesh
+
+    pipe = plan.pipeline
+    if pipe is None:
+        raise PlanError("the plan has no pipeline section (it was made for a mesh without a "
+                        "'pp' axis): make it for this mesh (autopar plan ... --mesh "
+                        f"{_mesh_text(mesh)}), or run on the mesh it was made for")
+    axis = pipeline_axis(mesh)
+    sub = stage_mesh(mesh, axis) if axis is not None else None
+    if sub is None or mesh.axes[axis] != pipe.axis or mesh.shape[axis] != pipe.size or \
+            tuple(sub.shape) != tuple(plan.mesh_shape) or tuple(sub.axes) != tuple(plan.mesh_axes):
+        made = ",".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
+        raise PlanError(f"the plan was made for mesh {made} but runs on {_mesh_text(mesh)}: "
+                        "make the plan for this mesh, or run on the mesh it was made for")
+    n_blocks = len(ps.find_blocks(model)[1])
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    if pipe.stages[-1].end_block != n_blocks or set(plan.params) != names:
+        raise PlanError(f"the plan was made for another model ({plan.model or 'unnamed'}, "
+                        f"{pipe.stages[-1].end_block} blocks; this one has {n_blocks}): make the "
+                        "plan for this model")
+    planned = [list(s) for s in plan.input_shapes.values()]
+    if planned != [list(s) for s in shapes]:
+        raise PlanError(f"the plan was made for inputs of shapes {planned}, the example inputs "
+                        f"have {[list(s) for s in shapes]}: make the plan for these shapes")
+    have = {"schedule": pipe.schedule, "microbatches": pipe.microbatches,
+            "virtual": pipe.virtual}
+    for key, want in fixed.items():
+        if want is not None and _same(key, want) != have[key]:
+            raise PlanError(f"{key}={want!r} was asked but the given plan has {key}="
+                            f"{have[key]!r}: leave {key} out to run the plan as made, or make "
+                            "the plan with it")
+
+
+def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwargs: dict | None,
+              time_limit_s: float = 30.0) -> PipelineModule:
+    """``model`` as the pipeline ``plan`` describes, on ``device_mesh``: its stages' block
+    ranges, schedule, stages per rank and micro-batches; each stage a plain module replicated
+    over ``dp``, or, where :func:`runs_programs`, a stage program whose parameters are placed
+    as the plan places them (its activations planned on the stage's own graph, rank 0,
+    ``time_limit_s``). Every rank builds its own stages from its copy of the model; the model
+    itself is left as it was."""
+    check_runnable(plan, model)
+    inputs = PipelineInputs.of(args, kwargs)
+    tokens, targets = inputs.split(args, kwargs or {})
+    pipe = plan.pipeline
+    assert pipe is not None
+    key = runtime_schedule(pipe.schedule)
+    placement = stage_placement(pipe.size, len(pipe.stages), SCHEDULES[key][1])
+    for st in pipe.stages:  # torch's schedules fix where each stage runs: the plan must agree
+        if placement[st.index] != st.rank:
+            raise PlanError(f"the plan puts stage {st.index} on pipeline rank {st.rank}, where "
+                            f"torch's {pipe.schedule} runs it on rank {placement[st.index]}: "
+                            "make the plan again with this autopar")
+    family = ps.module_family(model)
+    if family is None and not ps._is_hf(model):
+        # the runtime's loss is the family's own next-token cross-entropy: any other model's
+        # loss would be computed as something else
+        raise PlanError(
+            f"pipelines run autopar's GPT-2, Llama-3 and MoE models and Hugging Face causal LMs "
+            f"(with their own next-token loss), not {type(model).__name__}: run it on a mesh "
+            "without a 'pp' axis")
+    options: dict[str, Any] = {"frontend": "auto"}
+    if runs_programs(plan):
+        options = {"frontend": "module", "stage_plans": _pinned_stage_plans(plan, time_limit_s),
+                   "plan_time_limit_s": time_limit_s}
+    elif family == "hf":
+        # autopar's stages for Hugging Face decoders: torch's splitter drops their rotary
+        # inputs with some transformers releases and fails to export 3 stages with others
+        options["frontend"] = "module"
+    runner = build_pipeline(model, (tokens, targets), device_mesh,
+                            split=[(st.first_block, st.end_block) for st in pipe.stages],
+                            schedule=key, n_microbatches=pipe.microbatches,
+                            virtual=pipe.virtual, **options)
+    return PipelineModule(runner, plan, inputs)
+
+
+def _pinned_stage_plans(plan: Plan, time_limit_s: float) -> Any:
+    """``build_pipeline``'s ``stage_plans``: each stage's plan with its parameters placed as
+    the pipeline plan's stage layout places them and the rest (activations, collectives)
+    solved on the stage's own graph. The pipeline plan was made under the memory limit; the
+    stage plans are not limited again (their graphs hold one micro-batch, not the in-flight
+    ones the pipeline planner counted)."""
+    from autopar.planner import make_plan
+    from autopar.stage_capture import pin_boundary
+
+    ps_ = plan.param_state
+    zero = 3 if ps_.regathered else 1 if ps_.zero1 else 2  # of the parameters it splits
+
+    def stage_plan(stage: int, graph: Any, mesh: Mesh) -> Plan:
+        pins = {n: plan.params[n] for n in graph.param_names if n in plan.params}
+        return make_plan(None, mesh, graph=pin_boundary(graph, mesh, pins),
+                         memory_budget=math.inf, time_limit_s=time_limit_s, workers=1,
+                         zero=zero, model_name=f"{plan.model} stage {stage}").plan
+
+    return stage_plan
+
+
+def _same(key: str, value: Any) -> Any:
+    if key == "schedule":
+        from autopar.passes.pipeline_schedule import canonical_name
+
+        return canonical_name(value)
+    return value
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    return ",".join(f"{a}={n}" for a, n in zip(mesh.axes, mesh.shape))
