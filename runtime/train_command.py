@@ -61,6 +61,9 @@ class TrainConfig:
     zero: str = "auto"  # ZeRO stage of parameters stored split (passes.zero)
     offload: str = "auto"  # optimizer state in host memory
     profile: str | None = None  # a directory: one step's traces, measured and predicted
+    schedule: str | None = None  # a mesh with a pp axis: the pipeline's choices (None: planned)
+    microbatches: int | None = None
+    virtual: int | None = None
 
     @property
     def mesh_text(self) -> str:
@@ -117,9 +120,10 @@ def register(subparsers: Any) -> None:
                    help="profile one step (the second) with torch.profiler: each rank's trace "
                         "in DIR/trace_rank{r}.json, the plan's predicted one in "
                         "DIR/predicted.json, with the same event names (docs/timeline.md)")
-    from autopar.cli import add_memory_options
+    from autopar.cli import add_memory_options, add_pipeline_options
 
     add_memory_options(p)
+    add_pipeline_options(p)
     p.set_defaults(func=run)
 
 
@@ -187,6 +191,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         raise TrainUsageError(f"--time-limit must be positive, got {args.time_limit}")
     check_batch(mesh, args.batch)
     _check_loop(mesh, args)
+    _check_pipeline(mesh, args, preset)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     if args.reduce_dtype not in (None, "fp32") and args.reduce_dtype != args.precision:
         raise TrainUsageError(
@@ -199,7 +204,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
                        args.timeout, args.time_limit, args.compile, args.grad_accum,
                        args.clip, args.precision, args.reduce_dtype, args.recompute, budget,
-                       args.zero, args.offload, args.profile)
+                       args.zero, args.offload, args.profile, args.schedule,
+                       args.microbatches, args.virtual)
 
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
@@ -225,6 +231,55 @@ def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
         raise TrainUsageError(f"--clip must be a positive max norm, got {args.clip}")
 
 
+def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
+    """A mesh with a ``pp`` axis: what can be checked before any process starts (the stages
+    against the model's blocks, the micro-batches against the batch, the options pipelines
+    do not run), with the planner's own messages where it has them."""
+    from autopar.passes.pipeline_schedule import canonical_name
+    from autopar.pipeline_planner import (
+        data_parallel_size,
+        microbatch_counts,
+        pipeline_axis,
+        stage_mesh,
+    )
+    from autopar.runtime.pipeline_module import check_mesh
+
+    axis = pipeline_axis(mesh)
+    if axis is None:
+        if args.schedule or args.microbatches or args.virtual:
+            raise TrainUsageError("--schedule, --microbatches and --virtual need a pipeline "
+                                  "axis: add one to the mesh, e.g. --mesh pp=2,dp=2")
+        return
+    check_mesh(mesh)
+    for flag, given in (("--compile", args.compile), ("--profile", args.profile)):
+        if given:
+            raise TrainUsageError(f"{flag} does not apply to pipelines yet: leave it out, or "
+                                  "use a mesh without a pp axis")
+    asked = {"--precision": (args.precision, ("fp32",)),
+             "--recompute": (args.recompute, ("auto", "none")),
+             "--offload": (args.offload, ("auto", "none"))}
+    for flag, (value, runs) in asked.items():
+        if value is not None and value not in runs:
+            raise TrainUsageError(f"{flag} {value}: pipeline stages run in fp32 without "
+                                  "recomputation or offload for now; leave it out, or use a "
+                                  "mesh without a pp axis")
+    if args.schedule:
+        canonical_name(args.schedule)  # an unknown name: one line naming the known ones
+    c = preset.config
+    blocks = getattr(c, "n_layer", None) or getattr(c, "n_layers", 0)
+    stages = mesh.shape[axis] * (args.virtual or 1)
+    if args.virtual is not None and args.virtual < 1:
+        raise TrainUsageError(f"--virtual must be at least 1, got {args.virtual}")
+    if stages > blocks:
+        raise TrainUsageError(
+            f"{stages} pipeline stages (pp={mesh.shape[axis]} x {args.virtual or 1} per rank) "
+            f"but {args.model} has {blocks} blocks: every stage needs one; use pp x --virtual "
+            f"<= {blocks}, or a deeper model")
+    micro = args.batch // args.grad_accum  # each call of the model is one pipeline step
+    microbatch_counts(micro, data_parallel_size(stage_mesh(mesh, axis)), mesh.shape[axis],
+                      args.microbatches)
+
+
 def _loop_text(cfg: TrainConfig) -> str:
     out = ""
     if cfg.precision not in (None, "fp32"):
@@ -239,6 +294,10 @@ def _loop_text(cfg: TrainConfig) -> str:
         out += f", {cfg.grad_accum} micro-batches of {cfg.batch // cfg.grad_accum} per step"
     if cfg.clip is not None:
         out += f", gradient norm clipped to {cfg.clip:g}"
+    asked = [f"{k} {v}" for k, v in (("schedule", cfg.schedule), ("microbatches", cfg.microbatches),
+                                     ("stages per rank", cfg.virtual)) if v is not None]
+    if asked:
+        out += ", pipeline " + ", ".join(asked)
     return out
 
 
@@ -275,11 +334,13 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     model = build_model(cfg)
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
     example = _micro_batches(sampler.batch(0), cfg)[0]  # the shapes every call will have
+    pipeline = {k: v for k, v in (("schedule", cfg.schedule), ("microbatches", cfg.microbatches),
+                                  ("virtual", cfg.virtual)) if v is not None}
     pm = autopar.parallelize(model, mesh, example_inputs=example,
                              time_limit_s=cfg.time_limit_s, compile=cfg.compile,
                              precision=cfg.precision, reduce_dtype=cfg.reduce_dtype,
                              recompute=cfg.recompute, memory_budget=cfg.memory_budget,
-                             zero=cfg.zero, offload=cfg.offload)
+                             zero=cfg.zero, offload=cfg.offload, **pipeline)
     if rank == 0:
         plan = getattr(pm, "plan", None)
         if plan is not None:
@@ -333,8 +394,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
             loss.backward()
             value += _scalar(loss)
         if cfg.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            out.clipped += int(float(norm) > cfg.clip)
+            out.clipped += int(float(_clip(model, cfg.clip)) > cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if profiler is not None:
@@ -346,6 +406,15 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
     if bar is not None:
         bar.close()
     return out
+
+
+def _clip(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` over the whole model: a pipeline's own (torch's would see this
+    rank's stages only), else torch's (on DTensor gradients it reduces over the mesh)."""
+    own = getattr(model, "clip_grad_norm_", None)
+    if own is not None:
+        return own(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def _start_profile(model: nn.Module, cfg: TrainConfig, step: int) -> Any:
