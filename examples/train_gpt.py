@@ -21,8 +21,13 @@ Two "nodes" on one machine, ``--nnodes 2 --nproc-per-node 2`` with node ranks 0 
 against ``--nproc 2``).
 
 On one process, ``python examples/train_gpt.py``. The mesh defaults to ``dp=N/2,tp=2`` for
-an even N >= 4 processes and ``dp=N`` otherwise. Data: the byte-level corpus shipped with
-autopar (``autopar.runtime.corpus``); every rank draws the same batch for a step from the seed.
+an even N >= 4 processes and ``dp=N`` otherwise. A ``pp`` axis trains the model as a pipeline,
+with the same script (``parallelize`` plans the stages, the schedule and the micro-batches)::
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh pp=2,dp=2
+
+Data: the byte-level corpus shipped with autopar (``autopar.runtime.corpus``); every rank
+draws the same batch for a step from the seed.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from autopar.runtime.launch import cleanup, init_from_env, launch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt2-tiny", help="autopar.models preset")
-    p.add_argument("--mesh", default=None, help="axis=size pairs, e.g. dp=2,tp=2")
+    p.add_argument("--mesh", default=None,
+                   help="axis=size pairs, e.g. dp=2,tp=2 (pp=2,dp=2: a pipeline)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch", type=int, default=16, help="global batch")
     p.add_argument("--seq", type=int, default=64)

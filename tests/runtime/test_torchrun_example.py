@@ -1,5 +1,6 @@
 """``examples/train_gpt.py`` runs unchanged under torchrun: one node, and two "nodes" on this
-machine, each training exactly as the script's own spawned ranks do (the same losses).
+machine, each training exactly as the script's own spawned ranks do (the same losses); and on
+a mesh with a pipeline axis (pp=2 x dp=2, 4 processes), as one process does.
 
 Every run is a fresh set of processes importing torch, so the runs are short (3 steps) and
 on 2 ranks. Each must also exit cleanly: the run's exit code is checked, which is how a rank
@@ -37,10 +38,10 @@ def _losses(stdout: str) -> list[str]:
     return re.findall(r"^step\s+\d+\s+loss (\S+)", stdout, flags=re.M)
 
 
-def _torchrun(*extra: str) -> subprocess.Popen:
+def _torchrun(*extra: str, script_args: tuple[str, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *extra,
-                             str(EXAMPLE), *ARGS], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             str(EXAMPLE), *ARGS, *script_args], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(p: subprocess.Popen) -> str:
@@ -66,3 +67,20 @@ def test_example_under_torchrun_trains_as_its_own_spawned_ranks() -> None:
     outs = [_finish(p) for p in nodes]
     assert _losses(outs[0]) == want  # node 0 holds global rank 0, which prints
     assert _losses(outs[1]) == []
+
+
+@pytest.mark.slow
+def test_example_under_torchrun_with_a_pipeline_axis() -> None:
+    """The unchanged script on ``--mesh pp=2,dp=2`` (``parallelize`` plans the stages and the
+    schedule; the loop, the optimizer and ``model.plan`` are the same) trains as one process
+    does: the losses it prints (4 decimals) equal up to the last digit's rounding."""
+    alone = subprocess.run([sys.executable, str(EXAMPLE), *ARGS], env=_env(),
+                           capture_output=True, text=True, timeout=240)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    want = [float(v) for v in _losses(alone.stdout)]
+    out = _finish(_torchrun("--nproc-per-node", "4", "--master-port", str(free_port()),
+                            script_args=("--mesh", "pp=2,dp=2")))
+    assert "pipeline: 2 ranks on axis pp" in out  # the plan rank 0 printed
+    got = [float(v) for v in _losses(out)]
+    assert len(got) == len(want) == 2
+    assert all(abs(g - w) <= 2e-4 for g, w in zip(got, want)), (got, want)
