@@ -44,6 +44,8 @@ from autopar.errors import PlanError
 from autopar.passes.pipeline_schedule import PipelineSchedule, StageTime, simulate
 
 GiB = 1024**3
+# splits worse than the best by more than this fraction of the objective are not replayed
+REPLAY_WITHIN = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +161,7 @@ def split_stages(
 def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
     """The ``keep`` best (objective, ranges), one per bound on the chunk time: the DP's least
     sum under each bound, ascending from the smallest feasible bound, until the bound alone
-    rules out beating the ``keep``-th best."""
+    rules out beating the ``keep``-th best, or the best by more than ``REPLAY_WITHIN``."""
     thresholds = np.unique(np.concatenate([b.time[np.isfinite(b.time)] for b in best])).tolist()
     # feasibility is monotone in the bound: find the smallest feasible one
     lo, hi = 0, len(thresholds) - 1
@@ -171,8 +173,11 @@ def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
             hi = mid
     found: list[tuple[float, list[tuple[int, int]]]] = []
     for t in thresholds[lo:]:
-        if len(found) >= keep and lower_sum / v + (m * v - 1) * t >= found[keep - 1][0]:
+        bound = lower_sum / v + (m * v - 1) * t  # no split under this bound does better
+        if len(found) >= keep and bound >= found[keep - 1][0]:
             break
+        if found and bound > found[0][0] * (1 + REPLAY_WITHIN):
+            break  # the rest are not worth a replay: far slower by the formula already
         got = _least_sum(best, n, L, t)
         if got is None or any(ranges == got[1] for _, ranges in found):
             continue
