@@ -126,14 +126,14 @@ def plan_pipeline(
     """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
 
     ``schedule`` (a torch schedule name), ``microbatches`` and ``virtual`` (stages per rank)
-    fix those choices; None leaves them to the planner, which plans the finest
-    ``microbatch_choices`` microbatch counts. ``trace_cache``: a dict that keeps the traced
-    stand-ins for later calls (a mesh-shape search plans the same model many times). The
-    other arguments are
-    :func:`autopar.planner.make_plan`'s, applied to each stage; ``references`` are laid out
-    on the stage submesh and scored as pipelines with the chosen schedule. The returned
-    plan's placements are one stage's on the stage submesh; ``plan.pipeline`` holds the
-    stages and schedule."""
+    fix those choices; None leaves them to the planner, which plans up to
+    ``microbatch_choices`` microbatch counts (:func:`microbatch_counts`). ``trace_cache``: a
+    dict that keeps the traced stand-ins for later calls (a mesh-shape search plans the same
+    model many times). The other arguments are :func:`autopar.planner.make_plan`'s, applied
+    to the stand-in stage; ``references`` are laid out on the stage submesh and weighed as
+    pipelines too, each with its best schedule (one is kept where it is faster). The
+    returned plan's placements are one stage's on the stage submesh; ``plan.pipeline`` holds
+    the stages and schedule."""
     t0 = time.perf_counter()
     axis = pipeline_axis(mesh)
     if axis is None:
@@ -158,7 +158,7 @@ def plan_pipeline(
 
     best: _Best | None = None
     options: list[_Option] = []  # the solver's layout's, for the table
-    ref_costs: dict[str, tuple[float, PlanCost]] = {}  # fixed layouts as pipelines
+    ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
     failures: list[str] = []
     timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "pipeline_s": 0.0}
     for m in counts:
@@ -201,8 +201,8 @@ def plan_pipeline(
                 shown = min(fitting or [_weigh(sched, prof, n_blocks, None, send)
                                         for sched in scheds], key=lambda o: o.step_s)
                 got = _pipeline_cost(planned.plan.references[name], shown)
-                if name not in ref_costs or got.step_s < ref_costs[name][0]:
-                    ref_costs[name] = (got.step_s, got)
+                if name not in ref_costs or got.step_s < ref_costs[name].step_s:
+                    ref_costs[name] = got
             for opt in fitting:
                 # ties (within a part in a million) go to the leaner option (1F1B over
                 # GPipe), then to the solver's layout
@@ -216,6 +216,7 @@ def plan_pipeline(
     if best.reference:
         assert planned.as_reference is not None
         planned = planned.as_reference(best.reference)
+        # the solver's layout's options do not describe the layout kept
         options = [o for o in options if o.split is None] + [best.option]
     timings["total_s"] = time.perf_counter() - t0
     pipe = _pipeline_record(mesh.axes[axis], best.option, best.profile, n_blocks, options,
@@ -223,7 +224,7 @@ def plan_pipeline(
     plan = planned.plan
     plan = replace(plan, cost=_pipeline_cost(plan.cost, best.option), pipeline=pipe,
                    timings=timings, memory_budget=limit,
-                   references={name: c for name, (_, c) in ref_costs.items()},
+                   references=ref_costs,
                    memory_limit_source=source, model=model_name or plan.model,
                    input_shapes=_full_shapes(plan.input_shapes, batch))
     return replace(planned, plan=plan)
