@@ -90,7 +90,9 @@ def parallelize(
     pays one-off costs) run under ``torch.profiler`` and each rank writes its trace to
     ``DIR/trace_rank{r}.json``, with ranges named as the plan's predicted timeline, which
     rank 0 writes to ``DIR/predicted.json`` (:mod:`autopar.runtime.profiling`,
-    ``docs/timeline.md``).
+    ``docs/timeline.md``). On a pipeline the second call's schedule step is written per
+    action instead (each forward and backward under torch's action name, the gradient sync),
+    beside the plan's predicted step with the same names (:mod:`autopar.pipeline_timeline`).
 
     A mesh with a ``pp`` axis of size > 1 (or a plan with a pipeline section) trains the model
     as a pipeline: :func:`autopar.pipeline_planner.plan_pipeline` picks the stages, the
@@ -108,16 +110,18 @@ def parallelize(
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if _is_pipeline(amesh, plan):
-        if loss_fn is not None or compile or profile is not None:
-            what = "loss_fn" if loss_fn is not None else "compile" if compile else "profile"
+        if loss_fn is not None or compile:
+            what = "loss_fn" if loss_fn is not None else "compile"
             raise PlanError(f"{what}= does not apply to pipelines yet (their loss is the "
-                            "model's own, their stages run eagerly and unprofiled): leave it "
-                            "out, or use a mesh without a 'pp' axis")
-        return _pipeline(model, device_mesh, amesh, example_inputs, example_kwargs, plan,
-                         dict(memory_budget=memory_budget, time_limit_s=time_limit_s,
-                              precision=precision or "fp32", reduce_dtype=reduce_dtype,
-                              recompute=recompute, zero=zero, offload=offload),
-                         dict(schedule=schedule, microbatches=microbatches, virtual=virtual))
+                            "model's own, their stages run eagerly): leave it out, or use a "
+                            "mesh without a 'pp' axis")
+        piped = _pipeline(model, device_mesh, amesh, example_inputs, example_kwargs, plan,
+                          dict(memory_budget=memory_budget, time_limit_s=time_limit_s,
+                               precision=precision or "fp32", reduce_dtype=reduce_dtype,
+                               recompute=recompute, zero=zero, offload=offload),
+                          dict(schedule=schedule, microbatches=microbatches, virtual=virtual))
+        piped.profile = profile  # the second call's step, measured beside the plan's
+        return piped
     if (schedule, microbatches, virtual) != (None, None, None):
         raise PlanError("schedule=, microbatches= and virtual= choose a pipeline: give a mesh "
                         "with a 'pp' axis (e.g. pp=2,dp=2), or leave them out")

@@ -58,7 +58,7 @@ from autopar.passes.pipeline_schedule import (
 )
 from autopar.passes.stage_profile import StageProfile, stage_profile
 from autopar.passes.stage_split import StageCost, StageSplit, schedule_in_flight, split_stages
-from autopar.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
+from autopar.plan import PipelinePlan, PipelineStage, Plan, PlanCost, ScheduleOption
 from autopar.planner import Planned, make_plan
 
 PIPELINE_AXES = ("pp", "pipe", "pipeline")
@@ -414,21 +414,18 @@ def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[i
     return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
 
 
-def planned_stages(planned: Planned) -> tuple[PipelineSchedule, list[StageTime], list[float]]:
+def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[float]]:
     """A pipeline plan's schedule, each stage's times (as the plan replayed them) and each
-    rank's gradient sync: what its predicted timeline draws."""
-    pipe = planned.plan.pipeline
+    rank's gradient sync: what its predicted timeline draws, from the plan alone."""
+    pipe = plan.pipeline
     if pipe is None:
         raise PlanError("not a pipeline plan (made by plan_pipeline)")
     sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)
-    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
-                         data_parallel_size(planned.problem.mesh))
-    n_blocks = pipe.stages[-1].end_block
     times, rank_sync = [], [0.0] * sched.p
     for st in pipe.stages:
-        fwd, bwd, sync, _, kept = _chunk(prof, st.first_block, st.end_block, n_blocks)
-        times.append(StageTime.of(fwd, bwd, prof.weight_share, pipe.send_s, kept))
-        rank_sync[st.rank] += sync
+        times.append(StageTime.of(st.forward_s, st.time_s - st.forward_s, pipe.weight_share,
+                                  pipe.send_s))
+        rank_sync[st.rank] += st.sync_s
     return sched, times, rank_sync
 
 
@@ -458,10 +455,13 @@ def _pipeline_record(axis: str, chosen: _Option, prof: StageProfile, n_blocks: i
     sched, split = chosen.schedule, chosen.split
     assert split is not None
     held = schedule_in_flight(sched)
-    stages = tuple(
-        PipelineStage(k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
-                      split.memory_bytes[k], int(held(k, sched.num_stages)))
-        for k, (i, j) in enumerate(split.ranges))
+    stages = []
+    for k, (i, j) in enumerate(split.ranges):
+        fwd, _, sync, _, _ = _chunk(prof, i, j, n_blocks)
+        stages.append(PipelineStage(
+            k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
+            split.memory_bytes[k], int(held(k, sched.num_stages)), fwd,
+            prof.block.recompute_s * (j - i), sync))
     fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)
     runner_up = next((o for o in fitting if o is not chosen), None)
     reason = f"the fastest of {len(fitting)} options that fit"
@@ -476,7 +476,7 @@ def _pipeline_record(axis: str, chosen: _Option, prof: StageProfile, n_blocks: i
         reason += f"; {len(left_out)} left out (do not fit or cannot be cut)"
     return PipelinePlan(
         axis=axis, size=sched.p, schedule=sched.name, virtual=sched.v, microbatches=sched.m,
-        stages=stages, rank_memory_bytes=split.rank_memory_bytes, step_s=chosen.step_s,
+        stages=tuple(stages), rank_memory_bytes=split.rank_memory_bytes, step_s=chosen.step_s,
         bubble=chosen.bubble, textbook_bubble=textbook_bubble(sched.p, sched.m, sched.v),
         send_s=send_s, sync_s=chosen.sync_s, weight_share=prof.weight_share, reason=reason,
         options=tuple(ScheduleOption(o.schedule.name, o.schedule.v, o.schedule.m, o.step_s,

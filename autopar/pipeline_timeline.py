@@ -2,7 +2,8 @@
 
 A pipeline plan's ranks run different programs at different times, so its picture is the
 schedule's replay (:func:`autopar.passes.pipeline_schedule.events`) with the stage times the
-plan was priced with (:func:`autopar.pipeline_planner.planned_stages`): per rank, each
+plan was priced with (:func:`autopar.pipeline_planner.planned_stages`, read off the plan
+alone, so the runtime can write it from the plan it runs): per rank, each
 forward, backward (or input and weight backward) action under torch's name for it (``0F1``),
 the boundary sends on the comm lane, the idle gaps, and the gradient sync once the rank's
 last action ends. Where the plan recomputes, a backward action starts with its stage's
@@ -14,31 +15,29 @@ side. The span equals the plan's ``cost.step_s``.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from autopar.passes.pipeline_schedule import events
-from autopar.planner import Planned
-from autopar.trace_events import TraceEvent, pipeline_trace_events
+from autopar.plan import Plan
+from autopar.trace_events import TraceEvent, pipeline_trace_events, write_trace
 
 RECOMPUTING = ("backward", "backward_input")
 
 
-def pipeline_timeline(planned: Planned) -> tuple[list[TraceEvent], float]:
-    """Every rank's events and the span (module docstring)."""
-    from autopar.pipeline_planner import planned_stages, proxy_blocks
+def pipeline_timeline(plan: Plan) -> tuple[list[TraceEvent], float]:
+    """Every rank's events and the span (module docstring), from the plan alone."""
+    from autopar.pipeline_planner import planned_stages
 
-    plan = planned.plan
     pipe = plan.pipeline
     assert pipe is not None
-    sched, times, rank_sync = planned_stages(planned)
-    per_block = plan.recompute.time_s / max(1, proxy_blocks(planned))
-    blocks = {st.index: st.blocks for st in pipe.stages}
+    sched, times, rank_sync = planned_stages(plan)
+    again = {st.index: st.recompute_s for st in pipe.stages}
     out: list[TraceEvent] = []
     span = 0.0
     for rank_events in events(sched, times):
-        drawn = pipeline_trace_events(rank_events)
-        for ev in drawn:
+        for ev in pipeline_trace_events(rank_events):
             stage = ev.args.get("stage")
-            rc = per_block * blocks.get(stage, 0) if ev.cat in RECOMPUTING else 0.0
+            rc = again.get(stage, 0.0) if ev.cat in RECOMPUTING else 0.0
             if rc > 0 and ev.lane == "compute":
                 rc = min(rc, ev.dur_s)
                 out.append(TraceEvent(f"recompute stage {stage}", ev.start_s, rc, ev.rank,
@@ -53,3 +52,12 @@ def pipeline_timeline(planned: Planned) -> tuple[list[TraceEvent], float]:
                                   {"kind": "sync"}))
         span = max(span, end + sync)
     return out, span
+
+
+def write_pipeline_timeline(plan: Plan, path: Any) -> float:
+    """Write the predicted pipelined step of ``plan`` to ``path``; returns its span."""
+    evs, span = pipeline_timeline(plan)
+    write_trace(evs, path, {"autopar": "predicted", "step_s": span,
+                            "plan_step_s": plan.cost.step_s,
+                            "note": "one process per pipeline rank"})
+    return span

@@ -108,6 +108,9 @@ class PipelineStage:
     time_s: float  # forward + backward per microbatch
     memory_bytes: float  # per device: its state, transients and in-flight activations
     in_flight: int  # microbatches whose activations it holds at once
+    forward_s: float = 0.0  # of time_s, the forward
+    recompute_s: float = 0.0  # of the backward, recomputation
+    sync_s: float = 0.0  # its gradient sync, once per step after its last backward
 
     @property
     def blocks(self) -> int:

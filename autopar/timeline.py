@@ -158,7 +158,7 @@ def predicted_timeline(planned: Planned, ops: bool = False, max_ranks: int = MAX
     if planned.plan.pipeline is not None:  # ranks differ: the schedule's replay, per rank
         from autopar.pipeline_timeline import pipeline_timeline
 
-        events, span = pipeline_timeline(planned)
+        events, span = pipeline_timeline(planned.plan)
         p = planned.plan.pipeline.size
         return Timeline(events, span, planned.plan.cost.step_s, 0.0, p,
                         p * int(np.prod(mesh.shape)), overlap, pipeline=True)

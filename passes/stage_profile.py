@@ -48,6 +48,7 @@ class PartCost:
     state_bytes: float = 0.0
     saved_bytes: float = 0.0  # kept for the backward, per microbatch in flight
     transient_bytes: float = 0.0  # the most it holds briefly on top, while it runs
+    recompute_s: float = 0.0  # of backward_s, forward work run again (recomputation)
 
     @property
     def time_s(self) -> float:
@@ -109,8 +110,13 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
     sync = {p: 0.0 for p in PARTS}
     wgrad = 0.0  # backward time of ops that make parameter gradients only
 
+    again = {p: 0.0 for p in PARTS}  # recomputed copies' compute, within the backward
+    copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra}
+
     def add(i: int, t: float) -> None:
         (bwd if phase[i] == "bwd" else fwd)[parts[i]] += t
+        if i in copies:
+            again[parts[i]] += t
 
     # the weight share is read off the blocks past the first traced one: the first block's
     # input gradient only feeds the embedding's weight gradient, so all of it would count
@@ -148,7 +154,7 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
 
     def make(p: str, per: float) -> PartCost:
         return PartCost(fwd[p] * k_rest / per, bwd[p] * k_rest / per, sync[p] * k_sync / per,
-                        state[p] / per, saved[p] / per, transient[p])
+                        state[p] / per, saved[p] / per, transient[p], again[p] * k_rest / per)
 
     return StageProfile(
         make("pre", 1.0), make("block", float(blocks)), make("post", 1.0),

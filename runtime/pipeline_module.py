@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,6 +137,8 @@ class PipelineModule(nn.Module):
         self.runner = runner
         self.plan = plan
         self.inputs = inputs or PipelineInputs()
+        self.profile: Any = None  # a directory: one step's traces (:meth:`profile_step`)
+        self._calls = 0
         self.stages = nn.ModuleDict({str(s): m for s, m in sorted(runner.stage_modules.items())})
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
@@ -151,7 +154,31 @@ class PipelineModule(nn.Module):
             raise RuntimeError("a pipeline step runs forward and backward together; call it "
                                "with gradients enabled (not under torch.no_grad())")
         params = list(self.runner.parameters())
-        return _WholeStep.apply(self.runner, tokens, targets, *params)
+        loss = _WholeStep.apply(self.runner, tokens, targets, *params)
+        self._calls += 1
+        if self.profile is not None and self._calls == 2:  # the first pays one-off costs
+            self.write_profile(self.profile)
+        return loss
+
+    def write_profile(self, out_dir: Any) -> None:
+        """The last step as traces beside the plan's prediction: this rank's measured actions
+        (``trace_rank{r}.json``: each forward and backward under torch's action name, the
+        gradient sync; the per-action timings :class:`PipelineRunner` records around
+        torch's own actions) and, on rank 0, the plan's predicted step (``predicted.json``,
+        :mod:`autopar.pipeline_timeline`), with the same event names."""
+        import torch.distributed as dist
+
+        from autopar.trace_events import pipeline_trace_events, write_trace
+
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank()  # the events carry it: one process per rank in the trace
+        write_trace(pipeline_trace_events(self.runner.last_step_events),
+                    d / f"trace_rank{rank}.json", {"autopar": "measured", "rank": rank})
+        if rank == 0 and self.plan is not None and self.plan.pipeline is not None:
+            from autopar.pipeline_timeline import write_pipeline_timeline
+
+            write_pipeline_timeline(self.plan, d / "predicted.json")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm (as one device computes it) on every rank, the

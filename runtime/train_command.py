@@ -251,10 +251,9 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
                                   "axis: add one to the mesh, e.g. --mesh pp=2,dp=2")
         return
     check_mesh(mesh)
-    for flag, given in (("--compile", args.compile), ("--profile", args.profile)):
-        if given:
-            raise TrainUsageError(f"{flag} does not apply to pipelines yet: leave it out, or "
-                                  "use a mesh without a pp axis")
+    if args.compile:
+        raise TrainUsageError("--compile does not apply to pipelines yet: leave it out, or "
+                              "use a mesh without a pp axis")
     asked = {"--precision": (args.precision, ("fp32",)),
              "--recompute": (args.recompute, ("auto", "none")),
              "--offload": (args.offload, ("auto", "none"))}
@@ -346,8 +345,10 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
         if plan is not None:
             print(plan.table(), flush=True)
         print(flush=True)
-        if cfg.profile:
+        if cfg.profile and hasattr(pm, "_comm"):
             _write_predicted(pm, cfg.profile)
+    if cfg.profile and not hasattr(pm, "_comm"):  # a pipeline: its second step, per action
+        pm.profile = cfg.profile
     opt = _adamw(pm, cfg)
     setup_s = time.perf_counter() - t0
     bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty) if rank == 0 \

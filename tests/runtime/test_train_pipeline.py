@@ -9,6 +9,7 @@ every rank.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -33,7 +34,6 @@ from autopar.cli import main
     (["--schedule", "1F1B"], "--schedule, --microbatches and --virtual need a pipeline axis"),
     (["--mesh", "pp=2,ep=2"], "pipelines run on mesh axes 'pp', 'dp' and 'tp'; ep=2 is not"),
     (["--mesh", "pp=2,dp=2", "--compile"], "--compile does not apply to pipelines yet"),
-    (["--mesh", "pp=2,dp=2", "--profile", "x"], "--profile does not apply to pipelines yet"),
     (["--mesh", "pp=2,dp=2", "--precision", "bf16"],
      "--precision bf16: pipeline stages run in fp32"),
     (["--mesh", "pp=2,dp=2", "--recompute", "full"], "--recompute full: pipeline stages run"),
@@ -56,11 +56,12 @@ def _train(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
 
 
-def test_pipelined_run_tracks_one_process() -> None:
+def test_pipelined_run_tracks_one_process(tmp_path) -> None:
     """4 processes, 3 steps of 2 accumulated calls each, clipped, schedule asked: the plan's
-    pipeline section printed once, the curve equal to the one-process run to rounding."""
+    pipeline section printed once, the curve equal to the one-process run to rounding; the
+    second call's step measured beside the plan's prediction, with the same action names."""
     r = _train("--steps", "3", "--grad-accum", "2", "--clip", "0.5", "--schedule", "1F1B",
-               "--microbatches", "2")
+               "--microbatches", "2", "--profile", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = r.stdout
     assert out.count("pipeline: 2 ranks on axis pp, schedule 1F1B with 1 stage(s) per rank, "
@@ -69,6 +70,18 @@ def test_pipelined_run_tracks_one_process() -> None:
     assert out.count("gradients clipped on 3 steps") == 2  # the pipeline and the baseline
     early = float(out.split("max |autopar pp=2,dp=2 - 1 process|: ")[1].split()[0])
     assert early < 1e-4
+
+    def names(path):
+        doc = json.loads(path.read_text())
+        return {e["name"] for e in doc["traceEvents"] if e.get("ph") == "X"}
+
+    predicted = names(tmp_path / "predicted.json")
+    # 1F1B, 2 microbatches, 2 stages: each action once, on the rank that runs it
+    actions = {f"{s}{k}{m}" for s in range(2) for k in "FB" for m in range(2)}
+    assert actions <= predicted
+    measured = set().union(*(names(tmp_path / f"trace_rank{r}.json") for r in range(4)))
+    assert actions <= measured and "gradient sync" in measured & predicted
+    assert (tmp_path / "side_by_side.json").exists()
 
 
 def test_a_schedule_whose_activations_cannot_fit() -> None:
