@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import errors
 from autopar.capture import capture
@@ -60,7 +61,9 @@ def parallelize(
     microbatches: int | None = None,
     virtual: int | None = None,
 ) -> ParallelModule | PipelineModule:
-    """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh).
+    """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh,
+    or a number of devices: every ``pp x dp x tp`` shape of them is planned and the fastest
+    that the runtime runs is taken, :mod:`autopar.shape_search`).
 
     ``plan=None`` solves a plan; a :class:`Plan` or a plan JSON path is used as given, after
     checking it was made for this model, these input shapes and this mesh. The model's
@@ -105,6 +108,16 @@ def parallelize(
     as planned is refused with the fix. The model itself is left as it was: train the
     returned module's parameters.
     """
+    if isinstance(mesh, int) and not isinstance(mesh, bool):
+        if plan is not None:
+            raise PlanError("plan= fixes the mesh it was made for: give that mesh, not a "
+                            "device count")
+        plan = _plan_for_devices(model, mesh, tuple(example_inputs), example_kwargs, loss_fn,
+                                 time_limit_s, dict(memory_budget=memory_budget,
+                                                    precision=precision, recompute=recompute,
+                                                    zero=zero, offload=offload))
+        shape, axes = plan.full_mesh
+        mesh = init_device_mesh(_device_type(), shape, mesh_dim_names=axes)
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
     if plan is not None and not isinstance(plan, Plan):
@@ -207,9 +220,54 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
 # --- meshes -----------------------------------------------------------------------------------
 
 
+def _device_type() -> str:
+    backend = str(dist.get_backend())
+    return _BACKEND_DEVICE.get(backend, "cuda" if "nccl" in backend else "cpu")
+
+
+def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None,
+                      loss_fn: Callable | None, time_limit_s: float, options: dict[str, Any]
+                      ) -> Plan:
+    """The fastest plan over the ``pp x dp x tp`` shapes of ``n`` devices that the runtime
+    runs as written (planned on rank 0, shared): a pipeline's stages run in fp32 without
+    recomputation, so a pipeline plan that needs either gives way to the next shape."""
+    from autopar.runtime import pipeline_module as pm
+    from autopar.shape_search import search_shapes
+
+    _ensure_process_group(Mesh((n,), ("dp",), "cpu"))
+    world = dist.get_world_size()
+    if world != n:
+        raise MeshError(f"{n} devices asked but the process group has {world} ranks: launch "
+                        f"{n} processes (torchrun --nproc-per-node {n}) or ask for {world}")
+    device = "cpu" if _device_type() == "cpu" else "h100"
+
+    def make() -> Plan:
+        results = search_shapes(_meta_skeleton(model), n, args, kwargs, device,
+                                time_limit_s=min(time_limit_s, 5.0), max_layers=None,
+                                loss_fn=loss_fn, model_name=type(model).__name__, **options)
+        refused = []
+        for r in results:
+            if r.plan is None:
+                continue
+            if r.plan.pipeline is not None:
+                try:
+                    pm.check_runnable(r.plan, model)
+                except PlanError as e:
+                    refused.append(f"{r.shape}: {e}")
+                    continue
+                if pm.runnable_option(r.plan) is not None:
+                    continue  # its schedule splits stage programs' backward
+            return r.plan
+        why = refused[0] if refused else (results[0].note if results else "")
+        raise PlanError(f"no shape of {n} devices has a plan that fits and runs: {why}")
+
+    with _compat.outside_local_tensor_mode():
+        return _agree(make)
+
+
 def resolve_mesh(mesh: Mesh | Any) -> tuple[Any, Mesh]:
     """The torch DeviceMesh to run on and the abstract Mesh to plan for."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
         return mesh, Mesh.from_device_mesh(mesh)
@@ -222,9 +280,7 @@ def resolve_mesh(mesh: Mesh | Any) -> tuple[Any, Mesh]:
             f"mesh {mesh.describe()} has {mesh.size} devices but the process group has {world} "
             f"ranks: launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or use "
             f"a mesh of {world} devices")
-    backend = str(dist.get_backend())
-    device_type = _BACKEND_DEVICE.get(backend, "cuda" if "nccl" in backend else "cpu")
-    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=mesh.axes), mesh
+    return init_device_mesh(_device_type(), mesh.shape, mesh_dim_names=mesh.axes), mesh
 
 
 def _warn_if_priced_for_another_device(mesh: Mesh, device_type: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def _reference(model: nn.Module, call, clip: float | None) -> dict:
             "params": dict(model.named_parameters(remove_duplicate=False))}
 
 
-def _train(pm: PipelineModule, call, clip: float | None, want: dict, what: str) -> None:
+def _train(pm: nn.Module, call, clip: float | None, want: dict, what: str) -> None:
     """The user's loop on the pipeline, checked step by step against one device's."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     for step in range(STEPS):
@@ -84,11 +85,12 @@ def _train(pm: PipelineModule, call, clip: float | None, want: dict, what: str) 
     _check_params(pm, want["params"], what)
 
 
-def _check_params(pm: PipelineModule, want: dict, what: str) -> None:
+def _check_params(pm: nn.Module, want: dict, what: str) -> None:
     got = dict(pm.named_parameters())
-    assert got and all(n.startswith("stages.") for n in got), what
+    piped = isinstance(pm, PipelineModule)  # a device count may also pick a mesh without pp
+    assert got and all(n.startswith("stages.") == piped for n in got), what
     for name, p in got.items():
-        model_name = name.split(".", 2)[2]  # stages.<s>.<the model's name>
+        model_name = name.split(".", 2)[2] if piped else name  # stages.<s>.<model's name>
         whole = p.full_tensor() if isinstance(p, DTensor) else p  # a stage program's
         err = rel_err(whole.detach(), want[model_name].detach())
         assert err < TOL, f"{what}: {model_name} relative error {err:.2e}"
@@ -159,6 +161,13 @@ def _worker(plan_path: str) -> dict:
     _train(pm, hf_call, None, want, "hf llama")
     report["hf"] = {"frontend": pm.runner.frontend, "runtime": pm.runner.schedule_name,
                     "microbatches": pm.runner.n_microbatches}
+
+    # 5. a device count: every shape of 4 devices planned, the fastest that runs taken
+    model, (x, y) = _gpt2()
+    want = _reference(copy.deepcopy(model), lambda m: m(x, y), None)
+    pm = autopar.parallelize(model, WORLD, example_inputs=(x, y), time_limit_s=2.0)
+    _train(pm, lambda m: m(x, y), None, want, "gpt2 on 4 devices")
+    report["devices"] = {"mesh": [list(a) for a in pm.plan.full_mesh]}
     return report
 
 
@@ -176,6 +185,9 @@ def test_parallelize_pipelines_equal_one_device(tmp_path) -> None:
                                                                "dualpipev")
         # autopar's stages for Hugging Face Llama, with the schedule and micro-batches asked
         assert rep["hf"] == {"frontend": "module", "runtime": "1f1b", "microbatches": 4}
+        shape, _ = rep["devices"]["mesh"]
+        assert math.prod(shape) == WORLD
+    assert len({json.dumps(rep["devices"]) for rep in reports}) == 1  # one shape on every rank
     saved = json.loads(open(plan_path).read())
     assert saved["schedule"]["schedule"] == reports[0]["gpt2"]["schedule"]
 
