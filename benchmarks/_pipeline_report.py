@@ -1,0 +1,274 @@
+"""The tables and the RESULTS.md section of ``benchmarks/pipeline.py``, and the findings it
+computes from a run (what limits the prediction, each with this run's figures)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from _common import machine, table
+from _pipeline_runs import Job
+from _pipeline_stats import bootstrap_rho, rank_of, spearman, textbook_share
+
+
+def med(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def ms(x: float) -> str:
+    return f"{x * 1e3:.1f}"
+
+
+def bubble_table(parts: list[tuple[Job, dict]], got: dict) -> str:
+    rows = []
+    for job, pred in parts:
+        r = got[job.name]
+        pp, v, m = job.mesh[0], job.virtual, job.microbatches
+        step = med(r["steps"])
+        busy_p = (1 - pred["bubble"]) * (pred["step_s"] - pred["sync_s"])
+        busy_m = med([(1 - b) * sp for b, sp in zip(r["bubbles"], r["spans"])])
+        rows.append([str(pp), job.name.split()[-1], str(v), str(m),
+                     f"{(pp - 1) / (v * m):.3f}", f"{textbook_share(pp, m, v):.3f}",
+                     f"{pred['bubble']:.3f}", f"{med(r['bubbles']):.3f}",
+                     f"{min(r['bubbles']):.3f}-{max(r['bubbles']):.3f}",
+                     ms(busy_p), ms(busy_m),
+                     ms(pred["step_s"]), ms(step), f"{step / pred['step_s']:.2f}"])
+    return table(["pp", "schedule", "v", "m", "textbook (p-1)/(v·m)", "textbook share",
+                  "predicted bubble", "measured bubble (median)", "measured range",
+                  "predicted busy ms/rank", "measured busy ms/rank",
+                  "predicted step ms", "measured step ms", "measured/predicted"], rows)
+
+
+def predicted_stage_times(planned: Any, ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """Forward + backward of each stage per microbatch, as the planner adds them up
+    (:mod:`autopar.passes.stage_profile`'s parts: the first stage also runs the embedding,
+    the last the head)."""
+    from autopar.passes.stage_profile import stage_profile
+    from autopar.pipeline_planner import proxy_blocks
+
+    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned), 1)
+    n = ranges[-1][1]
+    return [prof.block.time_s * (j - i) + (prof.pre.time_s if i == 0 else 0.0)
+            + (prof.post.time_s if j == n else 0.0) for i, j in ranges]
+
+
+def heavy_table(parts: list[tuple[Job, dict]], got: dict) -> tuple[str, str]:
+    rows = []
+    for job, pred in parts:
+        r = got[job.name]
+        stages = predicted_stage_times(pred["planned"], job.split)
+        rows.append([job.name.split()[-1], ", ".join(f"{i}-{j}" for i, j in job.split),
+                     " / ".join(ms(t) for t in stages), " / ".join(ms(t) for t in r["stage_s"]),
+                     ms(pred["step_s"]), f"{pred['bubble']:.3f}",
+                     ms(med(r["steps"])), f"{med(r['bubbles']):.3f}",
+                     f"{med(r['steps']) / pred['step_s']:.2f}"])
+    (pj, pp_), (ej, ep) = parts
+    paired = med([e / p for p, e in zip(got[pj.name]["steps"], got[ej.name]["steps"])])
+    note = (f"Equal blocks against the planner's split: predicted "
+            f"{ep['step_s'] / pp_['step_s']:.2f}x the step, measured "
+            f"{med(got[ej.name]['steps']) / med(got[pj.name]['steps']):.2f}x (medians), "
+            f"{paired:.2f}x (median of per-round ratios).")
+    return table(["split", "blocks (first-end per stage)", "predicted ms/microbatch per stage",
+                  "measured ms/microbatch per stage", "predicted step ms",
+                  "predicted bubble", "measured step ms", "measured bubble",
+                  "measured/predicted"], rows), note
+
+
+def fidelity_table(parts: list[tuple[Job, dict]], got: dict, target: float
+                   ) -> tuple[str, str]:
+    names = [j.name for j, _ in parts]
+    pred = [p["step_s"] for _, p in parts]
+    meas = [med(got[n]["steps"]) for n in names]
+    pr, mr = rank_of(pred), rank_of(meas)
+    rows = []
+    for k in sorted(range(len(names)), key=lambda i: pred[i]):
+        own = parts[k][1].get("own_step_s")
+        note = f" (plan's own stage layout: {ms(own)})" if own is not None else ""
+        rows.append([names[k], ms(pred[k]) + note, ms(meas[k]),
+                     f"{min(got[names[k]]['steps']) * 1e3:.1f}", f"{meas[k] / pred[k]:.2f}",
+                     f"{pr[k]:g}", f"{mr[k]:g}"])
+    rho = spearman(pred, meas)
+    lo, hi = bootstrap_rho(pred, [got[n]["steps"] for n in names])
+    ok = "meets" if rho >= target else "falls short of"
+    pipes = [k for k, (j, _) in enumerate(parts) if j.is_pipeline]
+    spmd = [k for k in range(len(parts)) if k not in pipes]
+    sub = "; ".join(
+        f"over the {len(ks)} {what} alone {spearman([pred[k] for k in ks], [meas[k] for k in ks]):.3f}"
+        for what, ks in (("SPMD plans", spmd), ("pipelines", pipes)) if len(ks) > 1)
+    syncs = "; ".join(
+        f"{j.name}: predicted {ms(p['sync_s'])} ms, measured {ms(med(got[j.name]['syncs']))} ms"
+        for j, p in parts if j.is_pipeline and j.mesh[1] > 1)
+    summary = (f"Spearman rank correlation over {len(names)} plans: **{rho:.3f}** (bootstrap "
+               f"95% interval over rounds {lo:.3f}-{hi:.3f}); it {ok} the target "
+               f"{target}. Rank correlation {sub}.\n\nGradient sync of the pp x dp "
+               f"pipelines (slowest rank; the plan's own stage layout predicts the same): "
+               f"{syncs}.")
+    return table(["plan", "predicted ms", "measured ms (median)", "measured min",
+                  "measured/predicted", "predicted rank", "measured rank"], rows), summary
+
+
+def calibration_lines(cal2: dict | None, cal4: dict | None) -> list[str]:
+    from autopar.devices import get_profile
+    from autopar.passes.cost_model import collective_time
+
+    prof = get_profile("cpu")
+    bw, lat, ovh = prof.intra_node_bandwidth, prof.intra_node_latency, prof.collective_overhead
+    lines = [f"`cpu` profile: float32 matmul {prof.flops_per_s('float32') / 1e9:.0f} GFLOP/s "
+             f"per device (peak {prof.peak_flops['float32'] / 1e9:.0f} x efficiency "
+             f"{prof.matmul_efficiency}), memory {prof.bytes_per_s() / 1e9:.0f} GB/s, "
+             f"collective {ovh * 1e3:.1f} ms + {lat * 1e6:.0f} us per ring step + "
+             f"bytes / {bw / 1e9:.1f} GB/s, point-to-point {lat * 1e6:.0f} us + bytes / "
+             f"{bw / 1e9:.1f} GB/s (figures from autopar/devices.py, set from gloo "
+             f"collectives measured with 4 ranks on this 2-core machine; not re-fitted here)."]
+    for n, cal in ((2, cal2), (4, cal4)):
+        if cal is None:
+            continue
+
+        def ar(nbytes: float, n: int = n) -> str:
+            return f"{collective_time('all_reduce', nbytes, n, bw, lat, ovh) * 1e3:.2f}"
+
+        lines.append(
+            f"Measured with {n} processes, all at once (medians over ranks): float32 matmul "
+            f"(2048x128 @ 128x512) {cal['matmul_flops'] / 1e9:.1f} GFLOP/s per process; "
+            f"all-reduce of 4 B {cal['allreduce_tiny_barrier_s'] * 1e3:.2f} ms right after a "
+            f"barrier, {cal['allreduce_tiny_compute_s'] * 1e3:.2f} ms right after 5 ms of "
+            f"matmuls (profile {ar(4)}); of 1 MiB {cal['allreduce_1mib_barrier_s'] * 1e3:.2f} / "
+            f"{cal['allreduce_1mib_compute_s'] * 1e3:.2f} ms (profile {ar(2**20)}); a 64 KiB "
+            f"send {cal['send_64kib_s'] * 1e3:.2f} ms (profile {(lat + 2**16 / bw) * 1e3:.2f}).")
+    return lines
+
+
+def findings(bub: list[tuple[Job, dict]], fid: list[tuple[Job, dict]], got: dict,
+             cals: Sequence[dict]) -> list[str]:
+    """What limits the predictions, each with this run's figures."""
+    from autopar.devices import get_profile
+
+    out = []
+    busy = {(j.mesh[0], j.name.split()[-1]): med([(1 - b) * sp for b, sp in
+                                                  zip(got[j.name]["bubbles"],
+                                                      got[j.name]["spans"])])
+            for j, _ in bub}
+    for pp in sorted({k[0] for k in busy}):
+        base = busy[(pp, "1F1B")]
+        split = ", ".join(f"{s} {busy[(pp, s)] / base:.2f}x" for s in
+                          ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"))
+        out.append(
+            f"**Split backward costs more than a whole one** (pp={pp}): measured busy time per "
+            f"rank against 1F1B's, the same work: {split}. The schedule model takes input + "
+            f"weight backward = one backward, so it credits these schedules with a smaller "
+            f"bubble and charges nothing for the split (torch runs the input backward through "
+            f"autograd keeping the graph, then the weight backward as a second pass).")
+    rate = get_profile("cpu").flops_per_s("float32")
+    out.append(
+        f"**Processes are not devices.** The `cpu` profile's {rate / 1e9:.0f} GFLOP/s is one of "
+        f"4 processes on 2 cores; measured here {cals[0]['matmul_flops'] / 1e9:.1f} GFLOP/s per "
+        f"process with 2 processes and {cals[1]['matmul_flops'] / 1e9:.1f} with 4 (all "
+        f"multiplying at once). So pp=2 on 2 processes runs at about half the predicted step, "
+        f"and with 4 processes on 2 cores a rank that waits gives its core to the others: a "
+        f"pipeline's bubble costs less than the model (one device per rank) says, and the "
+        f"schedules that shrink it gain less.")
+    syncs = [(j, p) for j, p in fid if j.is_pipeline and j.mesh[1] > 1]
+    if syncs:
+        from autopar.passes import bucket_fill
+
+        j, p = syncs[0]
+        ref = p["ref"]
+        own = sum(c.time_s for c in bucket_fill.score(ref.problem, ref.node_choice).collectives
+                  if c.reason == "gradient sync")
+        fills = ", ".join(f"{k[0]} {v / 1024:.0f} KiB" for k, v in
+                          (ref.problem.bucket_fill or {}).items())
+        out.append(
+            f"**pp x dp gradient sync over-priced** (planner): predicted {ms(p['sync_s'])} ms "
+            f"per step for {j.name}, measured {ms(med(got[j.name]['syncs']))} ms (which "
+            f"includes waiting for the other replica). `passes/stage_profile.stage_profile` "
+            f"takes the stage's sync from `scoring.score_assignment`, which prices each "
+            f"gradient's all-reduce at the stand-in problem's measured bucket fill "
+            f"(`ShardingProblem.bucket_fill`: {fills or 'none'}, from the solver's own stage "
+            f"plan), so nearly every gradient pays a whole collective's fixed cost; "
+            f"`bucket_fill.score`, which prices a layout at its own buckets' fill (what a "
+            f"plan reports), gives {ms(own)} ms for the same data-parallel stage.")
+    by_name = {j.name: (j, p) for j, p in fid}
+    fs = next((n for n in by_name if n.startswith("fsdp (dp=")), None)
+    dp = next((n for n in by_name if n.startswith("data_parallel (dp=")), None)
+    if fs and dp:
+        plan = json.loads(by_name[fs][0].plan)
+        gathers = [c for c in plan["collectives"] if c["reason"] == "parameter gather"]
+        n = sum(c["count"] for c in gathers)
+        t = sum(c["time_s"] for c in gathers)
+        ovh = get_profile("cpu").collective_overhead
+        out.append(
+            f"**FSDP's parameter gathers under-priced** (cost model): the plan lists {n:g} "
+            f"all-gathers priced {ms(t)} ms in all ({t / max(n, 1) * 1e3:.2f} ms each, under "
+            f"the profile's {ovh * 1e3:.1f} ms fixed cost of one collective): predicted fsdp / "
+            f"data_parallel {by_name[fs][1]['step_s'] / by_name[dp][1]['step_s']:.2f}x, "
+            f"measured {med(got[fs]['steps']) / med(got[dp]['steps']):.2f}x. A gather is priced "
+            f"as batched (`passes/edge_costs._batch_price`): it pays the fixed cost times its "
+            f"bytes over a full 25 MiB bucket (`cost_model.BUCKET_BYTES`; `bucket_fill` "
+            f"reprices gradient buckets only), while the runtime issues one all-gather per "
+            f"layer, each a whole collective.")
+    return out
+
+
+def results_body(c: dict[str, Any], btab: str, htab: str, hnote: str, ftab: str,
+                 fsum: str, cal: list[str], found: list[str]) -> str:
+    """The "Pipelines" section of RESULTS.md; ``c`` names the run's setting (command, date,
+    rounds, model, ...)."""
+    return f"""`{c['cmd']}`
+
+Machine: {machine()}; run {c['date']}, {c['total_s']:.0f} s in all, load average
+{c['load']:.1f} at the end (other programs shared the 2 cores: every figure is a median over
+{c['rounds']} rounds after {c['warmup']} warm-up rounds, and in each round every run of a
+launch steps once, so drift hits them alike). gloo processes on 127.0.0.1, 1 intra-op thread
+each, `cpu` device profile. Model: GPT-2 (`{c['preset']}` with {c['model']}), global batch
+{c['batch']} x {c['seq']} tokens. A step is forward + backward + gradient sync + reading the
+loss, slowest rank, from a barrier; fused AdamW runs after it untimed (the cost model has no
+optimizer term).
+
+### Bubble per schedule (m={c['m']})
+
+Split, schedule, m and v from `plan_pipeline(..., schedule=X, microbatches={c['m']},
+virtual=v)` on `Mesh((pp, 1), ("pp", "dp"), "cpu")`; run by `build_pipeline` with that split
+(autopar's own GPT-2 stages), pp=2 on 2 processes, pp=4 on 4. **Bubble**, both sides: idle
+time over (ranks x span), the span from the first stage action's start to the last one's end
+on any rank, the gradient sync after the schedule left out; predicted by the schedule replay
+(`passes/pipeline_schedule.simulate`), measured from the runtime's per-action timings
+(`runtime/pipeline_events`) on the clock the processes share (a test checks the two
+definitions agree on the model's own timelines). The textbook (p-1)/(v·m) is idle over ideal
+time; "textbook share" is it as a share of the step, x/(1+x). Busy: compute time per rank.
+
+{btab}
+
+### Heavy head
+
+GPT-2 with vocabulary {c['vocab']} (embedding tied to the head: a copy on each end stage,
+their gradients summed), {c['heavy_schedule']}, pp={c['heavy_pp']}, m={c['m']}: the planner's
+split against equal block counts, predicted by `plan_pipeline` / `predict_split`, measured by
+`build_pipeline` with each split; per stage, forward + backward per microbatch.
+
+{htab}
+
+{hnote}
+
+### Plan fidelity (4 processes)
+
+Predicted: `plan.cost.step_s`. SPMD plans (reference layouts as the planner completes them,
+and the solver's own plan where it is not a kept reference) run by `parallelize(...,
+plan=...)`; pipelines by `build_pipeline` with the plan's split and schedule. Its stages are
+plain modules replicated over dp, so a pp x dp pipeline is predicted with the planner's
+data-parallel stage layout (`predict_split` on the plan's split and schedule); the plan's own
+stage layout's prediction in brackets.
+
+{ftab}
+
+{fsum}
+
+### What limits the figures
+
+{chr(10).join('- ' + f for f in found)}
+
+### Calibration of the `cpu` profile
+
+{chr(10).join('- ' + x for x in cal)}
+"""
