@@ -30,7 +30,6 @@ Alpa's inter-op pass, with the intra-op planner inside it:
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -46,25 +45,30 @@ from autopar.errors import PlanError
 from autopar.memory_fit import memory_limit
 from autopar.mesh import Mesh
 from autopar.passes import mixed_precision
-from autopar.passes.pipeline_schedule import (
-    SCHEDULES,
-    SINGLE_STAGE,
-    V_SHAPED,
-    PipelineSchedule,
-    StageTime,
-    canonical_name,
-    simulate,
-    textbook_bubble,
+from autopar.passes.pipeline_cost import (
+    Option,
+    chunk_cost,
+    microbatch_counts,
+    planned_stages,
+    replay,
+    schedule_names,
+    schedule_options,
+    send_time,
+    stand_in_flight,
+    weigh,
 )
+from autopar.passes.pipeline_schedule import PipelineSchedule, textbook_bubble
 from autopar.passes.stage_profile import StageProfile, stage_profile
-from autopar.passes.stage_split import StageCost, StageSplit, schedule_in_flight, split_stages
-from autopar.plan import PipelinePlan, PipelineStage, Plan, PlanCost, ScheduleOption
+from autopar.passes.stage_split import schedule_in_flight
+from autopar.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
 from autopar.planner import Planned, make_plan
+
+__all__ = ["batch_size", "data_parallel_size", "microbatch_counts", "pipeline_axis",
+           "plan_pipeline", "planned_stages", "predict_split", "stage_mesh", "stand_in_graph"]
 
 PIPELINE_AXES = ("pp", "pipe", "pipeline")
 DATA_AXES = ("dp", "data", "fsdp", "ddp", "batch")
 MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none (at most two)
-REFINE = 3  # splits per option replayed in the schedule model
 
 
 def pipeline_axis(mesh: Mesh) -> int | None:
@@ -87,17 +91,6 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
 
 def data_parallel_size(mesh: Mesh) -> int:
     return math.prod(n for a, n in zip(mesh.axes, mesh.shape) if a.lower() in DATA_AXES)
-
-
-@dataclass(frozen=True, slots=True)
-class _Option:
-    schedule: PipelineSchedule
-    split: StageSplit | None
-    step_s: float
-    bubble: float
-    mem_bytes: float
-    sync_s: float
-    note: str = ""
 
 
 def plan_pipeline(
@@ -152,22 +145,22 @@ def plan_pipeline(
     batch = batch_size(example_inputs, example_kwargs)
     dp = data_parallel_size(sub)
     counts = microbatch_counts(batch, dp, p, microbatches)[:max(1, microbatch_choices)]
-    names = _schedule_names(schedule)
+    names = schedule_names(schedule)
     limit, source = memory_limit(memory_budget, mesh.device)
     prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
 
     best: _Best | None = None
-    options: list[_Option] = []  # the solver's layout's, for the table
+    options: list[Option] = []  # the solver's layout's, for the table
     ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
     failures: list[str] = []
     timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "pipeline_s": 0.0}
     for m in counts:
-        scheds = _schedules(names, p, m, n_blocks, virtual)
+        scheds = schedule_options(names, p, m, n_blocks, virtual)
         if not scheds:
             failures.append(f"m={m}: no schedule of {', '.join(names)} runs {p} stages "
                             f"of {n_blocks} blocks")
             continue
-        flight = _stand_in_flight(scheds)
+        flight = stand_in_flight(scheds)
         t1 = time.perf_counter()
         pg = stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
                             math.ceil(n_blocks / p), max_layers, flight, trace_cache)
@@ -191,14 +184,14 @@ def plan_pipeline(
             (name, sp, choice) for name, (sp, choice) in planned.reference_problems.items()]
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
-            send = _send_time(prof.boundary_bytes, mesh, axis)
-            weighed = [_weigh(sched, prof, n_blocks, limit, send) for sched in scheds]
+            send = send_time(prof.boundary_bytes, mesh, axis)
+            weighed = [weigh(sched, prof, n_blocks, limit, send) for sched in scheds]
             if not name:
                 options += weighed
             fitting = [o for o in weighed if o.split is not None]
             if name:
                 # a layout that fits no split is shown split at its best with no limit
-                shown = min(fitting or [_weigh(sched, prof, n_blocks, None, send)
+                shown = min(fitting or [weigh(sched, prof, n_blocks, None, send)
                                         for sched in scheds], key=lambda o: o.step_s)
                 got = _pipeline_cost(planned.plan.references[name], shown)
                 if name not in ref_costs or got.step_s < ref_costs[name].step_s:
@@ -235,7 +228,7 @@ class _Best:
     key: tuple[float, float, bool]
     planned: Planned
     reference: str  # "" for the solver's own layout
-    option: _Option
+    option: Option
     profile: StageProfile
     send: float
 
@@ -245,7 +238,7 @@ def proxy_blocks(planned: Planned) -> int:
     return planned.graph.proxy.represented
 
 
-def _pipeline_cost(stand_in: PlanCost, opt: _Option) -> PlanCost:
+def _pipeline_cost(stand_in: PlanCost, opt: Option) -> PlanCost:
     """A pipeline's cost: the replayed step (gradient sync included), its busy time split as
     the stage's own compute and communication, and the largest rank's memory."""
     share = stand_in.comm_s / stand_in.step_s if stand_in.step_s > 0 else 0.0
@@ -275,160 +268,6 @@ def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn
     return pg
 
 
-def microbatch_counts(batch: int, dp: int, p: int, asked: int | None) -> list[int]:
-    """The microbatch counts to plan: ``asked``, checked, or up to two that keep a
-    microbatch divisible over ``dp`` (below)."""
-    if asked is not None:
-        if not isinstance(asked, int) or asked < 1:
-            raise PlanError(f"microbatches must be a positive integer, got {asked!r}")
-        if batch % asked:
-            raise PlanError(f"{asked} microbatches do not divide the batch of {batch}: use a "
-                            f"divisor of it ({_divisor_list(batch)})")
-        if (batch // asked) % dp:
-            raise PlanError(f"{asked} microbatches of {batch // asked} samples do not split "
-                            f"over the {dp} data-parallel ranks: use microbatches of a "
-                            f"multiple of {dp} samples (m in {_divisor_list(batch, dp)})")
-        return [asked]
-    valid = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
-    if not valid:
-        raise PlanError(f"the batch of {batch} does not split over {dp} data-parallel ranks: "
-                        f"use a multiple of {dp}")
-    # first the fewest microbatches that keep 1F1B's bubble near a third ((p-1)/m, m >= 2p),
-    # then the fewest that fill the pipeline at all (m >= p): more microbatches shrink the
-    # bubble but pay each microbatch's fixed costs again (gathers, sends, small kernels)
-    out: list[int] = []
-    for floor in (2 * p, p):
-        m = min((m for m in valid if m >= floor), default=max(valid))
-        if m not in out:
-            out.append(m)
-    return out
-
-
-def _divisor_list(batch: int, dp: int = 1) -> str:
-    return ", ".join(str(m) for m in range(1, batch + 1)
-                     if batch % m == 0 and (batch // m) % dp == 0)
-
-
-def _schedule_names(schedule: str | None) -> list[str]:
-    if schedule is None or schedule == "auto":
-        return list(SCHEDULES)
-    return [canonical_name(schedule)]
-
-
-def _schedules(names: Sequence[str], p: int, m: int, n_blocks: int,
-               virtual: int | None) -> list[PipelineSchedule]:
-    """Every valid (schedule, v) for ``p`` ranks, ``m`` microbatches and ``n_blocks``."""
-    out = []
-    for name in names:
-        if name in SINGLE_STAGE:
-            vs = [1]
-        elif name in V_SHAPED:
-            vs = [2]
-        else:
-            vs = [v for v in (2, 4) if p * v <= n_blocks]
-        for v in vs:
-            if (virtual is not None and v != virtual) or p * v > n_blocks:
-                continue
-            try:
-                out.append(PipelineSchedule(name, p, v, m))
-            except PlanError:
-                continue  # torch's own conditions (1F1B needs m >= p, rounds of p, ...)
-    return out
-
-
-def _stand_in_flight(scheds: Sequence[PipelineSchedule]) -> float:
-    """Microbatches of one stage's activations the busiest rank holds, over the schedules
-    to weigh. GPipe and LoopedBFS hold every microbatch: they count only where nothing else
-    runs, or every other schedule's stand-in would be planned needlessly lean."""
-    pool = [s for s in scheds if s.name not in ("GPipe", "LoopedBFS")] or list(scheds)
-    worst = 1.0
-    for s in pool:
-        held = schedule_in_flight(s)
-        for r in range(s.p):
-            worst = max(worst, sum(held(k, s.num_stages) for k in s.rank_stages(r)) / s.v)
-    return worst
-
-
-def _send_time(nbytes: float, mesh: Mesh, axis: int) -> float:
-    if nbytes <= 0:
-        return 0.0
-    return mesh.latency[axis] + nbytes / mesh.bandwidth[axis]
-
-
-def _chunk(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:
-    """(forward, backward, sync, state + transient, kept per microbatch) of blocks [i, j)."""
-    parts = [(prof.block, j - i)]
-    if i == 0:
-        parts.append((prof.pre, 1))
-    if j == n_blocks:
-        parts.append((prof.post, 1))
-    fwd = sum(c.forward_s * k for c, k in parts)
-    bwd = sum(c.backward_s * k for c, k in parts)
-    sync = sum(c.sync_s * k for c, k in parts)
-    held = sum(c.state_bytes * k for c, k in parts) + max(c.transient_bytes for c, _ in parts)
-    kept = sum(c.saved_bytes * k for c, k in parts)
-    return fwd, bwd, sync, held, kept
-
-
-def _weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: float | None,
-           send_s: float) -> _Option:
-    """The best split for one schedule, replayed: its step and peak, or why it fails."""
-    cost = _range_costs(prof, n_blocks)
-    try:
-        split = split_stages(n_blocks, cost, sched.p, sched.m,
-                             math.inf if limit is None else limit, v=sched.v,
-                             schedule=sched.name, refine=REFINE)
-    except PlanError as e:
-        return _Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
-    step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, send_s)
-    return _Option(sched, split, step, bubble, max(split.rank_memory_bytes), sync)
-
-
-@functools.lru_cache(maxsize=8)
-def _range_table(prof: StageProfile, n_blocks: int) -> dict[tuple[int, int], StageCost]:
-    """Every block range's StageCost, made once per profile for all the schedules weighed."""
-    out = {}
-    for i in range(n_blocks):
-        for j in range(i + 1, n_blocks + 1):
-            fwd, bwd, _, held, kept = _chunk(prof, i, j, n_blocks)
-            out[(i, j)] = StageCost(fwd + bwd, held, kept)
-    return out
-
-
-def _range_costs(prof: StageProfile, n_blocks: int) -> Callable[[int, int, Any], StageCost]:
-    table = _range_table(prof, n_blocks)
-    return lambda i, j, _sub: table[(i, j)]
-
-
-def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[int, int]],
-           n_blocks: int, send_s: float) -> tuple[float, float, float]:
-    """(step, bubble, slowest rank's gradient sync) of ``sched`` over stages holding the
-    block ranges ``ranges``: the schedule replayed, plus each rank's sync after it."""
-    times = []
-    rank_sync = [0.0] * sched.p
-    for k, (i, j) in enumerate(ranges):
-        fwd, bwd, sync, _, kept = _chunk(prof, i, j, n_blocks)
-        times.append(StageTime.of(fwd, bwd, prof.weight_share, send_s, kept))
-        rank_sync[sched.stage_rank(k)] += sync
-    sim = simulate(sched, times)
-    return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
-
-
-def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[float]]:
-    """A pipeline plan's schedule, each stage's times (as the plan replayed them) and each
-    rank's gradient sync: what its predicted timeline draws, from the plan alone."""
-    pipe = plan.pipeline
-    if pipe is None:
-        raise PlanError("not a pipeline plan (made by plan_pipeline)")
-    sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)
-    times, rank_sync = [], [0.0] * sched.p
-    for st in pipe.stages:
-        times.append(StageTime.of(st.forward_s, st.time_s - st.forward_s, pipe.weight_share,
-                                  pipe.send_s))
-        rank_sync[st.rank] += st.sync_s
-    return sched, times, rank_sync
-
-
 def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]]
                   ) -> tuple[float, float]:
     """(step, bubble) a pipeline plan predicts for other block ranges than its own, with its
@@ -446,18 +285,18 @@ def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          data_parallel_size(stage_mesh(mesh, axis)))
     step, bubble, _ = replay(sched, prof, ranges, n_blocks,
-                             _send_time(prof.boundary_bytes, mesh, axis))
+                             send_time(prof.boundary_bytes, mesh, axis))
     return step, bubble
 
 
-def _pipeline_record(axis: str, chosen: _Option, prof: StageProfile, n_blocks: int,
-                     options: list[_Option], send_s: float, kept: str = "") -> PipelinePlan:
+def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: int,
+                     options: list[Option], send_s: float, kept: str = "") -> PipelinePlan:
     sched, split = chosen.schedule, chosen.split
     assert split is not None
     held = schedule_in_flight(sched)
     stages = []
     for k, (i, j) in enumerate(split.ranges):
-        fwd, _, sync, _, _ = _chunk(prof, i, j, n_blocks)
+        fwd, _, sync, _, _ = chunk_cost(prof, i, j, n_blocks)
         stages.append(PipelineStage(
             k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
             split.memory_bytes[k], int(held(k, sched.num_stages)), fwd,
@@ -489,7 +328,7 @@ def _label(s: PipelineSchedule) -> str:
     return f"{s.name} v={s.v} m={s.m}"
 
 
-def _no_fit(failures: list[str], options: list[_Option], limit: float | None, p: int,
+def _no_fit(failures: list[str], options: list[Option], limit: float | None, p: int,
             n_blocks: int) -> str:
     from autopar.plan_table import fmt_bytes
 

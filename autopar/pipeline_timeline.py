@@ -2,7 +2,7 @@
 
 A pipeline plan's ranks run different programs at different times, so its picture is the
 schedule's replay (:func:`autopar.passes.pipeline_schedule.events`) with the stage times the
-plan was priced with (:func:`autopar.pipeline_planner.planned_stages`, read off the plan
+plan was priced with (:func:`autopar.passes.pipeline_cost.planned_stages`, read off the plan
 alone, so the runtime can write it from the plan it runs): per rank, each
 forward, backward (or input and weight backward) action under torch's name for it (``0F1``),
 the boundary sends on the comm lane, the idle gaps, and the gradient sync once the rank's
@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from autopar.passes.pipeline_cost import planned_stages
 from autopar.passes.pipeline_schedule import events
 from autopar.plan import Plan
 from autopar.trace_events import TraceEvent, pipeline_trace_events, write_trace
@@ -26,8 +27,6 @@ RECOMPUTING = ("backward", "backward_input")
 
 def pipeline_timeline(plan: Plan) -> tuple[list[TraceEvent], float]:
     """Every rank's events and the span (module docstring), from the plan alone."""
-    from autopar.pipeline_planner import planned_stages
-
     pipe = plan.pipeline
     assert pipe is not None
     sched, times, rank_sync = planned_stages(plan)

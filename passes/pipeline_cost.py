@@ -1,0 +1,205 @@
+"""A pipeline's cost from one stage's profile: the options, the split, the replay.
+
+What :mod:`autopar.pipeline_planner` weighs once a stage's intra-op plan is priced per part
+(:mod:`.stage_profile`): the microbatch counts worth planning, the (schedule, stages per
+rank) that can run ``p`` ranks over ``m`` microbatches, and for each of them the best
+contiguous split of the blocks (:mod:`.stage_split`: Alpa's DP under the memory limit, each
+stage with its schedule's in-flight count, the first stage also holding the embedding and the
+last the head) replayed in the schedule model (:mod:`.pipeline_schedule`), with the boundary
+sends priced on the ``pp`` link and each rank's gradient sync after its last action.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.passes.pipeline_schedule import (
+    SCHEDULES,
+    SINGLE_STAGE,
+    V_SHAPED,
+    PipelineSchedule,
+    StageTime,
+    canonical_name,
+    simulate,
+)
+from autopar.passes.stage_profile import StageProfile
+from autopar.passes.stage_split import StageCost, StageSplit, schedule_in_flight, split_stages
+
+if TYPE_CHECKING:
+    from autopar.plan import Plan
+
+REFINE = 3  # splits per option replayed in the schedule model
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One (schedule, v, m) weighed: its best split (None where none fits or can be cut),
+    replayed step, bubble, largest rank memory and slowest rank's sync, or why not."""
+
+    schedule: PipelineSchedule
+    split: StageSplit | None
+    step_s: float
+    bubble: float
+    mem_bytes: float
+    sync_s: float
+    note: str = ""
+
+
+def microbatch_counts(batch: int, dp: int, p: int, asked: int | None) -> list[int]:
+    """The microbatch counts to plan: ``asked``, checked, or up to two that keep a
+    microbatch divisible over ``dp`` (below)."""
+    if asked is not None:
+        if not isinstance(asked, int) or asked < 1:
+            raise PlanError(f"microbatches must be a positive integer, got {asked!r}")
+        if batch % asked:
+            raise PlanError(f"{asked} microbatches do not divide the batch of {batch}: use a "
+                            f"divisor of it ({_divisor_list(batch)})")
+        if (batch // asked) % dp:
+            raise PlanError(f"{asked} microbatches of {batch // asked} samples do not split "
+                            f"over the {dp} data-parallel ranks: use microbatches of a "
+                            f"multiple of {dp} samples (m in {_divisor_list(batch, dp)})")
+        return [asked]
+    valid = [m for m in range(1, batch + 1) if batch % m == 0 and (batch // m) % dp == 0]
+    if not valid:
+        raise PlanError(f"the batch of {batch} does not split over {dp} data-parallel ranks: "
+                        f"use a multiple of {dp}")
+    # first the fewest microbatches that keep 1F1B's bubble near a third ((p-1)/m, m >= 2p),
+    # then the fewest that fill the pipeline at all (m >= p): more microbatches shrink the
+    # bubble but pay each microbatch's fixed costs again (gathers, sends, small kernels)
+    out: list[int] = []
+    for floor in (2 * p, p):
+        m = min((m for m in valid if m >= floor), default=max(valid))
+        if m not in out:
+            out.append(m)
+    return out
+
+
+def _divisor_list(batch: int, dp: int = 1) -> str:
+    return ", ".join(str(m) for m in range(1, batch + 1)
+                     if batch % m == 0 and (batch // m) % dp == 0)
+
+
+def schedule_names(schedule: str | None) -> list[str]:
+    if schedule is None or schedule == "auto":
+        return list(SCHEDULES)
+    return [canonical_name(schedule)]
+
+
+def schedule_options(names: Sequence[str], p: int, m: int, n_blocks: int,
+               virtual: int | None) -> list[PipelineSchedule]:
+    """Every valid (schedule, v) for ``p`` ranks, ``m`` microbatches and ``n_blocks``."""
+    out = []
+    for name in names:
+        if name in SINGLE_STAGE:
+            vs = [1]
+        elif name in V_SHAPED:
+            vs = [2]
+        else:
+            vs = [v for v in (2, 4) if p * v <= n_blocks]
+        for v in vs:
+            if (virtual is not None and v != virtual) or p * v > n_blocks:
+                continue
+            try:
+                out.append(PipelineSchedule(name, p, v, m))
+            except PlanError:
+                continue  # torch's own conditions (1F1B needs m >= p, rounds of p, ...)
+    return out
+
+
+def stand_in_flight(scheds: Sequence[PipelineSchedule]) -> float:
+    """Microbatches of one stage's activations the busiest rank holds, over the schedules
+    to weigh. GPipe and LoopedBFS hold every microbatch: they count only where nothing else
+    runs, or every other schedule's stand-in would be planned needlessly lean."""
+    pool = [s for s in scheds if s.name not in ("GPipe", "LoopedBFS")] or list(scheds)
+    worst = 1.0
+    for s in pool:
+        held = schedule_in_flight(s)
+        for r in range(s.p):
+            worst = max(worst, sum(held(k, s.num_stages) for k in s.rank_stages(r)) / s.v)
+    return worst
+
+
+def send_time(nbytes: float, mesh: Mesh, axis: int) -> float:
+    if nbytes <= 0:
+        return 0.0
+    return mesh.latency[axis] + nbytes / mesh.bandwidth[axis]
+
+
+def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:
+    """(forward, backward, sync, state + transient, kept per microbatch) of blocks [i, j)."""
+    parts = [(prof.block, j - i)]
+    if i == 0:
+        parts.append((prof.pre, 1))
+    if j == n_blocks:
+        parts.append((prof.post, 1))
+    fwd = sum(c.forward_s * k for c, k in parts)
+    bwd = sum(c.backward_s * k for c, k in parts)
+    sync = sum(c.sync_s * k for c, k in parts)
+    held = sum(c.state_bytes * k for c, k in parts) + max(c.transient_bytes for c, _ in parts)
+    kept = sum(c.saved_bytes * k for c, k in parts)
+    return fwd, bwd, sync, held, kept
+
+
+def weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: float | None,
+           send_s: float) -> Option:
+    """The best split for one schedule, replayed: its step and peak, or why it fails."""
+    cost = _range_costs(prof, n_blocks)
+    try:
+        split = split_stages(n_blocks, cost, sched.p, sched.m,
+                             math.inf if limit is None else limit, v=sched.v,
+                             schedule=sched.name, refine=REFINE)
+    except PlanError as e:
+        return Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
+    step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, send_s)
+    return Option(sched, split, step, bubble, max(split.rank_memory_bytes), sync)
+
+
+@functools.lru_cache(maxsize=8)
+def _range_table(prof: StageProfile, n_blocks: int) -> dict[tuple[int, int], StageCost]:
+    """Every block range's StageCost, made once per profile for all the schedules weighed."""
+    out = {}
+    for i in range(n_blocks):
+        for j in range(i + 1, n_blocks + 1):
+            fwd, bwd, _, held, kept = chunk_cost(prof, i, j, n_blocks)
+            out[(i, j)] = StageCost(fwd + bwd, held, kept)
+    return out
+
+
+def _range_costs(prof: StageProfile, n_blocks: int) -> Callable[[int, int, Any], StageCost]:
+    table = _range_table(prof, n_blocks)
+    return lambda i, j, _sub: table[(i, j)]
+
+
+def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[int, int]],
+           n_blocks: int, send_s: float) -> tuple[float, float, float]:
+    """(step, bubble, slowest rank's gradient sync) of ``sched`` over stages holding the
+    block ranges ``ranges``: the schedule replayed, plus each rank's sync after it."""
+    times = []
+    rank_sync = [0.0] * sched.p
+    for k, (i, j) in enumerate(ranges):
+        fwd, bwd, sync, _, kept = chunk_cost(prof, i, j, n_blocks)
+        times.append(StageTime.of(fwd, bwd, prof.weight_share, send_s, kept))
+        rank_sync[sched.stage_rank(k)] += sync
+    sim = simulate(sched, times)
+    return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
+
+
+def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[float]]:
+    """A pipeline plan's schedule, each stage's times (as the plan replayed them) and each
+    rank's gradient sync: what its predicted timeline draws, from the plan alone."""
+    pipe = plan.pipeline
+    if pipe is None:
+        raise PlanError("not a pipeline plan (made by plan_pipeline)")
+    sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)
+    times, rank_sync = [], [0.0] * sched.p
+    for st in pipe.stages:
+        times.append(StageTime.of(st.forward_s, st.time_s - st.forward_s, pipe.weight_share,
+                                  pipe.send_s))
+        rank_sync[st.rank] += st.sync_s
+    return sched, times, rank_sync
