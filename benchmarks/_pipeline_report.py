@@ -65,11 +65,22 @@ def heavy_table(parts: list[tuple[Job, dict]], got: dict) -> tuple[str, str]:
                      ms(med(r["steps"])), f"{med(r['bubbles']):.3f}",
                      f"{med(r['steps']) / pred['step_s']:.2f}"])
     (pj, pp_), (ej, ep) = parts
+    # a block's time from the two splits' first stages and from their last stages (their
+    # block counts differ, the embedding or head is the same): equal estimates, if steady
+    blocks = [(e[1] - e[0]) - (p[1] - p[0]) for p, e in zip(pj.split, ej.split)]
+    est = {side: [(got[ej.name]["stage_s"][k] - got[pj.name]["stage_s"][k]) / blocks[k],
+                  (predicted_stage_times(ep["planned"], ej.split)[k]
+                   - predicted_stage_times(pp_["planned"], pj.split)[k]) / blocks[k]]
+           for side, k in (("first", 0), ("last", -1)) if blocks[k]}
     paired = med([e / p for p, e in zip(got[pj.name]["steps"], got[ej.name]["steps"])])
     note = (f"Equal blocks against the planner's split: predicted "
             f"{ep['step_s'] / pp_['step_s']:.2f}x the step, measured "
             f"{med(got[ej.name]['steps']) / med(got[pj.name]['steps']):.2f}x (medians), "
-            f"{paired:.2f}x (median of per-round ratios).")
+            f"{paired:.2f}x (median of per-round ratios). One block's forward + backward per "
+            f"microbatch, from the difference of the two splits' "
+            + "; ".join(f"{side} stages: measured {ms(m)} ms, predicted {ms(p)} ms"
+                        for side, (m, p) in est.items())
+            + " (the two measured figures agree only where the run was steady).")
     return table(["split", "blocks (first-end per stage)", "predicted ms/microbatch per stage",
                   "measured ms/microbatch per stage", "predicted step ms",
                   "predicted bubble", "measured step ms", "measured bubble",
@@ -94,9 +105,12 @@ def fidelity_table(parts: list[tuple[Job, dict]], got: dict, target: float
     ok = "meets" if rho >= target else "falls short of"
     pipes = [k for k, (j, _) in enumerate(parts) if j.is_pipeline]
     spmd = [k for k in range(len(parts)) if k not in pipes]
-    sub = "; ".join(
-        f"over the {len(ks)} {what} alone {spearman([pred[k] for k in ks], [meas[k] for k in ks]):.3f}"
-        for what, ks in (("SPMD plans", spmd), ("pipelines", pipes)) if len(ks) > 1)
+
+    def alone(ks: list[int]) -> float:
+        return spearman([pred[k] for k in ks], [meas[k] for k in ks])
+
+    sub = "; ".join(f"over the {len(ks)} {what} alone {alone(ks):.3f}"
+                    for what, ks in (("SPMD plans", spmd), ("pipelines", pipes)) if len(ks) > 1)
     syncs = "; ".join(
         f"{j.name}: predicted {ms(p['sync_s'])} ms, measured {ms(med(got[j.name]['syncs']))} ms"
         for j, p in parts if j.is_pipeline and j.mesh[1] > 1)
@@ -150,25 +164,31 @@ def findings(bub: list[tuple[Job, dict]], fid: list[tuple[Job, dict]], got: dict
                                                   zip(got[j.name]["bubbles"],
                                                       got[j.name]["spans"])])
             for j, _ in bub}
+    per_pp = []
     for pp in sorted({k[0] for k in busy}):
         base = busy[(pp, "1F1B")]
-        split = ", ".join(f"{s} {busy[(pp, s)] / base:.2f}x" for s in
-                          ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"))
-        out.append(
-            f"**Split backward costs more than a whole one** (pp={pp}): measured busy time per "
-            f"rank against 1F1B's, the same work: {split}. The schedule model takes input + "
-            f"weight backward = one backward, so it credits these schedules with a smaller "
-            f"bubble and charges nothing for the split (torch runs the input backward through "
-            f"autograd keeping the graph, then the weight backward as a second pass).")
+        per_pp.append(f"pp={pp}: " + ", ".join(
+            f"{s} {busy[(pp, s)] / base:.2f}x" for s in
+            ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")))
+    out.append(
+        f"**Split backward costs more than a whole one.** Measured busy time per rank against "
+        f"1F1B's, the same work: {'; '.join(per_pp)}. The schedule model takes input + weight "
+        f"backward = one backward, so it credits these schedules with a smaller bubble and "
+        f"charges nothing for the split (torch runs the input backward through autograd "
+        f"keeping the graph, then the weight backward as a second pass).")
     rate = get_profile("cpu").flops_per_s("float32")
+    ratio = {pp: med([busy[(q, s)] / ((1 - p["bubble"]) * (p["step_s"] - p["sync_s"]))
+                      for j, p in bub for q, s in [(j.mesh[0], j.name.split()[-1])] if q == pp])
+             for pp in sorted({k[0] for k in busy})}
     out.append(
         f"**Processes are not devices.** The `cpu` profile's {rate / 1e9:.0f} GFLOP/s is one of "
         f"4 processes on 2 cores; measured here {cals[0]['matmul_flops'] / 1e9:.1f} GFLOP/s per "
         f"process with 2 processes and {cals[1]['matmul_flops'] / 1e9:.1f} with 4 (all "
-        f"multiplying at once). So pp=2 on 2 processes runs at about half the predicted step, "
-        f"and with 4 processes on 2 cores a rank that waits gives its core to the others: a "
-        f"pipeline's bubble costs less than the model (one device per rank) says, and the "
-        f"schedules that shrink it gain less.")
+        f"multiplying at once). Measured busy time per rank over the predicted, median over "
+        f"the schedules: " + ", ".join(f"pp={pp} {r:.2f}x" for pp, r in ratio.items()) +
+        ". With 4 processes on 2 cores a rank that waits gives its core to the others, so a "
+        "pipeline's bubble costs less than the model (one device per rank) says, and the "
+        "schedules that shrink it gain less.")
     syncs = [(j, p) for j, p in fid if j.is_pipeline and j.mesh[1] > 1]
     if syncs:
         from autopar.passes import bucket_fill
@@ -218,9 +238,10 @@ def results_body(c: dict[str, Any], btab: str, htab: str, hnote: str, ftab: str,
     return f"""`{c['cmd']}`
 
 Machine: {machine()}; run {c['date']}, {c['total_s']:.0f} s in all, load average
-{c['load']:.1f} at the end (other programs shared the 2 cores: every figure is a median over
-{c['rounds']} rounds after {c['warmup']} warm-up rounds, and in each round every run of a
-launch steps once, so drift hits them alike). gloo processes on 127.0.0.1, 1 intra-op thread
+{c['load_before']:.1f} before the run and {c['load']:.1f} at its end (this run's processes
+included; other programs share the 2 cores: every figure is a median over {c['rounds']}
+rounds after {c['warmup']} warm-up rounds, and in each round every run of a launch steps
+once, so drift hits them alike). gloo processes on 127.0.0.1, 1 intra-op thread
 each, `cpu` device profile. Model: GPT-2 (`{c['preset']}` with {c['model']}), global batch
 {c['batch']} x {c['seq']} tokens. A step is forward + backward + gradient sync + reading the
 loss, slowest rank, from a barrier; fused AdamW runs after it untimed (the cost model has no
@@ -271,4 +292,8 @@ stage layout's prediction in brackets.
 ### Calibration of the `cpu` profile
 
 {chr(10).join('- ' + x for x in cal)}
+
+The profile is left as it is: none of the errors above is a wrong constant (the split
+backward's extra work, processes sharing cores, and the two pricing rules are the model's
+structure), and refitting its rates to this run would move plans alike, not reorder them.
 """

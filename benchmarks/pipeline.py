@@ -232,6 +232,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rounds = args.rounds or (5 if args.quick else 12)
     t0 = time.time()
+    load_before = os.getloadavg()[0]
     bub = bubble_part((2,) if args.quick else (2, 4))
     heavy = heavy_part()
     fid = fidelity_part()
@@ -257,12 +258,14 @@ def main() -> None:
     print("\nPlan fidelity\n\n" + ftab + "\n\n" + fsum)
     print("\n" + "\n".join(found))
     print("\n" + "\n".join(cal))
-    print(f"\n{total_s:.0f} s in all; load average at the end {load:.1f}")
+    print(f"\n{total_s:.0f} s in all; load average {load_before:.1f} before, {load:.1f} at the "
+          "end")
     if args.write:
         cmd = "python benchmarks/pipeline.py" + (" --quick" if args.quick else "") + \
             (f" --rounds {args.rounds}" if args.rounds else "") + " --write"
         cfg = {"cmd": cmd, "date": datetime.date.today().isoformat(), "total_s": total_s,
-               "load": load, "rounds": rounds, "warmup": args.warmup, "preset": PRESET,
+               "load": load, "load_before": load_before, "rounds": rounds,
+               "warmup": args.warmup, "preset": PRESET,
                "model": ", ".join(f"{k}={v}" for k, v in MODEL), "batch": BATCH, "seq": SEQ,
                "m": M_BUBBLE, "vocab": dict(HEAVY)["vocab_size"],
                "heavy_schedule": HEAVY_SCHEDULE, "heavy_pp": HEAVY_PP}
