@@ -18,8 +18,9 @@ outside the blocks belongs to ``pre`` or ``post`` by where it runs: before the f
 forward or after the last block's backward is ``pre``, between is ``post``.
 
 The per-edge prices are those the plan's scoring sums; gradient syncs are bucketed there, so
-the parts' syncs are scaled to the plan's bucketed total, and the rest to the plan's step time
-less it: the parts add up to the plan's own cost.
+the parts' syncs are scaled to the plan's bucketed total (each bucket at its real fill, as
+:func:`autopar.passes.bucket_fill.score` reports plans), and the rest to the plan's step
+time less it: the parts add up to the plan's own cost.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.passes import bucket_fill
 from autopar.passes.cost_model import loss_collectives
 from autopar.passes.memory import step_usage
 from autopar.passes.problem_reduction import node_layer
-from autopar.passes.scoring import score_assignment
 from autopar.passes.sharding_problem import ShardingProblem
 
 PARTS = ("pre", "block", "post")
@@ -101,7 +102,9 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
     """The parts of the plan ``choice`` on ``sp``, a stand-in traced for ``blocks`` real
     blocks (``block`` is their total over ``blocks``). ``dp_size``: the ways a stage's
     boundary tensor is split (its batch over the data-parallel axes)."""
-    scored = score_assignment(sp, choice)
+    # priced as plans are reported, each at its own buckets' fill (the problem's fills are
+    # one solution's: a stage whose buckets fill would pay another plan's near-empty ones)
+    scored = bucket_fill.score(sp, choice)
     parts = part_of_nodes(sp)
     weight = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
     phase = [n.meta["autopar"].phase for n in sp.nodes]
