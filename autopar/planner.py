@@ -239,14 +239,17 @@ OFFLOADED = "+offload"
 def _candidate_modes(recompute: str, zero: str) -> list[str]:
     """The modes the planner tries, first the one every other starts from: each recompute
     mode asked for (``auto``: none, selective, full), with and without re-gathering where the
-    ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing)."""
+    ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing), and
+    ZeRO-1 (whole gradients all-reduced) beside the first. ZeRO-1 moves the bytes ZeRO-2
+    does and holds whole gradients, so without gradient accumulation priced it does not win;
+    it is weighed, not assumed away."""
     asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
     out = []
     for mode in asked:
         if zero == "3" or (zero == "auto" and mode == "full"):
             out.append(mode + REGATHER)
         elif zero == "auto" and mode != "full":
-            out += [mode, mode + REGATHER]
+            out += [mode, mode + REGATHER] + ([mode + WHOLE_GRADS] if mode == asked[0] else [])
         else:
             out.append(mode + (WHOLE_GRADS if zero == "1" else ""))
     return out

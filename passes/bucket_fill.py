@@ -1,4 +1,4 @@
-"""Gradient buckets priced at their real fill, once a solution shows what that is.
+"""Gradient buckets and parameter gathers priced at their real fill, once a solution shows it.
 
 The sharding problem prices a bucketed gradient move at its share of a full bucket's fixed
 cost: its bytes over ``BUCKET_BYTES`` (pairwise, as the IOPDDL form needs). That is right
@@ -25,12 +25,16 @@ from typing import TYPE_CHECKING
 from autopar.passes.buckets import (
     FIRST_BUCKET_BYTES,
     GradSync,
+    ParamGather,
     bucket_collectives,
     bucket_kind,
     first_bucket_bytes,
+    gather_group_bytes,
+    gather_groups,
+    gather_move,
     sync_groups,
 )
-from autopar.passes.edge_costs import edge_meta, sync_target
+from autopar.passes.edge_costs import edge_meta, gather_unit, is_param_gather, sync_target
 from autopar.passes.problem_reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.sharding_problem import ShardingProblem
 
@@ -67,8 +71,35 @@ def measure(sp: ShardingProblem, choice: list[int]) -> dict[tuple, float]:
         nbytes = bucket_collectives(group, sp.mesh.shape)[0][2]  # per rank, every axis alike
         totals[key] = totals.get(key, 0.0) + nbytes
         counts[key] = counts.get(key, 0) + 1
+    _measure_gathers(sp, choice, totals, counts)
     fills = {key: totals[key] / counts[key] for key in totals}
     return {key: f for key, f in fills.items() if f < NEARLY_EMPTY}
+
+
+def gather_key(axis: int, dtype: object) -> tuple:
+    """The fill key of parameter gathers over mesh axis ``axis`` (``edge_costs`` reads it)."""
+    return ("param_gather", axis, dtype)
+
+
+def _measure_gathers(sp: ShardingProblem, choice: list[int], totals: dict, counts: dict) -> None:
+    """Parameter gathers go out one all-gather per layer, phase and axis
+    (:func:`autopar.passes.buckets.gather_groups`): what each such group gathers, in the
+    units a move is priced by (the gathered buffer)."""
+    gathers = []
+    for k, e in enumerate(sp.edges):
+        if not is_param_gather(sp, e):
+            continue
+        src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
+        dst = sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx]
+        if src != dst and gather_move(src, dst) is not None:
+            gathers.append(ParamGather(k, gather_unit(sp.nodes[e.dst]), edge_meta(sp, e), src,
+                                       dst))
+    for group in gather_groups(gathers):
+        axis = gather_move(group[0].src, group[0].dst)[0]
+        key = gather_key(axis, group[0].meta.dtype)
+        nbytes = gather_group_bytes(group, sp.mesh.shape) * sp.mesh.shape[axis]
+        totals[key] = totals.get(key, 0.0) + nbytes
+        counts[key] = counts.get(key, 0) + 1
 
 
 def reprice(sp: ShardingProblem, choice: list[int], memory_budget: float | None) -> bool:

@@ -76,12 +76,17 @@ def sync_target(sp: ShardingProblem, e: Edge, src, dst):
 def _batch_price(sp: ShardingProblem, meta: TensorMeta, src, dst,
                  kind: str | None) -> tuple[bool, float]:
     """Whether the move is batched with others, and what its batch holds: a full gradient
-    bucket, unless :func:`autopar.passes.bucket_fill.measure` found its buckets under-full in
-    a solution."""
+    bucket (or parameter gather), unless :func:`autopar.passes.bucket_fill.measure` found its
+    batches under-full in a solution."""
     if not _batched(kind, src, dst):
         return False, cm.BUCKET_BYTES
-    if kind != "grad" or not sp.bucket_fill:
+    if not sp.bucket_fill:
         return True, cm.BUCKET_BYTES
+    if kind == "param":  # one all-gather per layer and phase: its group's bytes
+        move = gather_move(src, dst)
+        assert move is not None
+        key = ("param_gather", move[0], meta.dtype)  # bucket_fill.gather_key
+        return True, sp.bucket_fill.get(key, cm.BUCKET_BYTES)
     b = bucket_kind(src, dst)
     assert b is not None
     return True, sp.bucket_fill.get((b.kind, b.axes, meta.dtype), cm.BUCKET_BYTES)

@@ -288,3 +288,12 @@ def test_references_completed_on_forked_processes_equal_the_sequential_ones():
     two = make_plan(model, mesh, inputs, references=refs, time_limit_s=2.0, workers=2).plan
     assert one.references == two.references and one.cost == two.cost
     assert forked_map(lambda x: x * x, [1, 2, 3], 2) == [1, 4, 9]
+
+
+def test_zero_auto_weighs_zero1_beside_the_first_mode():
+    from autopar.planner import _candidate_modes
+
+    modes = _candidate_modes("auto", "auto")
+    assert modes[:3] == ["none", "none+zero3", "none+zero1"]
+    assert "full+zero3" in modes and not any(m.endswith("+zero1") for m in modes[3:])
+    assert _candidate_modes("none", "1") == ["none+zero1"]
