@@ -153,7 +153,8 @@ def plan_pipeline(
     options: list[Option] = []  # the solver's layout's, for the table
     ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
     failures: list[str] = []
-    timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "pipeline_s": 0.0}
+    timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0,
+               "pipeline_s": 0.0}
     for m in counts:
         scheds = schedule_options(names, p, m, n_blocks, virtual)
         if not scheds:
@@ -174,7 +175,7 @@ def plan_pipeline(
         except PlanError as e:
             failures.append(f"m={m}: {e}")
             continue
-        for k in ("build_s", "solve_s"):
+        for k in ("build_s", "solve_s", "references_s"):
             timings[k] += planned.plan.timings.get(k, 0.0)
         t2 = time.perf_counter()
         # the solver's layout, then each reference layout (as completed in its own
