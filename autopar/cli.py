@@ -18,13 +18,11 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import AutoparError
-from autopar.mesh import Mesh
+from autopar.mesh import DATA_PARALLEL_AXES, Mesh
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
           "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
           "tib": 2**40}
-
-DATA_PARALLEL_AXES = ("dp", "data", "fsdp", "ddp", "batch")
 
 
 class UsageError(AutoparError):
@@ -97,12 +95,8 @@ def _is_hugging_face(model: nn.Module) -> bool:
 
 
 def check_batch(mesh: Mesh, batch: int) -> None:
-    dp = 1
-    names = []
-    for a, n in zip(mesh.axes, mesh.shape):
-        if a.lower() in DATA_PARALLEL_AXES:
-            dp *= n
-            names.append(f"{a}={n}")
+    dp = mesh.data_parallel_size
+    names = [f"{a}={n}" for a, n in zip(mesh.axes, mesh.shape) if a.lower() in DATA_PARALLEL_AXES]
     if dp > 1 and batch % dp:
         raise UsageError(
             f"batch {batch} cannot be split over the data-parallel axes {'x'.join(names)} "

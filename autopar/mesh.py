@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from autopar.devices import DeviceProfile, get_profile
 from autopar.errors import MeshError
 
+# axis names a batch is split over (data parallelism in its several spellings)
+DATA_PARALLEL_AXES = ("dp", "data", "fsdp", "ddp", "batch")
+
 
 @dataclass(frozen=True, slots=True)
 class Mesh:
@@ -63,6 +66,12 @@ class Mesh:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ways the batch is split: the product of the data-parallel axes' sizes."""
+        return math.prod(n for a, n in zip(self.axes, self.shape)
+                         if a.lower() in DATA_PARALLEL_AXES)
 
     def axis_index(self, axis: str | int) -> int:
         if isinstance(axis, int):

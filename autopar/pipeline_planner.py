@@ -63,20 +63,16 @@ from autopar.passes.stage_split import schedule_in_flight
 from autopar.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
 from autopar.planner import Planned, make_plan
 
-__all__ = ["batch_size", "data_parallel_size", "microbatch_counts", "pipeline_axis",
+__all__ = ["batch_size", "microbatch_counts", "pipeline_axis",
            "plan_pipeline", "planned_stages", "predict_split", "stage_mesh", "stand_in_graph"]
 
-PIPELINE_AXES = ("pp", "pipe", "pipeline")
-DATA_AXES = ("dp", "data", "fsdp", "ddp", "batch")
 MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none (at most two)
 
 
 def pipeline_axis(mesh: Mesh) -> int | None:
     """Index of the mesh's pipeline axis (named ``pp``), None where it has none of size > 1."""
-    for i, name in enumerate(mesh.axes):
-        if name.lower() in PIPELINE_AXES and mesh.shape[i] > 1:
-            return i
-    return None
+    i = mesh.axes.index("pp") if "pp" in mesh.axes else None
+    return i if i is not None and mesh.shape[i] > 1 else None
 
 
 def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
@@ -87,10 +83,6 @@ def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
     return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.axes[i] for i in keep),
                 mesh.device, tuple(mesh.bandwidth[i] for i in keep),
                 tuple(mesh.latency[i] for i in keep))
-
-
-def data_parallel_size(mesh: Mesh) -> int:
-    return math.prod(n for a, n in zip(mesh.axes, mesh.shape) if a.lower() in DATA_AXES)
 
 
 def plan_pipeline(
@@ -143,7 +135,7 @@ def plan_pipeline(
         raise PlanError(f"{p} pipeline stages but the model has {n_blocks} blocks: use "
                         f"pp <= {n_blocks} (and give the other devices to dp or tp)")
     batch = batch_size(example_inputs, example_kwargs)
-    dp = data_parallel_size(sub)
+    dp = sub.data_parallel_size
     counts = microbatch_counts(batch, dp, p, microbatches)[:max(1, microbatch_choices)]
     names = schedule_names(schedule)
     limit, source = memory_limit(memory_budget, mesh.device)
@@ -284,7 +276,7 @@ def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]
     if len(ranges) != sched.num_stages:
         raise PlanError(f"{len(ranges)} block ranges for {sched.num_stages} stages")
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
-                         data_parallel_size(stage_mesh(mesh, axis)))
+                         stage_mesh(mesh, axis).data_parallel_size)
     step, bubble, _ = replay(sched, prof, ranges, n_blocks,
                              send_time(prof.boundary_bytes, mesh, axis))
     return step, bubble

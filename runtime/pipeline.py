@@ -105,7 +105,7 @@ def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
 AXES = ("pp", "dp", "tp")  # a pipeline's mesh axes: stages, data and tensor parallelism
 # schedules whose backward splits into input and weight parts through autograd's graph of the
 # stage, which a stage program's backward (one lowered program) does not expose
-_SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
@@ -258,7 +258,7 @@ def _program_frontend(family: str | None, frontend: str, schedule: str,
             f"'tp' axis (mesh axes {tuple(names)}): use frontend='module' (or 'auto'), or a "
             "mesh without tp")
     key = schedule.lower().replace("-", "_")
-    if key in _SPLIT_BACKWARD:
+    if key in SPLIT_BACKWARD:
         raise PlanError(
             f"schedule {schedule!r} splits each backward into input and weight parts through "
             "autograd's graph of the stage, which a stage running its plan (one lowered "

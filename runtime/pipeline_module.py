@@ -34,10 +34,10 @@ from autopar.mesh import Mesh
 from autopar.placements import R
 from autopar.plan import Plan, ScheduleOption
 from autopar.runtime import pipeline_stages as ps
-from autopar.runtime.pipeline import _SPLIT_BACKWARD as SPLIT_BACKWARD
 from autopar.runtime.pipeline import (
     AXES,
     SCHEDULES,
+    SPLIT_BACKWARD,
     PipelineRunner,
     build_pipeline,
     stage_placement,

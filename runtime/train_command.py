@@ -210,8 +210,6 @@ def validate(args: argparse.Namespace) -> TrainConfig:
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
     """--grad-accum and --clip: each micro-batch must still split over the dp axes."""
-    from autopar.cli import DATA_PARALLEL_AXES
-
     n = args.grad_accum
     if n < 1:
         raise TrainUsageError(f"--grad-accum must be at least 1, got {n}")
@@ -219,8 +217,7 @@ def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
         raise TrainUsageError(
             f"--batch {args.batch} does not split into {n} equal micro-batches: use a "
             f"--grad-accum that divides {args.batch}, or a --batch that is a multiple of {n}")
-    dp = math.prod(size for a, size in zip(mesh.axes, mesh.shape)
-                   if a.lower() in DATA_PARALLEL_AXES)
+    dp = mesh.data_parallel_size
     micro = args.batch // n
     if micro % dp:
         raise TrainUsageError(
@@ -237,7 +234,6 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
     do not run), with the planner's own messages where it has them."""
     from autopar.passes.pipeline_schedule import canonical_name
     from autopar.pipeline_planner import (
-        data_parallel_size,
         microbatch_counts,
         pipeline_axis,
         stage_mesh,
@@ -275,7 +271,7 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
             f"but {args.model} has {blocks} blocks: every stage needs one; use pp x --virtual "
             f"<= {blocks}, or a deeper model")
     micro = args.batch // args.grad_accum  # each call of the model is one pipeline step
-    microbatch_counts(micro, data_parallel_size(stage_mesh(mesh, axis)), mesh.shape[axis],
+    microbatch_counts(micro, stage_mesh(mesh, axis).data_parallel_size, mesh.shape[axis],
                       args.microbatches)
 
 
