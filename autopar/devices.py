@@ -46,6 +46,18 @@ class DeviceProfile:
     # sockets of 8-channel DDR5 shared by 8 GPUs (about 40 GB/s each for an optimizer step)
     host_link_bandwidth: float = 50 * GBps
     host_memory_bandwidth: float = 40 * GBps
+    # What torch's pipeline runtime costs the host beside the stages' work (passes.
+    # pipeline_cost.Overheads): per action it runs, per send or receive it posts to another
+    # rank, and per autograd node a split backward (zero-bubble schedules) walks again. Where
+    # the host queues work ahead of the device (a GPU) they hide behind the device's work, so
+    # the GPU profiles leave them 0; on a CPU the host is the device and they add up.
+    pipeline_action_s: float = 0.0
+    p2p_post_s: float = 0.0
+    split_backward_node_s: float = 0.0
+    # cores the devices of a node share when each device is a process of one CPU machine
+    # (0: every device computes on its own); the rates above are then per device with all of
+    # them computing, and a device computes faster while others wait (pipeline bubbles)
+    shared_cores: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
@@ -115,6 +127,17 @@ PROFILES: dict[str, DeviceProfile] = {
         # the host is the device: "offloading" copies within the same memory
         host_link_bandwidth=10 * GBps,
         host_memory_bandwidth=10 * GBps,
+        # torch's pipeline runtime on gloo, measured here (benchmarks/pipeline_calibration.py,
+        # stages of one tiny Linear, so the step is the runtime's own cost): 34 us per action
+        # with every stage on one process; 290 us per send or receive posted between 2
+        # processes (the schedule replay's best fit to all 7 schedules' steps at m=8 and 32;
+        # it errs by -45% to +140% per schedule, so this is an average); a split backward
+        # 9.1 us per autograd node beyond the whole one (a GPT-2 block's 42 nodes)
+        pipeline_action_s=34e-6,
+        p2p_post_s=290e-6,
+        split_backward_node_s=9.1e-6,
+        # the machine these figures were measured on: 2 cores, 4 processes
+        shared_cores=2,
     ),
 }
 

@@ -47,13 +47,15 @@ from autopar.mesh import Mesh
 from autopar.passes import mixed_precision
 from autopar.passes.pipeline_cost import (
     Option,
+    Overheads,
     chunk_cost,
     microbatch_counts,
+    overheads,
     planned_stages,
     replay,
     schedule_names,
     schedule_options,
-    send_time,
+    stage_time,
     stand_in_flight,
     weigh,
 )
@@ -177,14 +179,14 @@ def plan_pipeline(
             (name, sp, choice) for name, (sp, choice) in planned.reference_problems.items()]
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
-            send = send_time(prof.boundary_bytes, mesh, axis)
-            weighed = [weigh(sched, prof, n_blocks, limit, send) for sched in scheds]
+            over = overheads(prof.boundary_bytes, mesh, axis)
+            weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
             if not name:
                 options += weighed
             fitting = [o for o in weighed if o.split is not None]
             if name:
                 # a layout that fits no split is shown split at its best with no limit
-                shown = min(fitting or [weigh(sched, prof, n_blocks, None, send)
+                shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
                                         for sched in scheds], key=lambda o: o.step_s)
                 got = _pipeline_cost(planned.plan.references[name], shown)
                 if name not in ref_costs or got.step_s < ref_costs[name].step_s:
@@ -194,7 +196,7 @@ def plan_pipeline(
                 # GPipe), then to the solver's layout
                 key = (float(f"{opt.step_s:.6g}"), opt.mem_bytes, bool(name))
                 if best is None or key < best.key:
-                    best = _Best(key, planned, name, opt, prof, send)
+                    best = _Best(key, planned, name, opt, prof, over)
         timings["pipeline_s"] += time.perf_counter() - t2
     if best is None:
         raise PlanError(_no_fit(failures, options, limit, p, n_blocks))
@@ -206,7 +208,7 @@ def plan_pipeline(
         options = [o for o in options if o.split is None] + [best.option]
     timings["total_s"] = time.perf_counter() - t0
     pipe = _pipeline_record(mesh.axes[axis], best.option, best.profile, n_blocks, options,
-                            best.send, kept=best.reference)
+                            best.overheads, kept=best.reference)
     plan = planned.plan
     plan = replace(plan, cost=_pipeline_cost(plan.cost, best.option), pipeline=pipe,
                    timings=timings, memory_budget=limit,
@@ -223,7 +225,7 @@ class _Best:
     reference: str  # "" for the solver's own layout
     option: Option
     profile: StageProfile
-    send: float
+    overheads: Overheads
 
 
 def proxy_blocks(planned: Planned) -> int:
@@ -278,12 +280,12 @@ def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          stage_mesh(mesh, axis).data_parallel_size)
     step, bubble, _ = replay(sched, prof, ranges, n_blocks,
-                             send_time(prof.boundary_bytes, mesh, axis))
+                             overheads(prof.boundary_bytes, mesh, axis))
     return step, bubble
 
 
 def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: int,
-                     options: list[Option], send_s: float, kept: str = "") -> PipelinePlan:
+                     options: list[Option], over: Overheads, kept: str = "") -> PipelinePlan:
     sched, split = chosen.schedule, chosen.split
     assert split is not None
     held = schedule_in_flight(sched)
@@ -293,7 +295,8 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
         stages.append(PipelineStage(
             k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
             split.memory_bytes[k], int(held(k, sched.num_stages)), fwd,
-            prof.block.recompute_s * (j - i), sync))
+            prof.block.recompute_s * (j - i), sync,
+            stage_time(sched, prof, i, j, n_blocks, over).split_s))
     fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)
     runner_up = next((o for o in fitting if o is not chosen), None)
     reason = f"the fastest of {len(fitting)} options that fit"
@@ -310,10 +313,11 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
         axis=axis, size=sched.p, schedule=sched.name, virtual=sched.v, microbatches=sched.m,
         stages=tuple(stages), rank_memory_bytes=split.rank_memory_bytes, step_s=chosen.step_s,
         bubble=chosen.bubble, textbook_bubble=textbook_bubble(sched.p, sched.m, sched.v),
-        send_s=send_s, sync_s=chosen.sync_s, weight_share=prof.weight_share, reason=reason,
+        send_s=over.send_s, sync_s=chosen.sync_s, weight_share=prof.weight_share, reason=reason,
         options=tuple(ScheduleOption(o.schedule.name, o.schedule.v, o.schedule.m, o.step_s,
                                      o.bubble, o.mem_bytes, o.note)
                       for o in sorted(options, key=lambda o: (o.step_s, _label(o.schedule)))),
+        action_s=over.action_s, post_s=over.post_s, speed=over.speed or (),
     )
 
 

@@ -29,11 +29,11 @@ def pipeline_timeline(plan: Plan) -> tuple[list[TraceEvent], float]:
     """Every rank's events and the span (module docstring), from the plan alone."""
     pipe = plan.pipeline
     assert pipe is not None
-    sched, times, rank_sync = planned_stages(plan)
+    sched, times, rank_sync, speed = planned_stages(plan)
     again = {st.index: st.recompute_s for st in pipe.stages}
     out: list[TraceEvent] = []
     span = 0.0
-    for rank_events in events(sched, times):
+    for rank_events in events(sched, times, speed):
         for ev in pipeline_trace_events(rank_events):
             stage = ev.args.get("stage")
             rc = again.get(stage, 0.0) if ev.cat in RECOMPUTING else 0.0

@@ -111,6 +111,7 @@ class PipelineStage:
     forward_s: float = 0.0  # of time_s, the forward
     recompute_s: float = 0.0  # of the backward, recomputation
     sync_s: float = 0.0  # its gradient sync, once per step after its last backward
+    split_s: float = 0.0  # a split backward's cost beyond the whole one, per microbatch
 
     @property
     def blocks(self) -> int:
@@ -152,6 +153,11 @@ class PipelinePlan:
     weight_share: float  # of a backward, the weight-gradient part (zero-bubble schedules)
     reason: str = ""
     options: tuple[ScheduleOption, ...] = ()
+    # the runtime's costs the replay charged (passes.pipeline_cost.Overheads): per action,
+    # per send or receive posted, and the ranks' speed with k of them computing (empty: full)
+    action_s: float = 0.0
+    post_s: float = 0.0
+    speed: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {"axis": self.axis, "size": self.size, "schedule": self.schedule,
@@ -160,7 +166,8 @@ class PipelinePlan:
                 "bubble": self.bubble, "textbook_bubble": self.textbook_bubble,
                 "send_s": self.send_s, "sync_s": self.sync_s,
                 "weight_share": self.weight_share, "reason": self.reason,
-                "options": [asdict(o) for o in self.options]}
+                "options": [asdict(o) for o in self.options], "action_s": self.action_s,
+                "post_s": self.post_s, "speed": list(self.speed)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], stages: list[dict]) -> PipelinePlan:
@@ -169,7 +176,9 @@ class PipelinePlan:
                    tuple(float(x) for x in d["rank_memory_bytes"]), float(d["step_s"]),
                    float(d["bubble"]), float(d["textbook_bubble"]), float(d["send_s"]),
                    float(d["sync_s"]), float(d.get("weight_share", 0.5)), d.get("reason", ""),
-                   tuple(ScheduleOption(**o) for o in d.get("options", ())))
+                   tuple(ScheduleOption(**o) for o in d.get("options", ())),
+                   float(d.get("action_s", 0.0)), float(d.get("post_s", 0.0)),
+                   tuple(float(x) for x in d.get("speed", ())))
 
 
 @dataclass(frozen=True, slots=True)

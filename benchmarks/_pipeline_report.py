@@ -164,31 +164,37 @@ def findings(bub: list[tuple[Job, dict]], fid: list[tuple[Job, dict]], got: dict
                                                   zip(got[j.name]["bubbles"],
                                                       got[j.name]["spans"])])
             for j, _ in bub}
+    pbusy = {(j.mesh[0], j.name.split()[-1]): (1 - p["bubble"]) * (p["step_s"] - p["sync_s"])
+             for j, p in bub}
     per_pp = []
     for pp in sorted({k[0] for k in busy}):
-        base = busy[(pp, "1F1B")]
         per_pp.append(f"pp={pp}: " + ", ".join(
-            f"{s} {busy[(pp, s)] / base:.2f}x" for s in
-            ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")))
+            f"{s} {busy[(pp, s)] / busy[(pp, '1F1B')]:.2f}x measured, "
+            f"{pbusy[(pp, s)] / pbusy[(pp, '1F1B')]:.2f}x predicted"
+            for s in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")))
+    prof = get_profile("cpu")
     out.append(
-        f"**Split backward costs more than a whole one.** Measured busy time per rank against "
-        f"1F1B's, the same work: {'; '.join(per_pp)}. The schedule model takes input + weight "
-        f"backward = one backward, so it credits these schedules with a smaller bubble and "
-        f"charges nothing for the split (torch runs the input backward through autograd "
-        f"keeping the graph, then the weight backward as a second pass).")
-    rate = get_profile("cpu").flops_per_s("float32")
-    ratio = {pp: med([busy[(q, s)] / ((1 - p["bubble"]) * (p["step_s"] - p["sync_s"]))
-                      for j, p in bub for q, s in [(j.mesh[0], j.name.split()[-1])] if q == pp])
+        f"**Split backward costs more than a whole one.** Busy time per rank against 1F1B's, "
+        f"the same work: {'; '.join(per_pp)}. torch runs the input backward through autograd "
+        f"keeping the graph, then the weight backward as a second pass; the replay charges "
+        f"{prof.split_backward_node_s * 1e6:.1f} us per autograd node of the stage for it, "
+        f"{prof.pipeline_action_s * 1e6:.0f} us per action and "
+        f"{prof.p2p_post_s * 1e6:.0f} us per send or receive posted (a split backward is "
+        "one action more per microbatch), all from `benchmarks/pipeline_calibration.py`.")
+    rate = prof.flops_per_s("float32")
+    ratio = {pp: med([busy[(q, s)] / pbusy[(q, s)] for q, s in busy if q == pp])
              for pp in sorted({k[0] for k in busy})}
     out.append(
-        f"**Processes are not devices.** The `cpu` profile's {rate / 1e9:.0f} GFLOP/s is one of "
-        f"4 processes on 2 cores; measured here {cals[0]['matmul_flops'] / 1e9:.1f} GFLOP/s per "
-        f"process with 2 processes and {cals[1]['matmul_flops'] / 1e9:.1f} with 4 (all "
-        f"multiplying at once). Measured busy time per rank over the predicted, median over "
-        f"the schedules: " + ", ".join(f"pp={pp} {r:.2f}x" for pp, r in ratio.items()) +
-        ". With 4 processes on 2 cores a rank that waits gives its core to the others, so a "
-        "pipeline's bubble costs less than the model (one device per rank) says, and the "
-        "schedules that shrink it gain less.")
+        f"**Processes share cores.** The `cpu` profile's {rate / 1e9:.0f} GFLOP/s is one of 4 "
+        f"processes on its {prof.shared_cores} cores, all computing; the replay runs a rank "
+        f"faster while fewer compute (`core_speed`: up to {4 / prof.shared_cores:g}x with 4 "
+        f"processes), so a bubble costs less than one device per rank would say. Measured "
+        f"here {cals[0]['matmul_flops'] / 1e9:.1f} GFLOP/s per process with 2 processes and "
+        f"{cals[1]['matmul_flops'] / 1e9:.1f} with 4 (all multiplying at once). Measured busy "
+        f"time per rank over the predicted, median over the schedules: "
+        + ", ".join(f"pp={pp} {r:.2f}x" for pp, r in ratio.items()) +
+        ": the profile's rate is one figure for every op, and with 2 processes a rank has a "
+        "core to itself (the profile's figure assumes 4 share 2).")
     syncs = [(j, p) for j, p in fid if j.is_pipeline and j.mesh[1] > 1]
     if syncs:
         j, p = syncs[0]
@@ -279,7 +285,8 @@ stage layout's prediction in brackets.
 
 {chr(10).join('- ' + x for x in cal)}
 
-The profile is left as it is: none of the errors above is a wrong constant (the split
-backward's extra work, processes sharing cores, and the two pricing rules are the model's
-structure), and refitting its rates to this run would move plans alike, not reorder them.
+The profile's rates are not refitted to this run. Its pipeline runtime figures (per action,
+per send or receive posted, per autograd node of a split backward) come from
+`benchmarks/pipeline_calibration.py` (section "Pipeline runtime calibration"), run on its own
+tiny stages, never from the plans ranked here.
 """

@@ -7,6 +7,11 @@ contiguous split of the blocks (:mod:`.stage_split`: Alpa's DP under the memory 
 stage with its schedule's in-flight count, the first stage also holding the embedding and the
 last the head) replayed in the schedule model (:mod:`.pipeline_schedule`), with the boundary
 sends priced on the ``pp`` link and each rank's gradient sync after its last action.
+
+Beside the stages' own work the replay charges what running them costs
+(:class:`Overheads`, from the device profile): torch's runtime per action and per send or
+receive it posts, the extra graph walk of a split backward per autograd node, and, where the
+ranks are processes sharing a CPU's cores, their speed with fewer of them computing.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from autopar.passes.pipeline_schedule import (
     PipelineSchedule,
     StageTime,
     canonical_name,
+    core_speed,
     simulate,
 )
 from autopar.passes.stage_profile import StageProfile
@@ -131,6 +137,41 @@ def send_time(nbytes: float, mesh: Mesh, axis: int) -> float:
     return mesh.latency[axis] + nbytes / mesh.bandwidth[axis]
 
 
+@dataclass(frozen=True, slots=True)
+class Overheads:
+    """What a pipeline's run costs beside its stages' work: a boundary tensor's send, the
+    runtime's host time per action and per send or receive posted to another rank, a split
+    backward's per-autograd-node walk, and ``speed[k]`` of a rank while ``k`` of the ``p``
+    compute (None: each at full speed whatever the others do)."""
+
+    send_s: float
+    action_s: float = 0.0
+    post_s: float = 0.0
+    node_s: float = 0.0
+    speed: tuple[float, ...] | None = None
+
+
+def overheads(boundary_bytes: float, mesh: Mesh, axis: int) -> Overheads:
+    """The overheads of a pipeline along ``axis`` of ``mesh``, priced by its device profile;
+    every rank of the pipeline is the stage submesh's processes (its dp and tp peers)."""
+    prof = mesh.device
+    p = mesh.shape[axis]
+    speed = core_speed(p, mesh.size // p, prof.shared_cores) if prof.shared_cores else None
+    return Overheads(send_time(boundary_bytes, mesh, axis), prof.pipeline_action_s,
+                     prof.p2p_post_s, prof.split_backward_node_s, speed)
+
+
+def stage_time(sched: PipelineSchedule, prof: StageProfile, i: int, j: int, n_blocks: int,
+               over: Overheads) -> StageTime:
+    """The replay's times of a stage holding blocks [i, j), its overheads included."""
+    fwd, bwd, _, _, kept = chunk_cost(prof, i, j, n_blocks)
+    nodes = prof.block.nodes * (j - i) + (prof.pre.nodes if i == 0 else 0.0) \
+        + (prof.post.nodes if j == n_blocks else 0.0)
+    split = nodes * over.node_s if sched.splits_backward else 0.0
+    return StageTime.of(fwd, bwd, prof.weight_share, over.send_s, kept, over.action_s, split,
+                        over.post_s)
+
+
 def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:
     """(forward, backward, sync, state + transient, kept per microbatch) of blocks [i, j)."""
     parts = [(prof.block, j - i)]
@@ -147,7 +188,7 @@ def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float
 
 
 def weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: float | None,
-           send_s: float) -> Option:
+          over: Overheads) -> Option:
     """The best split for one schedule, replayed: its step and peak, or why it fails."""
     cost = _range_costs(prof, n_blocks)
     try:
@@ -156,7 +197,7 @@ def weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: flo
                              schedule=sched.name, refine=REFINE)
     except PlanError as e:
         return Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
-    step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, send_s)
+    step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, over)
     return Option(sched, split, step, bubble, max(split.rank_memory_bytes), sync)
 
 
@@ -177,22 +218,23 @@ def _range_costs(prof: StageProfile, n_blocks: int) -> Callable[[int, int, Any],
 
 
 def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[int, int]],
-           n_blocks: int, send_s: float) -> tuple[float, float, float]:
+           n_blocks: int, over: Overheads) -> tuple[float, float, float]:
     """(step, bubble, slowest rank's gradient sync) of ``sched`` over stages holding the
     block ranges ``ranges``: the schedule replayed, plus each rank's sync after it."""
     times = []
     rank_sync = [0.0] * sched.p
     for k, (i, j) in enumerate(ranges):
-        fwd, bwd, sync, _, kept = chunk_cost(prof, i, j, n_blocks)
-        times.append(StageTime.of(fwd, bwd, prof.weight_share, send_s, kept))
-        rank_sync[sched.stage_rank(k)] += sync
-    sim = simulate(sched, times)
+        times.append(stage_time(sched, prof, i, j, n_blocks, over))
+        rank_sync[sched.stage_rank(k)] += chunk_cost(prof, i, j, n_blocks)[2]
+    sim = simulate(sched, times, over.speed)
     return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
 
 
-def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[float]]:
-    """A pipeline plan's schedule, each stage's times (as the plan replayed them) and each
-    rank's gradient sync: what its predicted timeline draws, from the plan alone."""
+def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[float],
+                                        tuple[float, ...] | None]:
+    """A pipeline plan's schedule, each stage's times (as the plan replayed them), each
+    rank's gradient sync and the ranks' speeds: what its predicted timeline draws, from the
+    plan alone."""
     pipe = plan.pipeline
     if pipe is None:
         raise PlanError("not a pipeline plan (made by plan_pipeline)")
@@ -200,6 +242,6 @@ def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[
     times, rank_sync = [], [0.0] * sched.p
     for st in pipe.stages:
         times.append(StageTime.of(st.forward_s, st.time_s - st.forward_s, pipe.weight_share,
-                                  pipe.send_s))
+                                  pipe.send_s, 0.0, pipe.action_s, st.split_s, pipe.post_s))
         rank_sync[st.rank] += st.sync_s
-    return sched, times, rank_sync
+    return sched, times, rank_sync, pipe.speed or None

@@ -158,6 +158,9 @@ class StageTime:
     backward_weight_s: float = 0.0
     send_s: float = 0.0
     activation_bytes: float = 0.0
+    action_s: float = 0.0  # the runtime's own cost of running any one action
+    post_s: float = 0.0  # the host's cost of posting one send or receive to another rank
+    split_s: float = 0.0  # what splitting the backward costs beyond the whole one (on I)
 
     @property
     def backward_s(self) -> float:
@@ -165,10 +168,11 @@ class StageTime:
 
     @classmethod
     def of(cls, forward_s: float, backward_s: float, weight_share: float = 0.5,
-           send_s: float = 0.0, activation_bytes: float = 0.0) -> StageTime:
+           send_s: float = 0.0, activation_bytes: float = 0.0, action_s: float = 0.0,
+           split_s: float = 0.0, post_s: float = 0.0) -> StageTime:
         """From a whole backward: matmul-heavy layers spend about half of it on weights."""
         return cls(forward_s, backward_s * (1 - weight_share), backward_s * weight_share,
-                   send_s, activation_bytes)
+                   send_s, activation_bytes, action_s=action_s, post_s=post_s, split_s=split_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,10 +238,9 @@ def _single_stage_order(name: str, p: int, m: int) -> tuple[tuple[Action, ...], 
     return tuple(orders)
 
 
-@lru_cache(maxsize=64)
-def _torch_order(name: str, p: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
-    """torch's ``pipeline_order``, built from stand-in stages (the attributes the schedules'
-    constructors read; ``submod=None`` skips their torch.compile check)."""
+def _built(name: str, p: int, v: int, m: int):
+    """torch's schedule object for ``p`` ranks, built from stand-in stages (the attributes
+    the schedules' constructors read; ``submod=None`` skips their torch.compile check)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
     n = p * v
@@ -246,21 +249,55 @@ def _torch_order(name: str, p: int, v: int, m: int) -> tuple[tuple[Action, ...],
     stages = [SimpleNamespace(num_stages=n, group_size=p, group_rank=0, stage_index=s,
                               submod=None, stage_index_to_group_rank=None) for s in local]
     try:
-        built = cls(stages, m)
+        return cls(stages, m)
     except (ValueError, RuntimeError, AssertionError) as e:
         raise PlanError(f"torch cannot build {name} with p={p}, v={v}, m={m}: {e}") from e
-    orders = []
+
+
+def _leaves(actions):
+    for a in actions:
+        if a is not None:
+            yield from (a.sub_actions or (a,))
+
+
+@lru_cache(maxsize=64)
+def _torch_order(name: str, p: int, v: int, m: int) -> tuple[tuple[Action, ...], ...]:
+    """torch's ``pipeline_order``: each rank's compute actions."""
+    built = _built(name, p, v, m)
+    return tuple(tuple(Action(leaf.stage_index, leaf.computation_type.value,
+                              leaf.microbatch_index)
+                       for leaf in _leaves(built.pipeline_order[r])
+                       if leaf.computation_type.value in KIND)
+                 for r in range(p))
+
+
+@lru_cache(maxsize=64)
+def receive_posts(name: str, p: int, v: int, m: int) -> tuple[dict[tuple[int, int, str], int],
+                                                               ...]:
+    """Where each rank posts the receive of an action's input, as the index of the compute
+    action (in :func:`rank_orders`) after which it does, -1 before the first; keyed by
+    (stage, microbatch, ``"F"`` for an activation or ``"B"`` for a gradient). The
+    multi-stage runtimes run torch's lowered program (``pipeline_order_with_comms``), whose
+    RECV actions sit at most a few actions ahead of their readers; the single-stage ones
+    post each receive just before the action that reads it, which is the fallback (an
+    absent key) where torch has no lowered program."""
+    if name in SINGLE_STAGE:
+        return ({},) * p
+    lowered = getattr(_built(name, p, v, m), "pipeline_order_with_comms", None)
+    if not lowered:
+        return ({},) * p
+    out = []
     for r in range(p):
-        actions: list[Action] = []
-        for a in built.pipeline_order[r]:
-            if a is None:
-                continue
-            for leaf in a.sub_actions or (a,):
-                kind = leaf.computation_type.value
-                if kind in KIND:
-                    actions.append(Action(leaf.stage_index, kind, leaf.microbatch_index))
-        orders.append(tuple(actions))
-    return tuple(orders)
+        posts: dict[tuple[int, int, str], int] = {}
+        done = 0
+        for leaf in _leaves(lowered[r]):
+            kind = leaf.computation_type.value
+            if kind in KIND:
+                done += 1
+            elif kind in ("RECV_F", "RECV_B"):
+                posts[(leaf.stage_index, leaf.microbatch_index, kind[-1])] = done - 1
+        out.append(posts)
+    return tuple(out)
 
 
 def _as_stage_times(schedule: PipelineSchedule,
@@ -275,64 +312,119 @@ def _as_stage_times(schedule: PipelineSchedule,
     return times
 
 
-def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...]):
-    """Start and end of every action; the event-driven replay the module docstring describes."""
+def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
+            speed: Sequence[float] | None = None):
+    """Start and end of every action; the event-driven replay the module docstring describes.
+    ``speed[k]``: how fast a rank computes while ``k`` ranks compute (processes sharing cores,
+    :func:`core_speed`); None: every rank at full speed whatever the others do."""
     orders = rank_orders(schedule)
+    n_ranks = len(orders)
     last = schedule.num_stages - 1
     rank_of = [schedule.stage_rank(s) for s in range(schedule.num_stages)]
     fwd_end: dict[tuple[int, int], float] = {}
     grad_end: dict[tuple[int, int], float] = {}  # B or I: the input gradient exists
     runs: list[list[tuple[Action, float, float]]] = [[] for _ in orders]
-    free = [0.0] * len(orders)
-    pos = [0] * len(orders)
+    free = [0.0] * n_ranks
+    pos = [0] * n_ranks
+    running: dict[int, tuple[Action, float, float]] = {}  # rank -> (action, start, work left)
+    posts = receive_posts(schedule.name, schedule.p, schedule.v, schedule.m)
+
+    def posted(r: int, a: Action, kind: str) -> float:
+        j = posts[r].get((a.stage, a.microbatch, kind), pos[r] - 1)
+        return runs[r][j][2] if 0 <= j < len(runs[r]) else (free[r] if j >= 0 else 0.0)
 
     def hop(src: int, dst: int) -> float:  # boundary between stages min(src, dst) and +1
         return 0.0 if rank_of[src] == rank_of[dst] else times[min(src, dst)].send_s
 
-    def ready(a: Action) -> float | None:
+    def arrived(end: float | None, src: int, dst: int, posted: float) -> float | None:
+        # a transfer starts once its sender has finished and its receiver has posted the
+        # receive, which torch's runtimes do when they reach the action that reads it
+        if end is None:
+            return None
+        h = hop(src, dst)
+        return end if h == 0.0 else max(end, posted) + h
+
+    def ready(r: int, a: Action) -> float | None:
         key = (a.stage, a.microbatch)
         if a.kind == FORWARD:
             if a.stage == 0:
                 return 0.0
-            prev = fwd_end.get((a.stage - 1, a.microbatch))
-            return None if prev is None else prev + hop(a.stage - 1, a.stage)
+            return arrived(fwd_end.get((a.stage - 1, a.microbatch)), a.stage - 1, a.stage,
+                           posted(r, a, "F"))
         if a.kind == BACKWARD_WEIGHT:
             return grad_end.get(key)
         own = fwd_end.get(key)
         if own is None or a.stage == last:
             return own
-        nxt = grad_end.get((a.stage + 1, a.microbatch))
-        return None if nxt is None else max(own, nxt + hop(a.stage + 1, a.stage))
+        nxt = arrived(grad_end.get((a.stage + 1, a.microbatch)), a.stage + 1, a.stage,
+                      posted(r, a, "B"))
+        return None if nxt is None else max(own, nxt)
+
+    def posts_of(a: Action) -> int:  # its sends and receives to and from other ranks
+        if a.kind == BACKWARD_WEIGHT:
+            return 0
+        return sum(1 for other in (a.stage - 1, a.stage + 1)
+                   if 0 <= other <= last and rank_of[other] != rank_of[a.stage])
 
     def duration(a: Action) -> float:
         t = times[a.stage]
-        return {FORWARD: t.forward_s, BACKWARD: t.backward_s,
-                BACKWARD_INPUT: t.backward_input_s, BACKWARD_WEIGHT: t.backward_weight_s}[a.kind]
+        return t.action_s + t.post_s * posts_of(a) + {FORWARD: t.forward_s, BACKWARD: t.backward_s,
+                             BACKWARD_INPUT: t.backward_input_s + t.split_s,
+                             BACKWARD_WEIGHT: t.backward_weight_s}[a.kind]
 
+    now = 0.0
     remaining = sum(len(o) for o in orders)
     while remaining:
-        progressed = False
+        waits = []
         for r, order in enumerate(orders):
-            while pos[r] < len(order):
-                a = order[pos[r]]
-                at = ready(a)
-                if at is None:
-                    break
-                start = max(free[r], at)
-                end = start + duration(a)
-                runs[r].append((a, start, end))
-                if a.kind == FORWARD:
-                    fwd_end[(a.stage, a.microbatch)] = end
-                elif a.kind in (BACKWARD, BACKWARD_INPUT):
-                    grad_end[(a.stage, a.microbatch)] = end
-                free[r], pos[r] = end, pos[r] + 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {r: orders[r][pos[r]] for r in range(len(orders)) if pos[r] < len(orders[r])}
-            raise PlanError(f"{schedule} deadlocks (each rank waits: {stuck}); choose another "
-                            "schedule or microbatch count")
+            if r in running or pos[r] >= len(order):
+                continue
+            at = ready(r, order[pos[r]])
+            if at is None:
+                continue
+            if at <= now + 1e-15:
+                running[r] = (order[pos[r]], max(now, free[r]), duration(order[pos[r]]))
+            else:
+                waits.append(at)
+        if not running:
+            if not waits:
+                stuck = {r: orders[r][pos[r]] for r in range(n_ranks) if pos[r] < len(orders[r])}
+                raise PlanError(f"{schedule} deadlocks (each rank waits: {stuck}); choose "
+                                "another schedule or microbatch count")
+            now = min(waits)
+            continue
+        rate = 1.0 if speed is None else speed[min(len(running), len(speed) - 1)]
+        step = min(left for _, _, left in running.values()) / rate
+        if waits:
+            step = min(step, min(waits) - now)
+        now += step
+        for r in list(running):
+            a, start, left = running[r]
+            left -= step * rate
+            if left > 1e-12 * max(1.0, now):
+                running[r] = (a, start, left)
+                continue
+            del running[r]
+            runs[r].append((a, start, now))
+            if a.kind == FORWARD:
+                fwd_end[(a.stage, a.microbatch)] = now
+            elif a.kind in (BACKWARD, BACKWARD_INPUT):
+                grad_end[(a.stage, a.microbatch)] = now
+            free[r], pos[r] = now, pos[r] + 1
+            remaining -= 1
     return runs
+
+
+def core_speed(p: int, processes_per_rank: int, cores: int) -> tuple[float, ...] | None:
+    """How fast one of ``p`` pipeline ranks computes while ``k`` of them compute (index
+    ``k``), where each rank is ``processes_per_rank`` processes (its dp and tp peers) and all
+    ``p * processes_per_rank`` share ``cores`` cores; 1.0 is the speed with every process
+    computing, the one the device profile's rates describe. None where no core is shared."""
+    n = p * processes_per_rank
+    if cores <= 0 or n <= cores:
+        return None
+    full = cores / n
+    return tuple(min(1.0, cores / max(1, k * processes_per_rank)) / full for k in range(p + 1))
 
 
 def _memory(schedule: PipelineSchedule, times: tuple[StageTime, ...], runs):
@@ -367,11 +459,12 @@ def _memory(schedule: PipelineSchedule, times: tuple[StageTime, ...], runs):
     return tuple(peak_n), tuple(peak_b), tuple(stage_peak)
 
 
-def simulate(schedule: PipelineSchedule,
-             stage_times: StageTime | Sequence[StageTime]) -> ScheduleCost:
-    """Predicted step of ``schedule`` (one StageTime for all stages, or one per stage)."""
+def simulate(schedule: PipelineSchedule, stage_times: StageTime | Sequence[StageTime],
+             speed: Sequence[float] | None = None) -> ScheduleCost:
+    """Predicted step of ``schedule`` (one StageTime for all stages, or one per stage);
+    ``speed``: ranks sharing cores (:func:`core_speed`)."""
     times = _as_stage_times(schedule, stage_times)
-    runs = _replay(schedule, times)
+    runs = _replay(schedule, times, speed)
     step = max((end for rank_runs in runs for _, _, end in rank_runs), default=0.0)
     busy = tuple(sum(end - start for _, start, end in rank_runs) for rank_runs in runs)
     idle = tuple(max(0.0, step - b) for b in busy)
@@ -380,13 +473,13 @@ def simulate(schedule: PipelineSchedule,
     return ScheduleCost(schedule, step, bubble, busy, idle, peak_n, peak_b, stage_peak)
 
 
-def events(schedule: PipelineSchedule,
-           stage_times: StageTime | Sequence[StageTime]) -> tuple[tuple[Event, ...], ...]:
+def events(schedule: PipelineSchedule, stage_times: StageTime | Sequence[StageTime],
+           speed: Sequence[float] | None = None) -> tuple[tuple[Event, ...], ...]:
     """Each rank's timeline, sorted by start: its compute, the idle gaps between (up to the
     step's end) and the sends it issues (which overlap its compute: draw them on a lane of
     their own)."""
     times = _as_stage_times(schedule, stage_times)
-    runs = _replay(schedule, times)
+    runs = _replay(schedule, times, speed)
     step = max((end for rank_runs in runs for _, _, end in rank_runs), default=0.0)
     last = schedule.num_stages - 1
     out = []

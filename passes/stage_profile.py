@@ -50,6 +50,7 @@ class PartCost:
     saved_bytes: float = 0.0  # kept for the backward, per microbatch in flight
     transient_bytes: float = 0.0  # the most it holds briefly on top, while it runs
     recompute_s: float = 0.0  # of backward_s, forward work run again (recomputation)
+    nodes: float = 0.0  # autograd nodes its forward records, per microbatch
 
     @property
     def time_s(self) -> float:
@@ -114,6 +115,10 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
     wgrad = 0.0  # backward time of ops that make parameter gradients only
 
     again = {p: 0.0 for p in PARTS}  # recomputed copies' compute, within the backward
+    nodes = {p: 0.0 for p in PARTS}
+    for i, n in enumerate(sp.nodes):
+        if phase[i] == "fwd" and n.op == "call_function":
+            nodes[parts[i]] += float(weight[i])
     copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra}
 
     def add(i: int, t: float) -> None:
@@ -157,7 +162,8 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
 
     def make(p: str, per: float) -> PartCost:
         return PartCost(fwd[p] * k_rest / per, bwd[p] * k_rest / per, sync[p] * k_sync / per,
-                        state[p] / per, saved[p] / per, transient[p], again[p] * k_rest / per)
+                        state[p] / per, saved[p] / per, transient[p], again[p] * k_rest / per,
+                        nodes[p] / per)
 
     return StageProfile(
         make("pre", 1.0), make("block", float(blocks)), make("post", 1.0),

@@ -65,6 +65,29 @@ def test_the_plan_round_trips_through_json_and_prints_its_stages(tmp_path):
     assert "on pp=2 x dp=2" in table
 
 
+def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
+    from autopar.passes.pipeline_cost import overheads
+    from autopar.pipeline_timeline import pipeline_timeline
+
+    # the cpu profile: processes share its cores; a GPU's host queues ahead (no costs)
+    cpu = overheads(1e3, Mesh((2, 2), ("pp", "dp"), "cpu"), 0)
+    assert cpu.speed == (2.0, 2.0, 1.0) and cpu.post_s > 0 and cpu.node_s > 0
+    gpu = overheads(1e3, Mesh((2, 2), ("pp", "dp"), "h100"), 0)
+    assert gpu.speed is None and gpu.action_s == gpu.post_s == gpu.node_s == 0.0
+    model, inputs = gpt(n_layer=4)
+    mesh = Mesh((2,), ("pp",), "cpu")
+    zbv = plan_pipeline(model, mesh, inputs, schedule="ZBVZeroBubble").plan
+    pipe = zbv.pipeline
+    assert (pipe.action_s, pipe.post_s) == (cpu.action_s, cpu.post_s)
+    # one process per rank on 2 cores: a core each, no speed-up
+    assert pipe.speed == () and all(st.split_s > 0 for st in pipe.stages)
+    one = plan_pipeline(model, mesh, inputs, schedule="1F1B").plan.pipeline
+    assert all(st.split_s == 0 for st in one.stages)  # a whole backward: nothing to split
+    # the timeline, redrawn from the plan alone, ends where the plan's replay did
+    _, span = pipeline_timeline(zbv)
+    assert span == pytest.approx(pipe.step_s)
+
+
 def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
     # a vocabulary of 16k on a 64-wide model: the head outweighs several blocks
     model, inputs = gpt(n_layer=8, vocab=16384)

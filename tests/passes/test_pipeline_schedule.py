@@ -9,8 +9,10 @@ from autopar.passes.pipeline_schedule import (
     PipelineSchedule,
     StageTime,
     canonical_name,
+    core_speed,
     events,
     rank_orders,
+    receive_posts,
     simulate,
     textbook_bubble,
 )
@@ -111,11 +113,80 @@ def test_step_time_is_monotone_in_stage_times(name, v, m):
 def test_sends_delay_the_step_across_ranks_but_not_within_the_v_turn():
     s = PipelineSchedule("1F1B", 2, 1, 2)
     free = simulate(s, StageTime(1.0, 2.0)).step_s
-    # the critical path crosses the boundary twice: the first forward, the last backward
-    assert math.isclose(simulate(s, StageTime(1.0, 2.0, send_s=0.5)).step_s, free + 2 * 0.5)
+    # a transfer starts when the receiver posts its receive, just before the reading action
+    # (torch's single-stage runtimes): the critical path crosses the boundary three times,
+    # the first forward, rank 1's second forward (posted after its first backward, though
+    # the activation was ready long before) and the last backward
+    assert math.isclose(simulate(s, StageTime(1.0, 2.0, send_s=0.5)).step_s, free + 3 * 0.5)
     # one rank, V: stages 0 and 1 both live on rank 0, so nothing is sent
     v = PipelineSchedule("ZBVZeroBubble", 1, 2, 2)
     assert math.isclose(simulate(v, StageTime(1.0, 1.0, 1.0, send_s=5.0)).step_s, 12.0)
+
+
+@pytest.mark.parametrize("name,v,m", [("Interleaved1F1B", 2, 8), ("InterleavedZeroBubble", 2, 4),
+                                      ("ZBVZeroBubble", 2, 8), ("DualPipeV", 2, 8),
+                                      ("LoopedBFS", 2, 4)])
+def test_receives_are_posted_before_their_readers_in_torchs_lowered_program(name, v, m):
+    # the replay reads where torch's runtime posts each receive off its lowered program:
+    # every action that reads from another rank has one, posted before that action runs
+    s = PipelineSchedule(name, 3, v, m)
+    for r, (order, posts) in enumerate(zip(rank_orders(s), receive_posts(name, 3, v, m))):
+        for k, a in enumerate(order):
+            src = {"F": a.stage - 1, "B": a.stage + 1, "I": a.stage + 1}.get(a.kind)
+            if src is None or not 0 <= src < s.num_stages or s.stage_rank(src) == r:
+                continue
+            key = (a.stage, a.microbatch, "F" if a.kind == "F" else "B")
+            assert key in posts and -1 <= posts[key] < k, (r, a)
+
+
+def test_a_receive_posted_early_hides_the_send_where_one_posted_late_does_not(monkeypatch):
+    # torch's lowered Interleaved1F1B posts some receives an action ahead of their readers;
+    # replayed as if each were posted just before its reader (the single-stage runtimes'
+    # way), the same schedule pays those sends on its critical path
+    import autopar.passes.pipeline_schedule as ps
+
+    s = PipelineSchedule("Interleaved1F1B", 2, 2, 4)
+    t = StageTime(1.0, 1.0, 0.0, send_s=0.5)
+    early = simulate(s, t).step_s
+    monkeypatch.setattr(ps, "receive_posts", lambda name, p, v, m: ({},) * p)
+    late = simulate(s, t).step_s
+    assert early < late - 0.4
+
+
+def test_runtime_costs_add_per_action_per_post_and_per_split_backward():
+    # one rank, a V: 2 stages x 2 microbatches x (F, I, W), nothing sent
+    v = PipelineSchedule("ZBVZeroBubble", 1, 2, 2)
+    base = simulate(v, StageTime(1.0, 1.0, 1.0)).step_s
+    assert math.isclose(simulate(v, StageTime(1.0, 1.0, 1.0, action_s=0.1)).step_s, base + 1.2)
+    # the split's cost lands on the 4 input backwards; posts cost nothing on one rank
+    assert math.isclose(simulate(v, StageTime(1.0, 1.0, 1.0, split_s=0.25, post_s=9.0)).step_s,
+                        base + 1.0)
+    # GPipe on 2 ranks, 1 microbatch: each of the 4 actions posts one send or receive
+    g = PipelineSchedule("GPipe", 2, 1, 1)
+    assert math.isclose(simulate(g, StageTime(1.0, 2.0, post_s=0.5)).step_s,
+                        simulate(g, StageTime(1.0, 2.0)).step_s + 4 * 0.5)
+
+
+def test_core_speed_is_relative_to_every_process_computing():
+    assert core_speed(4, 1, 4) is None and core_speed(2, 2, 8) is None  # a core each
+    # 4 processes on 2 cores: alone or with one other a process has a core of its own
+    assert core_speed(4, 1, 2) == (2.0, 2.0, 2.0, 4 / 3, 1.0)
+    # pp=2 x dp=2 on 2 cores: one pipeline rank busy is its 2 dp processes, a core each
+    assert core_speed(2, 2, 2) == (2.0, 2.0, 1.0)
+
+
+def test_ranks_sharing_cores_run_faster_alone():
+    # GPipe, 2 ranks, 1 microbatch: one rank computes at any time, at twice the speed
+    g = PipelineSchedule("GPipe", 2, 1, 1)
+    t = StageTime(1.0, 2.0)
+    assert math.isclose(simulate(g, t).step_s, 6.0)
+    shared = simulate(g, t, core_speed(2, 2, 2))
+    assert math.isclose(shared.step_s, 3.0) and shared.busy_s == (1.5, 1.5)
+    # a speed of 1 for every count is the replay without sharing, for every schedule
+    for name, v, m in VALID[::4]:
+        s = PipelineSchedule(name, 4, v, m)
+        times = [StageTime(1.0 + 0.1 * k, 1.5, 0.5, send_s=0.2) for k in range(s.num_stages)]
+        assert math.isclose(simulate(s, times, (1.0,) * 5).step_s, simulate(s, times).step_s)
 
 
 def test_events_tile_each_rank_and_carry_torch_names():
