@@ -372,8 +372,40 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
                              BACKWARD_INPUT: t.backward_input_s + t.split_s,
                              BACKWARD_WEIGHT: t.backward_weight_s}[a.kind]
 
-    now = 0.0
+    def finish(r: int, a: Action, start: float, end: float) -> None:
+        runs[r].append((a, start, end))
+        if a.kind == FORWARD:
+            fwd_end[(a.stage, a.microbatch)] = end
+        elif a.kind in (BACKWARD, BACKWARD_INPUT):
+            grad_end[(a.stage, a.microbatch)] = end
+        free[r], pos[r] = end, pos[r] + 1
+
+    def deadlock() -> PlanError:
+        stuck = {r: orders[r][pos[r]] for r in range(n_ranks) if pos[r] < len(orders[r])}
+        return PlanError(f"{schedule} deadlocks (each rank waits: {stuck}); choose another "
+                         "schedule or microbatch count")
+
     remaining = sum(len(o) for o in orders)
+    if speed is None:
+        # every action's length is known up front: run each rank ahead as far as it can
+        while remaining:
+            progressed = False
+            for r, order in enumerate(orders):
+                while pos[r] < len(order):
+                    a = order[pos[r]]
+                    at = ready(r, a)
+                    if at is None:
+                        break
+                    start = max(free[r], at)
+                    finish(r, a, start, start + duration(a))
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise deadlock()
+        return runs
+    # ranks share cores: a running action's pace changes whenever another starts or ends,
+    # so time advances event by event
+    now = 0.0
     while remaining:
         waits = []
         for r, order in enumerate(orders):
@@ -388,12 +420,10 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
                 waits.append(at)
         if not running:
             if not waits:
-                stuck = {r: orders[r][pos[r]] for r in range(n_ranks) if pos[r] < len(orders[r])}
-                raise PlanError(f"{schedule} deadlocks (each rank waits: {stuck}); choose "
-                                "another schedule or microbatch count")
+                raise deadlock()
             now = min(waits)
             continue
-        rate = 1.0 if speed is None else speed[min(len(running), len(speed) - 1)]
+        rate = speed[min(len(running), len(speed) - 1)]
         step = min(left for _, _, left in running.values()) / rate
         if waits:
             step = min(step, min(waits) - now)
@@ -405,12 +435,7 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
                 running[r] = (a, start, left)
                 continue
             del running[r]
-            runs[r].append((a, start, now))
-            if a.kind == FORWARD:
-                fwd_end[(a.stage, a.microbatch)] = now
-            elif a.kind in (BACKWARD, BACKWARD_INPUT):
-                grad_end[(a.stage, a.microbatch)] = now
-            free[r], pos[r] = now, pos[r] + 1
+            finish(r, a, start, now)
             remaining -= 1
     return runs
 
