@@ -313,7 +313,8 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
         axis=axis, size=sched.p, schedule=sched.name, virtual=sched.v, microbatches=sched.m,
         stages=tuple(stages), rank_memory_bytes=split.rank_memory_bytes, step_s=chosen.step_s,
         bubble=chosen.bubble, textbook_bubble=textbook_bubble(sched.p, sched.m, sched.v),
-        send_s=over.send_s, sync_s=chosen.sync_s, weight_share=prof.weight_share, reason=reason,
+        send_s=over.send_s, sync_s=chosen.sync_s, reason=reason,
+        weight_share=prof.weight_share if prof.splits_backward else 0.0,
         options=tuple(ScheduleOption(o.schedule.name, o.schedule.v, o.schedule.m, o.step_s,
                                      o.bubble, o.mem_bytes, o.note)
                       for o in sorted(options, key=lambda o: (o.step_s, _label(o.schedule)))),

@@ -163,13 +163,16 @@ def overheads(boundary_bytes: float, mesh: Mesh, axis: int) -> Overheads:
 
 def stage_time(sched: PipelineSchedule, prof: StageProfile, i: int, j: int, n_blocks: int,
                over: Overheads) -> StageTime:
-    """The replay's times of a stage holding blocks [i, j), its overheads included."""
+    """The replay's times of a stage holding blocks [i, j), its overheads included. A stage
+    whose backward cannot split (a stage program) runs it whole in the input action."""
     fwd, bwd, _, _, kept = chunk_cost(prof, i, j, n_blocks)
+    if not (sched.splits_backward and prof.splits_backward):
+        share = prof.weight_share if prof.splits_backward else 0.0
+        return StageTime.of(fwd, bwd, share, over.send_s, kept, over.action_s, 0.0, over.post_s)
     nodes = prof.block.nodes * (j - i) + (prof.pre.nodes if i == 0 else 0.0) \
         + (prof.post.nodes if j == n_blocks else 0.0)
-    split = nodes * over.node_s if sched.splits_backward else 0.0
-    return StageTime.of(fwd, bwd, prof.weight_share, over.send_s, kept, over.action_s, split,
-                        over.post_s)
+    return StageTime.of(fwd, bwd, prof.weight_share, over.send_s, kept, over.action_s,
+                        nodes * over.node_s, over.post_s)
 
 
 def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:

@@ -35,6 +35,7 @@ from autopar.passes.cost_model import loss_collectives
 from autopar.passes.memory import step_usage
 from autopar.passes.problem_reduction import node_layer
 from autopar.passes.sharding_problem import ShardingProblem
+from autopar.placements import R
 
 PARTS = ("pre", "block", "post")
 
@@ -64,9 +65,25 @@ class StageProfile:
     post: PartCost
     boundary_bytes: float  # a block's input, per device and microbatch (sent between stages)
     weight_share: float  # the backward's share that computes weight gradients (deferrable)
+    # whether torch can split the stage's backward into its input and weight parts: a stage
+    # that runs its intra-op plan as one program (:func:`runs_as_program`) runs its backward
+    # whole, so the zero-bubble schedules' weight actions run nothing
+    splits_backward: bool = True
 
     def part(self, name: str) -> PartCost:
         return getattr(self, name)
+
+
+def runs_as_program(sp: ShardingProblem, choice: list[int]) -> bool:
+    """Whether a stage of this layout runs as a stage program (its intra-op plan lowered on
+    the stage submesh, ``runtime/stage_program.py``) rather than as a plain module replicated
+    over ``dp``: a submesh axis other than ``dp`` of size > 1, a parameter split over an axis,
+    or ZeRO-1. The runtime's own test (``runtime.pipeline_module.runs_programs``) reads the
+    same off the plan."""
+    if any(a != "dp" and n > 1 for a, n in zip(sp.mesh.axes, sp.mesh.shape)) or sp.zero1:
+        return True
+    return any(any(p != R for p in sp.strategies[i][choice[i]].outs[0])
+               for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "param")
 
 
 def part_of_nodes(sp: ShardingProblem) -> list[str]:
@@ -169,6 +186,7 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
         make("pre", 1.0), make("block", float(blocks)), make("post", 1.0),
         boundary_bytes=_boundary_bytes(sp, parts) / max(1, dp_size),
         weight_share=min(0.9, wgrad / block_bwd) if block_bwd > 0 else 0.5,
+        splits_backward=not runs_as_program(sp, choice),
     )
 
 

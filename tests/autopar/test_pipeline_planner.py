@@ -88,6 +88,28 @@ def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
     assert span == pytest.approx(pipe.step_s)
 
 
+@pytest.mark.parametrize("axes,shape", [(("pp", "dp"), (2, 2)), (("pp", "tp"), (2, 2))])
+def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes, shape):
+    from autopar.pipeline_planner import proxy_blocks, stage_mesh
+    from autopar.runtime.pipeline_module import runs_programs
+
+    model, inputs = gpt(n_layer=4)
+    mesh = Mesh(shape, axes, "cpu")
+    planned = plan_pipeline(model, mesh, inputs, schedule="ZBVZeroBubble")
+    pipe = planned.plan.pipeline
+    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
+                         stage_mesh(mesh, 0).data_parallel_size)
+    # the planner's test and the runtime's agree on the plan made
+    assert prof.splits_backward == (not runs_programs(planned.plan))
+    if prof.splits_backward:
+        assert pipe.weight_share > 0 and all(st.split_s > 0 for st in pipe.stages)
+    else:
+        # a stage program's backward runs whole in the input action: no weight part to
+        # defer, and no second graph walk to pay for
+        assert pipe.weight_share == 0 and all(st.split_s == 0 for st in pipe.stages)
+    assert ("tp" in axes) == (not prof.splits_backward)
+
+
 def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
     # a vocabulary of 16k on a 64-wide model: the head outweighs several blocks
     model, inputs = gpt(n_layer=8, vocab=16384)
