@@ -102,11 +102,12 @@ def parallelize(
     schedule (``schedule=``: torch's name, ``"1F1B"``, ``"ZBVZeroBubble"``, ...), the
     micro-batches (``microbatches=``) and the stages per rank (``virtual=``), or takes them
     from ``plan=``, and the result is a :class:`~autopar.runtime.pipeline_module.PipelineModule`
-    (``docs/pipelines.md``). Stages run in fp32 (the default precision there), replicated
-    over ``dp`` where the plan keeps their parameters whole, else each running its own plan
-    on the stage submesh with the parameters placed as planned; what the runtime cannot run
-    as planned is refused with the fix. The model itself is left as it was: train the
-    returned module's parameters.
+    (``docs/pipelines.md``). Stages are replicated over ``dp`` where the plan keeps their
+    parameters whole, computing in the plan's precision (fp32 by default there, or bf16) and
+    recomputing as it says, as the SPMD runtime does; else each runs its own plan on the
+    stage submesh with the parameters placed as planned, in fp32 without recomputation. What
+    the runtime cannot run as planned is refused with the fix. The model itself is left as it
+    was: train the returned module's parameters.
     """
     if isinstance(mesh, int) and not isinstance(mesh, bool):
         if plan is not None:
@@ -206,8 +207,8 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
             runs = pm.runnable_option(made)
             if runs is None or fixed["schedule"] is not None:
                 return made  # runs as chosen, or as asked (then refused, with the fix)
-            # stages that run their own plan cannot split their backward: the fastest option
-            # weighed that they run, planned with its choices fixed
+            # stages that run their own plan, or recompute selectively, cannot split their
+            # backward: the fastest option weighed that they run, planned with its choices fixed
             return plan_pipeline(skeleton, amesh, args, kwargs, model_name=type(model).__name__,
                                  **options, schedule=runs.schedule, virtual=runs.virtual,
                                  microbatches=runs.microbatches).plan
@@ -229,8 +230,9 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
                       loss_fn: Callable | None, time_limit_s: float, options: dict[str, Any]
                       ) -> Plan:
     """The fastest plan over the ``pp x dp x tp`` shapes of ``n`` devices that the runtime
-    runs as written (planned on rank 0, shared): a pipeline's stages run in fp32 without
-    recomputation, so a pipeline plan that needs either gives way to the next shape."""
+    runs as written (planned on rank 0, shared): a pipeline plan the runtime refuses
+    (:func:`~autopar.runtime.pipeline_module.check_runnable`: stage programs in bf16 or
+    recomputing, offloaded optimizer state, ...) gives way to the next shape."""
     from autopar.runtime import pipeline_module as pm
     from autopar.shape_search import search_shapes
 

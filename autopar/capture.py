@@ -307,14 +307,17 @@ def _tag_repeated_blocks(model: nn.Module, blocks: list[nn.Module] | None = None
         # the forward's attention internals, which selective recomputation recomputes
         # (passes.recompute), and its projections inside, which it keeps
         for sub in block.modules():
-            tag = _module_tag(sub)
+            tag = module_tag(sub)
             if tag is not None:
                 handles.append(sub.register_forward_pre_hook(lambda m, a, t=tag: enter(t)))
                 handles.append(sub.register_forward_hook(lambda m, a, o: leave()))
     return handles, stack
 
 
-def _module_tag(mod: nn.Module) -> dict | None:
+def module_tag(mod: nn.Module) -> dict | None:
+    """The tag a module's forward ops carry for selective recomputation (its attention
+    internals recomputed, its projections kept: :func:`autopar.passes.recompute.selective`);
+    a pipeline stage's blocks are tagged alike at run time (:mod:`autopar.runtime.planned_stage`)."""
     kind = type(mod).__name__.lower()
     if "attention" in kind:
         return {"autopar_attention": True, "autopar_projection": False}

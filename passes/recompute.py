@@ -62,12 +62,17 @@ def recompute_nodes(pg: PlanGraph, mode: str) -> list[str]:
             continue
         if not _recomputable(n, f):
             continue
-        custom = n.meta.get("custom") or {}
-        if mode == "selective" and not (custom.get("autopar_attention")
-                                        and not custom.get("autopar_projection")):
+        if mode == "selective" and not selective(n.meta.get("custom") or {}):
             continue
         out.append(n.name)
     return needed_in_backward(pg, out)
+
+
+def selective(tags: dict) -> bool:
+    """Whether selective mode recomputes an op carrying these module tags
+    (:func:`autopar.capture.module_tag`, nested tags merged): inside an attention module, not
+    inside one of its projections."""
+    return bool(tags.get("autopar_attention")) and not tags.get("autopar_projection")
 
 
 def _recomputable(n: fx.Node, f: NodeFacts) -> bool:
@@ -75,20 +80,23 @@ def _recomputable(n: fx.Node, f: NodeFacts) -> bool:
         return False
     target = n.target
     if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags and _draws(n, target):
+        if draws(target, n.args, n.kwargs):
             return False
         if mutated_inputs(n):
             return False
     return True
 
 
-def _draws(n: fx.Node, target: torch._ops.OpOverload) -> bool:
-    """Whether a seeded op draws random numbers here: attention kernels only with dropout."""
+def draws(target: torch._ops.OpOverload, args: tuple | list, kwargs: dict) -> bool:
+    """Whether an op draws random numbers with these arguments (a second run would draw
+    others): seeded ops, attention kernels only with dropout."""
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
     names = [a.name for a in target._schema.arguments]
     if "dropout_p" not in names:
         return True
     k = names.index("dropout_p")
-    p = n.args[k] if len(n.args) > k else n.kwargs.get("dropout_p", 0.0)
+    p = args[k] if len(args) > k else kwargs.get("dropout_p", 0.0)
     return bool(p)
 
 

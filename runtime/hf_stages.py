@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.runtime.planned_stage import BlockCalls
 
 # config.model_type of decoders whose forward the stages below reproduce
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -62,7 +63,7 @@ def _sliding(cfg: Any) -> bool:
     return getattr(cfg, "sliding_window", None) is not None
 
 
-class HFDecoderStage(nn.Module):
+class HFDecoderStage(BlockCalls, nn.Module):
     """Blocks ``[a, b)`` of a Hugging Face decoder as one pipeline stage. Token ids in on the
     first stage, the hidden state between stages, logits out of the last."""
 
@@ -90,8 +91,8 @@ class HFDecoderStage(nn.Module):
         rope = self.model.rotary_emb(h, positions)
         mask = self._mask_fn(self.config, h, positions)
         for i in self.order:
-            out = self.model.layers[i](h, attention_mask=mask, position_ids=positions,
-                                       position_embeddings=rope)
+            out = self.call_block(self.model.layers[i], h, attention_mask=mask,
+                                  position_ids=positions, position_embeddings=rope)
             h = out[0] if isinstance(out, tuple) else out  # transformers < 4.54: a tuple
         if self.last:
             h = self.lm_head(self.model.norm(h))

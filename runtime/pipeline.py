@@ -37,9 +37,18 @@ from torch.distributed.pipelining import PipelineStage, build_stage
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import MeshError, PlanError
+from autopar.passes import mixed_precision
+from autopar.passes.mixed_precision import Precision
 from autopar.runtime import _compat
 from autopar.runtime import pipeline_stages as ps
 from autopar.runtime.pipeline_events import StageEvent, bubble_fraction, chrome_trace, instrument
+from autopar.runtime.planned_stage import (
+    PlannedStage,
+    check_modes,
+    modes_frontend,
+    one_weight_pass,
+    under_policy,
+)
 
 if TYPE_CHECKING:
     from autopar.runtime.stage_program import StagePlans
@@ -114,6 +123,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
                    frontend: str = "auto",
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    stage_plans: StagePlans = None, plan_time_limit_s: float = 30.0,
+                   precision: Precision | str | None = None, recompute: str = "none",
                    ) -> PipelineRunner:
     """``model`` as a pipeline on ``mesh`` (a torch DeviceMesh or an :class:`autopar.Mesh`
     with a ``pp`` axis and optionally ``dp`` and ``tp`` axes).
@@ -137,8 +147,20 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     graph, its boundary pinned); by default :func:`autopar.planner.make_plan` plans it (no
     memory limit, ``plan_time_limit_s``). Otherwise the stages are plain modules, replicated
     over ``dp`` with their gradients averaged at the end of the step.
+
+    ``precision`` (``"fp32"`` default, ``"bf16"`` or a :class:`Precision`) and ``recompute``
+    (``"none"``, ``"selective"``, ``"full"``): plain stages compute and recompute as the SPMD
+    runtime does under a plan's (:mod:`.planned_stage`: parameters cast once per forward,
+    fp32 masters and gradients, gradients averaged over ``dp`` in the precision's reduce
+    dtype; each block checkpointed); they need autopar's stage modules (``frontend``
+    ``"module"``, which ``"auto"`` then picks). Stages that run a plan each run fp32 without
+    recomputation.
     """
     cls, style, per_rank = _schedule_entry(schedule)
+    key = schedule.lower().replace("-", "_")
+    prec = mixed_precision.resolve(precision or "fp32", None)
+    check_modes(prec, recompute, schedule if key in SPLIT_BACKWARD else None)
+    modes = prec.mixed or recompute != "none"  # the stages run under planned_stage
     virtual = virtual if virtual is not None else (per_rank or 1)
     if per_rank is not None and virtual != per_rank:
         raise PlanError(f"schedule {schedule!r} runs {per_rank} stage(s) per rank, got "
@@ -159,6 +181,14 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     programs = tp > 1 or stage_plans is not None
     if programs:
         frontend = _program_frontend(family, frontend, schedule, names)
+        if modes:
+            raise PlanError(
+                f"stages that run a plan each (a 'tp' axis, or stage_plans) trace and run in "
+                f"fp32 without recomputation, not {prec.name} with recompute={recompute!r}: "
+                "pass precision='fp32' and recompute='none', or use a mesh of axes "
+                "('pp', 'dp')")
+    elif modes:
+        frontend = modes_frontend(model, family, frontend, prec, recompute)
     n_stages = pp * virtual
     block_path, blocks = ps.find_blocks(model)
     ranges = ps.stage_ranges(split, len(blocks), n_stages)
@@ -171,6 +201,8 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     if device.type == "cuda":  # this process's GPU (init_from_env set it from LOCAL_RANK)
         device = torch.device("cuda", torch.cuda.current_device())
     loss = loss_fn or ps.loss_fn_for(model)
+    if prec.mixed:
+        loss = under_policy(loss, prec)
     if programs:
         from autopar.runtime.stage_program import build_programs
 
@@ -181,7 +213,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     else:
         mods, stages, frontend = _module_stages(model, family, frontend, style, block_path,
                                                 ranges, local, tokens[:mb], device,
-                                                groups["pp"])
+                                                groups["pp"], (prec, recompute) if modes else None)
     try:
         sched = cls(stages if per_rank != 1 else stages[0], n_microbatches=n_microbatches,
                     loss_fn=loss, scale_grads=True)
@@ -193,6 +225,10 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     tied = _tied_groups(holders, placement, dmesh)
     runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
                             (tied, aliases, holders), frontend, schedule, programs)
+    # gradients summed across replicas in another dtype than their own, as the SPMD runtime
+    # sums a plan's (runtime.lower): cast before the all-reduce, back after
+    runner.reduce_dtype = prec.reduce_dtype if prec.mixed and prec.reduce != "fp32" else None
+    runner.precision, runner.recompute = prec, recompute
     runner.input_shapes = (tuple(tokens.shape), tuple(example_inputs[1].shape))
     if programs:
         runner.plans = plans
@@ -201,10 +237,12 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
 
 def _module_stages(model: nn.Module, family: str | None, frontend: str, style: str,
                    block_path: str, ranges: ps.Ranges, local: list[int],
-                   mb_tokens: torch.Tensor, device: torch.device, pp_group: Any
+                   mb_tokens: torch.Tensor, device: torch.device, pp_group: Any,
+                   modes: tuple[Precision, str] | None = None
                    ) -> tuple[dict[int, nn.Module], list, str]:
     """This rank's stages as plain modules (torch's traced ones or autopar's), torch's
-    pipeline stage over each, and the frontend that made them."""
+    pipeline stage over each, and the frontend that made them. ``modes``: the precision and
+    recompute mode autopar's stages run under (:class:`PlannedStage`)."""
     n_stages = len(ranges)
     if frontend in ("auto", "trace"):
         try:
@@ -217,7 +255,15 @@ def _module_stages(model: nn.Module, family: str | None, frontend: str, style: s
             frontend = "module"  # autopar's own model: stages written for it
     if frontend == "module":
         mods = ps.module_stages(model, block_path, ranges, local)
-    if frontend == "trace" and style == "loop":
+    if modes is not None:
+        # the stage's outputs in the compute dtype: the manual stage infers their shapes and
+        # dtypes by running it, where torch's traced stage would expect the traced fp32 ones
+        stages = [PipelineStage(PlannedStage(mods[s], *modes).to(device), s, n_stages, device,
+                                group=pp_group) for s in local]
+        if modes[1] != "none":  # a split backward's W action: checkpointed blocks once
+            for st in stages:
+                one_weight_pass(st)
+    elif frontend == "trace" and style == "loop":
         stages = [build_stage(mods[s], s, info, device, pp_group) for s in local]
     else:
         # torch 2.13's traced stage (build_stage) cannot hand values between two stages on one
@@ -336,6 +382,9 @@ class PipelineRunner:
         self.last_step_events: list[StageEvent] = []
         self.input_shapes: tuple[tuple, tuple] | None = None  # (tokens, targets) it runs on
         self.plans: list[Any] | None = None  # every stage's plan, where stages run one each
+        self.precision = Precision()  # what plain stages compute in (planned_stage)
+        self.recompute = "none"
+        self.reduce_dtype: torch.dtype | None = None  # the dp all-reduce's, where not fp32
         # the last stage's outputs are not kept for the caller where torch lets us say so
         self._step_options = {"return_outputs": False} if "return_outputs" in \
             inspect.signature(schedule.step).parameters else {}
@@ -423,7 +472,12 @@ class PipelineRunner:
             return
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.groups["dp"])
+        if self.reduce_dtype is not None:
+            low = flat.to(self.reduce_dtype)
+            dist.all_reduce(low, group=self.groups["dp"])
+            flat = low.to(flat.dtype)
+        else:
+            dist.all_reduce(flat, group=self.groups["dp"])
         flat.div_(self.dp)
         offset = 0
         for g in grads:

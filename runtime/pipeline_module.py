@@ -11,11 +11,14 @@ k calls accumulates them as gradient accumulation does, and hooks run as usual. 
 pipeline plan (:func:`autopar.pipeline_planner.plan_pipeline`) as it is written, its stages'
 block ranges, schedule, stages per rank and micro-batches. Where the plan's stage layout keeps
 every parameter whole on a ``dp``-only stage mesh, the stages are plain modules replicated
-over ``dp`` (any schedule, autopar's models and Hugging Face ones); where it splits them (a
-``tp`` axis, ZeRO/FSDP over ``dp``), each stage runs its own intra-op plan with the
-parameters placed as the pipeline plan says (:mod:`.stage_program`). What neither runs as
-written (bf16, recomputation, offload; a split-backward schedule in stage programs) is
-refused with the cause and the fix (:func:`check_runnable`), never run as something else.
+over ``dp`` (any schedule, autopar's models and Hugging Face ones), computing in the plan's
+precision and recomputing as it says, as the SPMD runtime does (:mod:`.planned_stage`);
+where it splits them (a ``tp`` axis, ZeRO/FSDP over ``dp``), each stage runs its own
+intra-op plan with the parameters placed as the pipeline plan says (:mod:`.stage_program`),
+in fp32 without recomputation. What neither runs as written (offload, fp16's loss scaling;
+bf16, recomputation or a split-backward schedule in stage programs; selective recomputation
+under a split backward) is refused with the cause and the fix (:func:`check_runnable`),
+never run as something else.
 """
 
 from __future__ import annotations
@@ -216,33 +219,58 @@ def runs_programs(plan: Plan) -> bool:
 
 def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
     """Refuse, naming what differs and the fix, a pipeline plan whose stages the runtime would
-    run otherwise than written: stages trace and run in fp32, without recomputation or
-    offload; stage programs run autopar's GPT-2 and Llama-3 stages under schedules whose
-    backward is one piece."""
+    run otherwise than written. Plain stages (replicated over ``dp``) run fp32 or bf16 and
+    any recompute mode as the SPMD runtime does (:mod:`.planned_stage`; selective
+    recomputation under schedules with a whole backward), in autopar's stage modules; nothing
+    runs offloaded optimizer state or fp16's loss scaling; stage programs run autopar's GPT-2
+    and Llama-3 stages in fp32, without recomputation, under schedules whose backward is one
+    piece."""
     pipe = plan.pipeline
     assert pipe is not None
     fix_fit = ("give a larger memory_budget (--memory-budget), more pipeline stages or "
                "smaller micro-batches")
-    if plan.precision.name != "fp32":
-        raise PlanError(f"the plan computes in {plan.precision.name}, but pipeline stages run "
-                        "in fp32 for now: plan it with precision='fp32' (--precision fp32)")
-    if plan.recompute.mode != "none":
-        raise PlanError(f"the plan recomputes activations ({plan.recompute.mode}), which "
-                        f"pipeline stages do not do yet: plan with recompute='none', or {fix_fit}")
     if plan.param_state.offloaded:
         raise PlanError(f"the plan keeps the optimizer state of "
                         f"{len(plan.param_state.offloaded)} parameters on the host, which "
                         f"pipeline stages do not do: plan with offload='none', or {fix_fit}")
+    prec, mode = plan.precision, plan.recompute.mode
+    if prec.loss_scaling:
+        raise PlanError(f"the plan computes in {prec.name}, whose dynamic loss scaling pipeline "
+                        "stages do not do yet: plan it with precision='bf16' (--precision "
+                        "bf16) or 'fp32'")
+    key = runtime_schedule(pipe.schedule)
     if not runs_programs(plan):
+        if mode == "selective" and key in SPLIT_BACKWARD:
+            raise PlanError(f"the plan recomputes selectively under {pipe.schedule}, whose "
+                            "backward runs twice over every block (input, then weight "
+                            "gradients) where selective checkpointing keeps each result for "
+                            "one pass: plan with recompute='full', or with schedule 1F1B, "
+                            "GPipe, Interleaved1F1B or LoopedBFS")
+        if (prec.mixed or mode != "none") and model is not None and \
+                ps.module_family(model) is None:
+            raise PlanError(f"the plan computes in {prec.name} with recompute {mode!r}, which "
+                            f"pipelines run in autopar's stage modules (autopar's GPT-2, "
+                            f"Llama-3 and MoE, Hugging Face Llama-style decoders), not in "
+                            f"torch's traced stages of {type(model).__name__}: plan it with "
+                            "precision='fp32' and recompute='none', or use a mesh without a "
+                            "'pp' axis")
         return
     why = ("its stage mesh has a 'tp' axis" if "tp" in plan.mesh_axes else
            "its stage layout splits parameters over dp (ZeRO/FSDP)")
+    if prec.mixed or mode != "none":
+        what = [f"computes in {prec.name}"] * prec.mixed + \
+            [f"recomputes activations ({mode})"] * (mode != "none")
+        fix = ["precision='fp32'"] * prec.mixed + ["recompute='none'"] * (mode != "none")
+        raise PlanError(f"the plan {' and '.join(what)}, but stages that run their own plan "
+                        f"({why}) trace and run in fp32 without recomputation: plan it with "
+                        f"{' and '.join(fix)}, or use a mesh of axes ('pp', 'dp') whose "
+                        "stages stay replicated")
     if model is not None and ps.module_family(model) not in ("gpt2", "llama3"):
         raise PlanError(f"the plan runs each stage's own intra-op plan ({why}), which pipelines "
                         f"do for autopar's GPT-2 and Llama-3 models only, not "
                         f"{type(model).__name__}: use a mesh of axes ('pp', 'dp'), or "
                         f"{fix_fit} so that stages stay replicated")
-    if runtime_schedule(pipe.schedule) in SPLIT_BACKWARD:
+    if key in SPLIT_BACKWARD:
         raise PlanError(f"the plan's schedule {pipe.schedule} splits each backward into input "
                         f"and weight parts, which stages that run their own plan ({why}) "
                         "cannot: make the plan with schedule 1F1B, GPipe, Interleaved1F1B or "
@@ -251,11 +279,12 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
 
 def runnable_option(plan: Plan) -> ScheduleOption | None:
     """Where the planner chose a schedule the plan's stages cannot run (a split backward in
-    stage programs), the fastest option it weighed that they can; None where its choice
-    runs."""
+    stage programs, or under selective recomputation), the fastest option it weighed that
+    they can; None where its choice runs."""
     pipe = plan.pipeline
     assert pipe is not None
-    if not runs_programs(plan) or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
+    whole_only = runs_programs(plan) or plan.recompute.mode == "selective"
+    if not whole_only or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
         return None
     fit = [o for o in pipe.options if math.isfinite(o.step_s)
            and runtime_schedule(o.schedule) not in SPLIT_BACKWARD]
@@ -331,10 +360,14 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
     if runs_programs(plan):
         options = {"frontend": "module", "stage_plans": _pinned_stage_plans(plan, time_limit_s),
                    "plan_time_limit_s": time_limit_s}
-    elif family == "hf":
-        # autopar's stages for Hugging Face decoders: torch's splitter drops their rotary
-        # inputs with some transformers releases and fails to export 3 stages with others
-        options["frontend"] = "module"
+    else:
+        options["precision"] = plan.precision  # as the SPMD runtime runs them (planned_stage)
+        options["recompute"] = plan.recompute.mode
+        if family == "hf" or plan.precision.mixed or plan.recompute.mode != "none":
+            # autopar's stages: Hugging Face decoders' (torch's splitter drops their rotary
+            # inputs with some transformers releases and fails to export 3 stages with
+            # others), and the only ones a plan's precision and recomputation reach
+            options["frontend"] = "module"
     runner = build_pipeline(model, (tokens, targets), device_mesh,
                             split=[(st.first_block, st.end_block) for st in pipe.stages],
                             schedule=key, n_microbatches=pipe.microbatches,

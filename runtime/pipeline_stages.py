@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.errors import PlanError
+from autopar.runtime.planned_stage import BlockCalls
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -302,14 +303,15 @@ def module_family(model: nn.Module) -> str | None:
     return "hf" if is_hf_decoder(model) else None
 
 
-class BlockStage(nn.Module):
+class BlockStage(BlockCalls, nn.Module):
     """Blocks ``[a, b)`` of an autopar model, with the embedding on the first stage and the
     final norm and head on the last. Submodules keep the model's names (``layers.3`` is the
     model's ``layers[3]``), so parameter names are the model's.
 
     Inputs and outputs: tokens into the first stage; the hidden state between stages (and, for
     MoE, the balance loss summed so far, a 0-d fp32 tensor); logits out of the last (with the
-    summed balance loss for MoE)."""
+    summed balance loss for MoE). Blocks are called through ``call_block``, which a plan's
+    recomputation wraps (:mod:`.planned_stage`)."""
 
     def __init__(self, model: nn.Module, family: str, block_path: str, a: int, b: int,
                  first: bool, last: bool) -> None:
@@ -346,16 +348,16 @@ class BlockStage(nn.Module):
         blocks = self.get_submodule(self.block_path)
         if self.family == "gpt2":
             for i in self.order:
-                x = blocks[i](x)
+                x = self.call_block(blocks[i], x)
         else:
             s = x.shape[1]
             cos, sin = self.rope_cos[:s], self.rope_sin[:s]
             for i in self.order:
                 if self.family == "moe":
-                    x, a = blocks[i](x, cos, sin)
+                    x, a = self.call_block(blocks[i], x, cos, sin)
                     aux = aux + a
                 else:
-                    x = blocks[i](x, cos, sin)
+                    x = self.call_block(blocks[i], x, cos, sin)
         if self.last:
             x = self._head(x)
         return (x, aux) if self.family == "moe" else x

@@ -238,7 +238,8 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
         pipeline_axis,
         stage_mesh,
     )
-    from autopar.runtime.pipeline_module import check_mesh
+    from autopar.runtime.pipeline import SPLIT_BACKWARD
+    from autopar.runtime.pipeline_module import check_mesh, runtime_schedule
 
     axis = pipeline_axis(mesh)
     if axis is None:
@@ -250,16 +251,29 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
     if args.compile:
         raise TrainUsageError("--compile does not apply to pipelines yet: leave it out, or "
                               "use a mesh without a pp axis")
-    asked = {"--precision": (args.precision, ("fp32",)),
-             "--recompute": (args.recompute, ("auto", "none")),
-             "--offload": (args.offload, ("auto", "none"))}
-    for flag, (value, runs) in asked.items():
-        if value is not None and value not in runs:
-            raise TrainUsageError(f"{flag} {value}: pipeline stages run in fp32 without "
-                                  "recomputation or offload for now; leave it out, or use a "
-                                  "mesh without a pp axis")
+    if args.offload not in ("auto", "none"):
+        raise TrainUsageError(f"--offload {args.offload}: pipeline stages do not offload "
+                              "optimizer state; leave it out, or use a mesh without a pp axis")
+    if args.precision == "fp16":
+        raise TrainUsageError("--precision fp16: pipeline stages do not do fp16's dynamic loss "
+                              "scaling yet; use --precision bf16 or fp32, or a mesh without a "
+                              "pp axis")
+    tp = any(a == "tp" and n > 1 for a, n in zip(mesh.axes, mesh.shape))
+    asked = [f"--{k} {v}" for k, v, plain in (("precision", args.precision, (None, "fp32")),
+                                              ("recompute", args.recompute, ("auto", "none")))
+             if v not in plain]
+    if tp and asked:
+        raise TrainUsageError(f"{' '.join(asked)}: stages that run their own plan (a tp axis) "
+                              "run in fp32 without recomputation; leave it out, or use a mesh "
+                              "of axes pp and dp")
     if args.schedule:
-        canonical_name(args.schedule)  # an unknown name: one line naming the known ones
+        schedule = canonical_name(args.schedule)  # an unknown name: one line naming them
+        if args.recompute == "selective" and runtime_schedule(schedule) in SPLIT_BACKWARD:
+            raise TrainUsageError(f"--recompute selective: schedule {schedule} runs two "
+                                  "backward passes over every block (input, then weight "
+                                  "gradients) and selective checkpointing keeps each saved "
+                                  "result for one pass only; use --recompute full, or a "
+                                  "--schedule with a whole backward (1F1B, GPipe, ...)")
     c = preset.config
     blocks = getattr(c, "n_layer", None) or getattr(c, "n_layers", 0)
     stages = mesh.shape[axis] * (args.virtual or 1)

@@ -287,10 +287,20 @@ def test_what_the_pipeline_runtime_cannot_run_is_refused() -> None:
     _refused(PlanError, r"which pipelines do for autopar's GPT-2 and Llama-3 models only, not "
              r"LlamaForCausalLM: use a mesh of axes \('pp', 'dp'\)", (2, 2), ("pp", "tp"),
              hf=True, schedule="1F1B")
-    _refused(PlanError, r"the plan computes in bf16, but pipeline stages run in fp32.*"
-             r"precision='fp32'", (2, 2), precision="bf16")
-    _refused(PlanError, r"the plan recomputes activations \(full\).*recompute='none'", (2, 2),
-             recompute="full")
+    # plain stages run bf16 and recomputation (test_pipeline_modes.py); stage programs do not
+    _refused(PlanError, r"the plan computes in bf16 and recomputes activations \(full\), but "
+             r"stages that run their own plan \(its stage mesh has a 'tp' axis\) trace and run "
+             r"in fp32 without recomputation: plan it with precision='fp32' and "
+             r"recompute='none', or use a mesh of axes \('pp', 'dp'\)", (2, 2), ("pp", "tp"),
+             precision="bf16", recompute="full", schedule="1F1B")
+    _refused(PlanError, r"the plan computes in fp16, whose dynamic loss scaling pipeline stages "
+             r"do not do yet: plan it with precision='bf16'", (2, 2), precision="fp16")
+    _refused(PlanError, r"the plan recomputes selectively under ZBVZeroBubble, whose backward "
+             r"runs twice over every block .*: plan with recompute='full', or with schedule "
+             r"1F1B", (2, 2), layers=4, recompute="selective", schedule="ZBVZeroBubble")
+    _refused(PlanError, r"the plan keeps the optimizer state of \d+ parameters on the host, "
+             r"which pipeline stages do not do: plan with offload='none'", (2, 2),
+             offload="optimizer")
     _refused(PlanError, r"loss_fn= does not apply to pipelines", (2, 2),
              loss_fn=lambda out, *a: out)
     _refused(PlanError, r"schedule=, microbatches= and virtual= choose a pipeline: give a mesh "

@@ -34,9 +34,17 @@ from autopar.cli import main
     (["--schedule", "1F1B"], "--schedule, --microbatches and --virtual need a pipeline axis"),
     (["--mesh", "pp=2,ep=2"], "pipelines run on mesh axes 'pp', 'dp' and 'tp'; ep=2 is not"),
     (["--mesh", "pp=2,dp=2", "--compile"], "--compile does not apply to pipelines yet"),
-    (["--mesh", "pp=2,dp=2", "--precision", "bf16"],
-     "--precision bf16: pipeline stages run in fp32"),
-    (["--mesh", "pp=2,dp=2", "--recompute", "full"], "--recompute full: pipeline stages run"),
+    # bf16 and recomputation run on stages replicated over dp (test_pipeline_modes.py)
+    (["--mesh", "pp=2,tp=2", "--precision", "bf16", "--recompute", "full"],
+     "--precision bf16 --recompute full: stages that run their own plan (a tp axis) run in "
+     "fp32 without recomputation"),
+    (["--mesh", "pp=2,dp=2", "--precision", "fp16"],
+     "--precision fp16: pipeline stages do not do fp16's dynamic loss scaling yet; use "
+     "--precision bf16"),
+    (["--mesh", "pp=2,dp=2", "--recompute", "selective", "--schedule", "zbv"],
+     "--recompute selective: schedule ZBVZeroBubble runs two backward passes over every block"),
+    (["--mesh", "pp=2,dp=2", "--offload", "optimizer"],
+     "--offload optimizer: pipeline stages do not offload optimizer state"),
 ])
 def test_bad_pipeline_options_are_one_line_and_exit_2(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
