@@ -164,15 +164,19 @@ def overheads(boundary_bytes: float, mesh: Mesh, axis: int) -> Overheads:
 def stage_time(sched: PipelineSchedule, prof: StageProfile, i: int, j: int, n_blocks: int,
                over: Overheads) -> StageTime:
     """The replay's times of a stage holding blocks [i, j), its overheads included. A stage
-    whose backward cannot split (a stage program) runs it whole in the input action."""
+    whose backward cannot split (a stage program) runs it whole in the input action; one
+    that splits it pays a second graph walk per autograd node and, where it recomputes, the
+    recomputation again (the input and the weight pass each rerun the forward they need)."""
     fwd, bwd, _, _, kept = chunk_cost(prof, i, j, n_blocks)
     if not (sched.splits_backward and prof.splits_backward):
         share = prof.weight_share if prof.splits_backward else 0.0
         return StageTime.of(fwd, bwd, share, over.send_s, kept, over.action_s, 0.0, over.post_s)
-    nodes = prof.block.nodes * (j - i) + (prof.pre.nodes if i == 0 else 0.0) \
-        + (prof.post.nodes if j == n_blocks else 0.0)
+    parts = [(prof.block, j - i)] + ([(prof.pre, 1)] if i == 0 else []) \
+        + ([(prof.post, 1)] if j == n_blocks else [])
+    nodes = sum(c.nodes * k for c, k in parts)
+    again = sum(c.recompute_s * k for c, k in parts)
     return StageTime.of(fwd, bwd, prof.weight_share, over.send_s, kept, over.action_s,
-                        nodes * over.node_s, over.post_s)
+                        nodes * over.node_s + again, over.post_s)
 
 
 def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:

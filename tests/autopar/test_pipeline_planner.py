@@ -110,6 +110,21 @@ def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes,
     assert ("tp" in axes) == (not prof.splits_backward)
 
 
+def test_a_split_backward_recomputes_in_both_passes():
+    from autopar.passes.pipeline_cost import Overheads, stage_time
+    from autopar.passes.pipeline_schedule import PipelineSchedule
+    from autopar.passes.stage_profile import PartCost, StageProfile
+
+    part = PartCost(forward_s=1.0, backward_s=3.0, recompute_s=1.0, nodes=10)
+    prof = StageProfile(part, part, part, boundary_bytes=0.0, weight_share=0.5)
+    over = Overheads(0.0, node_s=0.01)
+    zbv = stage_time(PipelineSchedule("ZBVZeroBubble", 2, 2, 4), prof, 0, 2, 4, over)
+    # blocks 0-2 with the embedding: 3 parts, each recomputing 1.0 and walking 10 nodes again
+    assert zbv.split_s == pytest.approx(3 * 1.0 + 30 * 0.01)
+    one = stage_time(PipelineSchedule("1F1B", 2, 1, 4), prof, 0, 2, 4, over)
+    assert one.split_s == 0 and one.backward_s == zbv.backward_s == pytest.approx(9.0)
+
+
 def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
     # a vocabulary of 16k on a 64-wide model: the head outweighs several blocks
     model, inputs = gpt(n_layer=8, vocab=16384)
