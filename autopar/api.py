@@ -207,8 +207,8 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
             runs = pm.runnable_option(made)
             if runs is None or fixed["schedule"] is not None:
                 return made  # runs as chosen, or as asked (then refused, with the fix)
-            # stages that run their own plan, or recompute selectively, cannot split their
-            # backward: the fastest option weighed that they run, planned with its choices fixed
+            # stages that recompute selectively cannot split their backward: the fastest
+            # option weighed that they run, planned with its choices fixed
             return plan_pipeline(skeleton, amesh, args, kwargs, model_name=type(model).__name__,
                                  **options, schedule=runs.schedule, virtual=runs.virtual,
                                  microbatches=runs.microbatches).plan
@@ -258,7 +258,7 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
                     refused.append(f"{r.shape}: {e}")
                     continue
                 if pm.runnable_option(r.plan) is not None:
-                    continue  # its schedule splits stage programs' backward
+                    continue  # its schedule splits a selectively recomputed backward
             return r.plan
         why = refused[0] if refused else (results[0].note if results else "")
         raise PlanError(f"no shape of {n} devices has a plan that fits and runs: {why}")

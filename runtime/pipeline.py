@@ -303,13 +303,6 @@ def _program_frontend(family: str | None, frontend: str, schedule: str,
             "torch's traced stages run as plain modules and cannot run a stage's plan over a "
             f"'tp' axis (mesh axes {tuple(names)}): use frontend='module' (or 'auto'), or a "
             "mesh without tp")
-    key = schedule.lower().replace("-", "_")
-    if key in SPLIT_BACKWARD:
-        raise PlanError(
-            f"schedule {schedule!r} splits each backward into input and weight parts through "
-            "autograd's graph of the stage, which a stage running its plan (one lowered "
-            "backward) does not expose: use gpipe, 1f1b, interleaved_1f1b or looped_bfs with "
-            "a 'tp' axis")
     return "module"
 
 

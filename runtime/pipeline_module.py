@@ -223,8 +223,8 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
     any recompute mode as the SPMD runtime does (:mod:`.planned_stage`; selective
     recomputation under schedules with a whole backward), in autopar's stage modules; nothing
     runs offloaded optimizer state or fp16's loss scaling; stage programs run autopar's GPT-2
-    and Llama-3 stages in fp32, without recomputation, under schedules whose backward is one
-    piece."""
+    and Llama-3 stages in fp32, without recomputation, under any schedule (one that splits
+    the backward runs a program's backward whole in its input action)."""
     pipe = plan.pipeline
     assert pipe is not None
     fix_fit = ("give a larger memory_budget (--memory-budget), more pipeline stages or "
@@ -270,21 +270,15 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
                         f"do for autopar's GPT-2 and Llama-3 models only, not "
                         f"{type(model).__name__}: use a mesh of axes ('pp', 'dp'), or "
                         f"{fix_fit} so that stages stay replicated")
-    if key in SPLIT_BACKWARD:
-        raise PlanError(f"the plan's schedule {pipe.schedule} splits each backward into input "
-                        f"and weight parts, which stages that run their own plan ({why}) "
-                        "cannot: make the plan with schedule 1F1B, GPipe, Interleaved1F1B or "
-                        "LoopedBFS")
 
 
 def runnable_option(plan: Plan) -> ScheduleOption | None:
-    """Where the planner chose a schedule the plan's stages cannot run (a split backward in
-    stage programs, or under selective recomputation), the fastest option it weighed that
-    they can; None where its choice runs."""
+    """Where the planner chose a schedule the plan's stages cannot run (a split backward
+    under selective recomputation), the fastest option it weighed that they can; None where
+    its choice runs."""
     pipe = plan.pipeline
     assert pipe is not None
-    whole_only = runs_programs(plan) or plan.recompute.mode == "selective"
-    if not whole_only or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
+    if plan.recompute.mode != "selective" or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
         return None
     fit = [o for o in pipe.options if math.isfinite(o.step_s)
            and runtime_schedule(o.schedule) not in SPLIT_BACKWARD]

@@ -320,8 +320,21 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
         graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path)
         graph = apply_recompute(graph, plans[s].recompute.nodes)  # as the plan was made
         programs[s] = prog = StageProgram(mods[s], submesh, graph, plans[s])
+        # the program's backward is one lowered piece: under a schedule that splits it (ZBV,
+        # DualPipeV, InterleavedZeroBubble) the input action runs it whole, as torch does for
+        # a stage given a weight-gradient builder, and the weight action has nothing left
         stages.append(PipelineStage(prog, s, n_stages, device,
                                     input_args=local_example(inputs[s], plans[s], graph,
                                                              device, 1),
-                                    output_args=local_output(prog, device), group=pp_group))
+                                    output_args=local_output(prog, device), group=pp_group,
+                                    dw_builder=_weights_done))
     return programs, stages, plans
+
+
+def _weights_done() -> Callable[[], None]:
+    """A stage program's weight-gradient runner: its gradients were made with its input's."""
+    return _nothing
+
+
+def _nothing() -> None:
+    return None
