@@ -65,15 +65,28 @@ class GradSyncSchedule:
         assert kind is not None and kind.dim is not None
         return kind.dim
 
-    def start(self, comm: Comm, env: dict[str, Any]) -> GradSyncRun:
-        return GradSyncRun(self, comm, env)
+    def start(self, comm: Comm, env: dict[str, Any],
+              carry: dict[int, torch.Tensor] | None = None, sync: bool = True) -> GradSyncRun:
+        return GradSyncRun(self, comm, env, carry, sync)
 
 
 class GradSyncRun:
-    """One backward's gradient moves: started step by step, waited for at the end."""
+    """One backward's gradient moves: started step by step, waited for at the end.
 
-    def __init__(self, schedule: GradSyncSchedule, comm: Comm, env: dict[str, Any]) -> None:
+    Gradient accumulation over micro-batches (a pipeline stage's, :mod:`.stage_program`):
+    ``sync=False`` moves nothing; each gradient that would move is added, as this rank's
+    local (un-summed) contribution, into ``carry`` (parameter index -> a tensor it owns) and
+    leaves the backward as ``None``. The next backward with ``sync=True`` adds ``carry``'s sums
+    to its own gradients before moving them, so the plan's gradient collectives run once for
+    all the micro-batches (they are linear: moving the sum is summing the moves)."""
+
+    def __init__(self, schedule: GradSyncSchedule, comm: Comm, env: dict[str, Any],
+                 carry: dict[int, torch.Tensor] | None = None, sync: bool = True) -> None:
+        if not sync and carry is None:
+            raise ValueError("a backward that defers its gradient sync needs a carry to keep "
+                             "its gradients in")
         self.s, self.comm, self.env = schedule, comm, env
+        self.carry, self.sync = carry, sync
         self.in_flight: list[tuple[_Launch, torch.Tensor, Any, list[tuple[int, torch.Size]]]] = []
         self.own_dtype: dict[int, torch.dtype] = {}  # each moved gradient's dtype
         self.step_done(-1)
@@ -86,7 +99,15 @@ class GradSyncRun:
     def _start(self, launch: _Launch) -> None:
         s, env = self.s, self.env
         names = [s.grad_names[i] for i in launch.grads]
+        if not self.sync:
+            self._keep(launch, names)
+            return
         grads = [env[n] for n in names]
+        if self.carry:  # the earlier micro-batches' sums: ours, so added into in place
+            for k, i in enumerate(launch.grads):
+                held = self.carry.pop(i, None)
+                if held is not None:
+                    grads[k] = held.add_(grads[k])
         if s.reduce_dtype is not None:
             for i, g in zip(launch.grads, grads):
                 self.own_dtype[i] = g.dtype
@@ -115,11 +136,29 @@ class GradSyncRun:
                   for i, g in zip(launch.grads, grads)]
         self.in_flight.append((launch, out, work, shapes))
 
+    def _keep(self, launch: _Launch, names: list[str | None]) -> None:
+        """Add the launch's gradients into ``carry`` instead of moving them."""
+        assert self.carry is not None
+        for i, n in zip(launch.grads, names):
+            g = self.env[n]
+            held = self.carry.get(i)
+            if held is None:  # a copy we own: later micro-batches add into it
+                self.carry[i] = g.detach().clone()
+            else:
+                held.add_(g)
+        if launch.release:
+            for n in names:
+                self.env.pop(n, None)
+
     def finish(self) -> list[torch.Tensor | None]:
-        """Every gradient in its parameter's layout (``None`` where there is none)."""
+        """Every gradient in its parameter's layout (``None`` where there is none, or where
+        it went into ``carry``: ``sync=False``)."""
         s, env = self.s, self.env
         out: list[torch.Tensor | None] = [None if n is None else env.get(n)
                                           for n in s.grad_names]
+        if not self.sync:
+            for i in s.move_of:
+                out[i] = None
         for launch, t, work, shapes in self.in_flight:
             if work is not None:
                 work.wait()

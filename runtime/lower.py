@@ -322,16 +322,21 @@ class LoweredGraph:
         Takes ``saved`` over: each value leaves it after its last reader."""
         return self.stage_backward(saved, grad_loss, comm)[0]
 
-    def stage_backward(self, saved: dict[str, Any], grad_out: torch.Tensor | None, comm: Comm
+    def stage_backward(self, saved: dict[str, Any], grad_out: torch.Tensor | None, comm: Comm,
+                       carry: dict[int, torch.Tensor] | None = None, sync: bool = True
                        ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
         """:meth:`backward`, and a pipeline stage's input gradient in the layout its input
         came in (None where the stage has none). ``grad_out``: the loss's incoming gradient,
-        or a stage's output gradient as received (in the output's boundary layout)."""
+        or a stage's output gradient as received (in the output's boundary layout).
+        ``sync=False``: the gradients that would move into their parameter's layout (the
+        gradient sync) are added into ``carry`` instead and come back ``None``; a later call
+        with ``sync=True`` and the same ``carry`` moves them with its own (see
+        :class:`.grad_sync.GradSyncRun`)."""
         env = saved  # not a copy: the copy's source would hold every activation to the end
         if self.output_grad is not None:  # the backward starts from the gradient received
             env[self.output_grad], grad_out = grad_out, None
         grad_loss = grad_out
-        syncs = self.grad_sync.start(comm, env)
+        syncs = self.grad_sync.start(comm, env, carry, sync)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
         grads = syncs.finish()
         for i, g in self.sliced_after_sync.items():  # ZeRO-1: each rank keeps its part

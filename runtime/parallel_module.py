@@ -123,14 +123,17 @@ class _Call:
     def run_backward(self, saved: dict[str, Any], grad_loss: torch.Tensor) -> list:
         return self.run_stage_backward(saved, grad_loss)[0]
 
-    def run_stage_backward(self, saved: dict[str, Any], grad_out: torch.Tensor
+    def run_stage_backward(self, saved: dict[str, Any], grad_out: torch.Tensor,
+                           carry: dict[int, torch.Tensor] | None = None, sync: bool = True
                            ) -> tuple[list, torch.Tensor | None]:
         """The parameters' gradients as DTensors and (a pipeline stage's) its input's local
-        gradient. ``grad_out``: the loss's gradient, or a stage's output gradient."""
+        gradient. ``grad_out``: the loss's gradient, or a stage's output gradient.
+        ``carry``, ``sync``: a gradient sync deferred over micro-batches
+        (:meth:`LoweredGraph.stage_backward`)."""
         scaler = self.pm.loss_scale
         if scaler is not None:  # fp16: the backward starts from the scaled loss's gradient
             grad_out = scaler.seed(grad_out)
-        locals_, dx = self.lowered.stage_backward(saved, grad_out, self.pm._comm)
+        locals_, dx = self.lowered.stage_backward(saved, grad_out, self.pm._comm, carry, sync)
         if scaler is not None:
             locals_ = scaler.unscale_or_skip(locals_, self.pm._comm, self.pm._param_list)
         out: list[DTensor | None] = []

@@ -16,7 +16,8 @@ optimizer. The optimizer is the user's, over :meth:`PipelineRunner.parameters`.
 
 On a mesh with a ``tp`` axis each stage runs autopar's intra-op plan on its submesh instead
 (:mod:`.stage_program`): DTensor parameters, the plan's collectives (data parallelism's
-gradient sums among them), the loss computed inside the last stage.
+gradient sums among them, run once per step on the gradients summed over the micro-batches),
+the loss computed inside the last stage.
 
 Each rank records what its stages did in the last step (:attr:`PipelineRunner.last_step_events`:
 forward, backward, input-backward and weight-backward per stage and micro-batch, and the
@@ -431,8 +432,15 @@ class PipelineRunner:
         # a stage program's last stage reads its targets as a keyword input, which torch's
         # schedules split into micro-batches and hand every stage (the others ignore it)
         extra = {"targets": y} if self.programs else {}
+        # a stage program sums its gradients over the micro-batches locally and runs its
+        # plan's gradient sync once, in its last backward of the step (stage_program)
+        progs = self._programs()
+        for prog in progs:
+            prog.defer_grad_sync(self.n_microbatches)
         self.schedule.step(*args, target=y if self.has_last else None, losses=losses,
                            **self._step_options, **extra)
+        for prog in progs:
+            prog.grad_sync_done()
         t = time.perf_counter()
         self._sync_grads()
         self._record("sync", -1, -1, t)
@@ -440,6 +448,14 @@ class PipelineRunner:
             if g is not None:
                 p.grad = g if p.grad is None else g.add_(p.grad)
         return self._mean_loss(losses, device)
+
+    def _programs(self) -> list[Any]:
+        """This rank's stages that run a plan each (:class:`StageProgram`), else none."""
+        if not self.programs:
+            return []
+        from autopar.runtime.stage_program import StageProgram
+
+        return [m for m in self.stage_modules.values() if isinstance(m, StageProgram)]
 
     def _sync_grads(self) -> None:
         """Tied copies summed, then the data-parallel replicas averaged (one flat buffer)."""

@@ -71,13 +71,24 @@ class _StageStep(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
         call: _Call = ctx.call
         saved, ctx.saved_env = ctx.saved_env, None
-        grads, dx = call.run_stage_backward(saved, grad_out.contiguous())
+        carry, sync = call.pm._grad_sync_turn()
+        grads, dx = call.run_stage_backward(saved, grad_out.contiguous(), carry, sync)
         return (None, dx, *_store_fresh_grads(ctx, call.pm._param_list, grads, skip=1))
 
 
 class StageProgram(ParallelModule):
     """One pipeline stage as a planned SPMD program on its submesh. Parameter names are the
-    stage module's (the whole model's). ``collectives`` counts what it ran."""
+    stage module's (the whole model's). ``collectives`` counts what it ran.
+
+    Within a pipeline step (:meth:`defer_grad_sync` ... :meth:`grad_sync_done`, as
+    ``PipelineRunner.step`` brackets the schedule) the plan's gradient sync runs once: each
+    backward but the step's last keeps its parameters' local gradient contributions (the ones
+    the sync would sum or move into their parameter's layout) in a carry, and the last adds
+    them to its own before running the sync, as DDP's ``no_sync`` does under torch's
+    schedules. The last is counted, not told: under the split-backward schedules the program's
+    whole backward runs in the input action, which torch calls with ``last_backward=False``
+    for every micro-batch. Collectives that make activations' gradients run in every
+    backward. Outside such a bracket every backward syncs its own gradients."""
 
     def __init__(self, stage: nn.Module, submesh: Any, graph: PlanGraph, plan: Plan,
                  compile: bool = False) -> None:
@@ -88,6 +99,32 @@ class StageProgram(ParallelModule):
             raise PlanError("fp16 with dynamic loss scaling does not run in pipeline stages "
                             "yet: plan them in bf16 or fp32")
         super().__init__(stage, submesh, graph, plan, None, compile)
+        self._defer = 0  # backwards in this step, the sync in the last (<= 1: in every one)
+        self._seen = 0  # backwards run so far in this step
+        self._carry: dict[int, torch.Tensor] = {}  # parameter index -> local gradient sum
+
+    def defer_grad_sync(self, n_backwards: int) -> None:
+        """The next ``n_backwards`` backwards are one step's: run the plan's gradient sync
+        once, in the last of them, on the gradients summed over all of them."""
+        self._defer, self._seen, self._carry = n_backwards, 0, {}
+
+    def grad_sync_done(self) -> None:
+        """End the step :meth:`defer_grad_sync` began; raise if a gradient was left unsynced
+        (fewer backwards ran than announced)."""
+        seen, want, left = self._seen, self._defer, len(self._carry)
+        self._defer, self._seen, self._carry = 0, 0, {}
+        if left:
+            raise RuntimeError(
+                f"internal: the stage program's gradient sync was deferred to its backward "
+                f"{want} of the step, but {seen} ran: {left} parameters' gradients were "
+                "never summed across ranks")
+
+    def _grad_sync_turn(self) -> tuple[dict[int, torch.Tensor] | None, bool]:
+        """(carry, whether this backward runs the gradient sync) for the backward starting."""
+        if self._defer <= 1:
+            return None, True
+        self._seen += 1
+        return self._carry, self._seen >= self._defer
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         lowered = self._active[1]
