@@ -271,17 +271,18 @@ def _items(pg: PlanGraph, sp: Any, choice: list[int], overlap: bool) -> list[_It
                 "collective", {"kind": kind, "axis": name, "bytes": nbytes,
                                "reason": "gradient sync", "gradients": len(group)},
                 once=True))
-    loss_i = sp.loss_index
-    loss_meta = sp.nodes[loss_i].meta["autopar"].out
-    loss_spec = sp.strategies[loss_i][choice[loss_i]].outs[0]
-    whole = (Replicate(),) * mesh.ndim
-    real = cm.reshard_collectives(loss_meta, loss_spec, whole, mesh)
-    for c, priced in zip(real, cm.loss_collectives(loss_meta, loss_spec, mesh)):
-        # at its price (0 where the backward hides it, at most the profile's overhead where
-        # it serialises: cm.loss_collectives); its unhidden length in args
-        item = _coll(c, "loss", priced.time_s, None, "", "async" if overlap else "sync")
-        item.args["unhidden_s"] = c.time_s
-        after.setdefault(loss_i, []).append(item)
+    loss_i = sp.loss_index  # -1 in a middle pipeline stage's graph: it has no loss
+    if loss_i >= 0:
+        loss_meta = sp.nodes[loss_i].meta["autopar"].out
+        loss_spec = sp.strategies[loss_i][choice[loss_i]].outs[0]
+        whole = (Replicate(),) * mesh.ndim
+        real = cm.reshard_collectives(loss_meta, loss_spec, whole, mesh)
+        for c, priced in zip(real, cm.loss_collectives(loss_meta, loss_spec, mesh)):
+            # at its price (0 where the backward hides it, at most the profile's overhead where
+            # it serialises: cm.loss_collectives); its unhidden length in args
+            item = _coll(c, "loss", priced.time_s, None, "", "async" if overlap else "sync")
+            item.args["unhidden_s"] = c.time_s
+            after.setdefault(loss_i, []).append(item)
 
     items: list[_Item] = []
     offload = 0.0

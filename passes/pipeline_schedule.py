@@ -20,12 +20,21 @@ splitting the backward into its input part (I, on the critical path) and its wei
   its order and its input has arrived (a forward needs the previous stage's forward; a
   backward, or backward-for-input, needs its own forward and the next stage's backward; a
   backward-for-weights needs its own backward-for-input). A boundary tensor between stages on
-  different ranks arrives ``send_s`` after its producer ends; sends overlap compute and one
-  another (torch posts them asynchronously and its receivers post early). Stages adjacent on
-  one rank (the V schedules' turn) pass tensors locally, for free.
+  different ranks arrives ``send_s`` after both its producer has ended and its receiver has
+  posted the receive: torch's single-stage runtimes post it just before the reading action,
+  the multi-stage ones where their lowered program puts the RECV (:func:`receive_posts`).
+  Sends overlap compute and one another. Stages adjacent on one rank (the V schedules' turn)
+  pass tensors locally, for free.
+- Beside its stage's time an action costs the runtime's own host time (``StageTime.action_s``,
+  ``post_s`` per send or receive it posts to another rank, ``split_s`` on a split backward's
+  input action): :mod:`.pipeline_cost` fills them from the device profile.
+- Ranks that share cores (processes of one CPU machine) compute faster while fewer of them
+  compute: given ``speed`` (:func:`core_speed`), time advances event by event and each
+  running action progresses at the speed of the current count.
 - Checked against torch's runtime (gloo, 2 ranks, stages that sleep 20 ms forward and 40 ms
   backward): GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV
-  measured 3-11% above the replay, the excess being per-action overhead the model omits.
+  measured 3-11% above the replay without the runtime's costs; stages of a tiny Linear, where
+  the step is those costs alone: benchmarks/pipeline_calibration.py.
 - Memory: a (stage, microbatch) holds its activations from the start of its forward to the
   end of its last backward action (the weight backward when split: W still reads the saved
   inputs, so this errs high, never low). At equal instants frees come before allocations.

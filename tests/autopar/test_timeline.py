@@ -239,3 +239,29 @@ def test_train_profile_writes_measured_traces_with_the_predicted_names(tmp_path)
     procs = {e["args"]["name"] for e in both["traceEvents"] if e.get("name") == "process_name"}
     assert {"predicted rank 0", "measured rank 0", "measured rank 1"} <= procs
     assert "side_by_side.json" in r.stdout
+
+
+def test_a_pipeline_stage_without_the_loss_has_a_predicted_timeline():
+    # a first stage's graph ends at its boundary output: no loss (loss_index -1) to draw
+    import math
+
+    import torch
+
+    from autopar.mesh import Mesh
+    from autopar.runtime import pipeline_stages as stages
+    from autopar.runtime.stage_program import StageInputs, trace_stage
+    from autopar.stage_capture import pin_boundary
+
+    preset = get_preset("gpt2-tiny").replace(n_layer=4)
+    torch.manual_seed(0)
+    model = preset.build("cpu")
+    path = stages.find_blocks(model)[0]
+    first = stages.module_stages(model, path, ((0, 2), (2, 4)), [0])[0]
+    mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
+    graph = trace_stage(first, StageInputs(((4, 8),), ("int64",)), False,
+                        stages.loss_fn_for(model), path)
+    planned = make_plan(None, mesh, graph=pin_boundary(graph, mesh), memory_budget=math.inf,
+                        time_limit_s=1.0)
+    assert planned.problem.loss_index == -1
+    events = predicted_timeline(planned).rank_events(0)
+    assert events and not any(e.args.get("reason") == "loss" for e in events)
