@@ -8,13 +8,13 @@ pipeline only at stage boundaries, so they can cross nodes. A pipeline cannot ha
 than the model has layers to cut.
 
 The candidates come in a fixed order (pp, then tp, ascending), so a search that scores them
-and breaks ties by that order is reproducible run to run.
+and breaks ties by that order (:func:`autopar.shape_search.search_shapes`) is reproducible
+run to run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from autopar.devices import DeviceProfile, get_profile
@@ -73,24 +73,6 @@ def mesh_shapes(
             if node % tp == 0:
                 out.append(MeshShape(pp, n // pp // tp, tp))
     return tuple(out)
-
-
-def best_shapes(
-    shapes: Iterable[MeshShape],
-    score: Callable[[MeshShape], float],
-    k: int = 1,
-) -> list[tuple[MeshShape, float]]:
-    """The ``k`` lowest-scoring shapes with their scores (lower is better: a step time).
-    Ties keep the order of ``shapes``; a shape scored ``inf`` or NaN (it does not fit) is
-    left out, so the list is empty when none fits."""
-    _positive("k", k)
-    scored = []
-    for index, shape in enumerate(shapes):
-        value = float(score(shape))
-        if math.isfinite(value):
-            scored.append((value, index, shape))
-    scored.sort(key=lambda x: (x[0], x[1]))
-    return [(shape, value) for value, _, shape in scored[:k]]
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,10 +1,9 @@
 import itertools
-import math
 
 import pytest
 
 from autopar.errors import MeshError
-from autopar.mesh_search import MeshShape, best_shapes, mesh_shapes
+from autopar.mesh_search import MeshShape, mesh_shapes
 
 
 def exhaustive(n, node, layers):
@@ -25,36 +24,6 @@ def test_shapes_are_exactly_the_valid_factorisations(n, node, layers):
     assert all(s.size == n for s in shapes)
 
 
-def synthetic_step(shape: MeshShape) -> float:
-    # compute shrinks with devices; tp pays per layer, pp a bubble, dp a gradient sync;
-    # one shape does not fit (too little sharding of the weights)
-    if shape.tp * shape.pp < 2:
-        return math.inf
-    compute = 96.0 / shape.size
-    return (compute * (1 + (shape.pp - 1) / 8) + 0.3 * (shape.tp - 1) + 0.5 * math.log2(shape.dp)
-            + 0.1 * shape.pp)
-
-
-@pytest.mark.parametrize("n", [8, 12, 16])
-def test_best_is_the_best_of_an_exhaustive_search(n):
-    shapes = mesh_shapes(n, num_layers=24, device="h100")
-    candidates = exhaustive(n, 8, 24)
-    expected = min(synthetic_step(s) for s in candidates)
-    best = best_shapes(shapes, synthetic_step, k=3)
-    assert math.isclose(best[0][1], expected)
-    assert [v for _, v in best] == sorted(v for _, v in best)
-    assert len(best) == 3
-
-
-def test_ties_break_by_candidate_order_and_unfit_shapes_are_dropped():
-    shapes = mesh_shapes(8, devices_per_node=8)
-    tied = best_shapes(shapes, lambda s: 1.0, k=len(shapes))
-    assert [s for s, _ in tied] == list(shapes)
-    assert best_shapes(reversed(shapes), lambda s: 1.0)[0][0] == shapes[-1]
-    assert best_shapes(shapes, lambda s: math.inf) == []
-    assert best_shapes(shapes, lambda s: math.nan if s.tp == 1 else s.pp, k=1)[0][0].tp > 1
-
-
 def test_tp_rides_the_node_links():
     h100 = mesh_shapes(16, device="h100")
     assert max(s.tp for s in h100) == 8  # 8 GPUs a node
@@ -73,10 +42,8 @@ def test_invalid_device_counts_are_errors(bad):
         mesh_shapes(bad)
 
 
-def test_invalid_layers_node_and_k_are_errors():
+def test_invalid_layers_and_node_are_errors():
     with pytest.raises(MeshError, match="number of layers"):
         mesh_shapes(8, num_layers=0)
     with pytest.raises(MeshError, match="devices_per_node"):
         mesh_shapes(8, devices_per_node=0)
-    with pytest.raises(MeshError, match="k must be"):
-        best_shapes(mesh_shapes(8), lambda s: 1.0, k=0)
