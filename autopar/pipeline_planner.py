@@ -179,7 +179,7 @@ def plan_pipeline(
             (name, sp, choice) for name, (sp, choice) in planned.reference_problems.items()]
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
-            over = overheads(prof.boundary_bytes, mesh, axis)
+            over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
             weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
             if not name:
                 options += weighed
@@ -280,7 +280,7 @@ def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          stage_mesh(mesh, axis).data_parallel_size)
     step, bubble, _ = replay(sched, prof, ranges, n_blocks,
-                             overheads(prof.boundary_bytes, mesh, axis))
+                             overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes))
     return step, bubble
 
 
@@ -290,8 +290,11 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
     assert split is not None
     held = schedule_in_flight(sched)
     stages = []
+    last = len(split.ranges) - 1
+    tied = sched.stage_rank(0) != sched.stage_rank(last)  # end copies summed across ranks
     for k, (i, j) in enumerate(split.ranges):
         fwd, _, sync, _, _ = chunk_cost(prof, i, j, n_blocks)
+        sync += over.tied_s if tied and k in (0, last) else 0.0
         stages.append(PipelineStage(
             k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
             split.memory_bytes[k], int(held(k, sched.num_stages)), fwd,

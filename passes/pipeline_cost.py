@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
+from autopar.passes.cost_model import collective_time
 from autopar.passes.pipeline_schedule import (
     SCHEDULES,
     SINGLE_STAGE,
@@ -149,16 +150,22 @@ class Overheads:
     post_s: float = 0.0
     node_s: float = 0.0
     speed: tuple[float, ...] | None = None
+    tied_s: float = 0.0  # summing a tied weight's gradient between the end stages' ranks
 
 
-def overheads(boundary_bytes: float, mesh: Mesh, axis: int) -> Overheads:
+def overheads(boundary_bytes: float, mesh: Mesh, axis: int,
+              tied_bytes: float = 0.0) -> Overheads:
     """The overheads of a pipeline along ``axis`` of ``mesh``, priced by its device profile;
-    every rank of the pipeline is the stage submesh's processes (its dp and tp peers)."""
+    every rank of the pipeline is the stage submesh's processes (its dp and tp peers).
+    ``tied_bytes``: a weight the first and last stages share, all-reduced between the two
+    once per step where they are on different ranks."""
     prof = mesh.device
     p = mesh.shape[axis]
     speed = core_speed(p, mesh.size // p, prof.shared_cores) if prof.shared_cores else None
+    tied = collective_time("all_reduce", tied_bytes, 2, mesh.bandwidth[axis],
+                           mesh.latency[axis], prof.collective_overhead) if tied_bytes else 0.0
     return Overheads(send_time(boundary_bytes, mesh, axis), prof.pipeline_action_s,
-                     prof.p2p_post_s, prof.split_backward_node_s, speed)
+                     prof.p2p_post_s, prof.split_backward_node_s, speed, tied)
 
 
 def stage_time(sched: PipelineSchedule, prof: StageProfile, i: int, j: int, n_blocks: int,
@@ -233,6 +240,10 @@ def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[i
     for k, (i, j) in enumerate(ranges):
         times.append(stage_time(sched, prof, i, j, n_blocks, over))
         rank_sync[sched.stage_rank(k)] += chunk_cost(prof, i, j, n_blocks)[2]
+    ends = {sched.stage_rank(0), sched.stage_rank(len(ranges) - 1)}
+    if len(ends) == 2:  # the tied copies' gradients are summed across the two ranks
+        for r in ends:
+            rank_sync[r] += over.tied_s
     sim = simulate(sched, times, over.speed)
     return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
 

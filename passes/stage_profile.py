@@ -35,7 +35,7 @@ from autopar.passes.cost_model import loss_collectives
 from autopar.passes.memory import step_usage
 from autopar.passes.problem_reduction import node_layer
 from autopar.passes.sharding_problem import ShardingProblem
-from autopar.placements import R
+from autopar.placements import R, local_shape
 
 PARTS = ("pre", "block", "post")
 
@@ -69,6 +69,9 @@ class StageProfile:
     # that runs its intra-op plan as one program (:func:`runs_as_program`) runs its backward
     # whole, so the zero-bubble schedules' weight actions run nothing
     splits_backward: bool = True
+    # gradient bytes per device of parameters both ends read (a head tied to the embedding):
+    # the first and last stages each hold a copy and sum their gradients once per step
+    tied_bytes: float = 0.0
 
     def part(self, name: str) -> PartCost:
         return getattr(self, name)
@@ -94,7 +97,8 @@ def part_of_nodes(sp: ShardingProblem) -> list[str]:
     in_block = [i for i, ly in enumerate(layers) if ly is not None]
     if not in_block:
         raise ValueError("the stage's graph has no repeated blocks")
-    first_fwd = min(i for i in in_block if phases[i] != "bwd")
+    # the first block op that runs (its parameters' placeholders come first in the graph)
+    first_fwd = min(i for i in in_block if phases[i] != "bwd" and sp.nodes[i].op != "placeholder")
     bwd_blocks = [i for i in in_block if phases[i] == "bwd"]
     last_bwd = max(bwd_blocks) if bwd_blocks else len(sp.nodes)
     out = []
@@ -156,11 +160,15 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
         if phase[i] == "bwd" and layers[i] is not None and (layers[i] != first or not later):
             block_bwd += t
             wgrad += t if i in grad_makers else 0.0
+    tied = _tied_params(sp, parts)
+    tied_sync = {p: 0.0 for p in PARTS}  # a tied copy's own sync, at the other end
     for k, colls in scored.edge_collectives.items():
         e = sp.edges[k]
         t = sum(c.time_s for c in colls) * float(weight[e.dst])
         if e.in_idx < 0:
             sync[parts[e.dst]] += t
+            if e.dst in tied:
+                tied_sync["post" if parts[e.dst] == "pre" else "pre"] += t
         else:
             add(e.dst, t)
     loss_i = sp.loss_index
@@ -175,10 +183,11 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
     k_sync = plan_sync / raw_sync if raw_sync > 0 else 0.0
     k_rest = (scored.cost.step_s - plan_sync) / raw_rest if raw_rest > 0 else 0.0
 
-    state, saved, transient = _memory_parts(sp, choice, parts)
+    state, saved, transient = _memory_parts(sp, choice, parts, tied)
 
     def make(p: str, per: float) -> PartCost:
-        return PartCost(fwd[p] * k_rest / per, bwd[p] * k_rest / per, sync[p] * k_sync / per,
+        return PartCost(fwd[p] * k_rest / per, bwd[p] * k_rest / per,
+                        (sync[p] + tied_sync[p]) * k_sync / per,
                         state[p] / per, saved[p] / per, transient[p], again[p] * k_rest / per,
                         nodes[p] / per)
 
@@ -187,7 +196,27 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
         boundary_bytes=_boundary_bytes(sp, parts) / max(1, dp_size),
         weight_share=min(0.9, wgrad / block_bwd) if block_bwd > 0 else 0.5,
         splits_backward=not runs_as_program(sp, choice),
+        tied_bytes=_tied_bytes(sp, choice, tied),
     )
+
+
+def _tied_params(sp: ShardingProblem, parts: list[str]) -> set[int]:
+    """The parameters read by both ``pre`` and ``post`` (a head tied to the embedding)."""
+    index = {n: i for i, n in enumerate(sp.nodes)}
+    return {i for i, n in enumerate(sp.nodes)
+            if n.meta["autopar"].role == "param"
+            and {"pre", "post"} <= {parts[index[u]] for u in n.users if u in index}}
+
+
+def _tied_bytes(sp: ShardingProblem, choice: list[int], tied: set[int]) -> float:
+    """Gradient bytes per device of the ``tied`` parameters, as placed."""
+    total = 0.0
+    for i in tied:
+        f = sp.nodes[i].meta["autopar"]
+        spec = sp.strategies[i][choice[i]].outs[0]
+        dtype = sp.grad_dtype or f.out.dtype
+        total += math.prod(local_shape(tuple(f.out.shape), spec, sp.mesh.shape)) * dtype.itemsize
+    return total
 
 
 def _weight_gradient_nodes(sp: ShardingProblem) -> set[int]:
@@ -209,10 +238,11 @@ def _weight_gradient_nodes(sp: ShardingProblem) -> set[int]:
     return weights
 
 
-def _memory_parts(sp: ShardingProblem, choice: list[int], parts: list[str]
+def _memory_parts(sp: ShardingProblem, choice: list[int], parts: list[str], tied: set[int]
                   ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """State, kept-per-microbatch and largest transient bytes of each part, from the step's
-    buffers (:func:`autopar.passes.memory.step_usage`)."""
+    buffers (:func:`autopar.passes.memory.step_usage`). A ``tied`` parameter's state is held
+    by both ends (the first and last stages each keep a copy)."""
     usage, live = step_usage(sp, choice)
     n_nodes = len(sp.nodes)
     turn = next((i for i, n in enumerate(sp.nodes) if n.meta["autopar"].phase == "bwd"),
@@ -229,6 +259,8 @@ def _memory_parts(sp: ShardingProblem, choice: list[int], parts: list[str]
         role = sp.nodes[k].meta["autopar"].role if k < n_nodes else ""
         if role in ("param", "grad"):
             state[owner] += u
+            if k in tied:
+                state["post" if owner == "pre" else "pre"] += u
         elif a < turn <= b:
             saved[owner] += u / f
         else:

@@ -126,9 +126,11 @@ def test_a_split_backward_recomputes_in_both_passes():
 
 
 def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
-    # a vocabulary of 16k on a 64-wide model: the head outweighs several blocks
+    # a vocabulary of 16k on a 64-wide model: the head outweighs several blocks. One
+    # process per core (pp=2 on the cpu profile's 2 cores): where processes share cores the
+    # replay lets an idle rank's core speed the other, and balance matters far less
     model, inputs = gpt(n_layer=8, vocab=16384)
-    mesh = Mesh((2, 2), ("pp", "dp"), "cpu")
+    mesh = Mesh((2,), ("pp",), "cpu")
     planned = plan_pipeline(model, mesh, inputs, schedule="1F1B")
     stages = planned.plan.pipeline.stages
     assert stages[-1].blocks < stages[0].blocks
