@@ -125,6 +125,27 @@ def test_a_split_backward_recomputes_in_both_passes():
     assert one.split_s == 0 and one.backward_s == zbv.backward_s == pytest.approx(9.0)
 
 
+def test_a_tied_head_is_held_and_summed_by_both_end_stages():
+    from autopar.pipeline_planner import proxy_blocks
+
+    # GPT-2's head is its embedding's weight: the first and last stages each hold a copy
+    model, inputs = gpt(n_layer=4, vocab=8192)
+    mesh = Mesh((2,), ("pp",), "cpu")
+    one = plan_pipeline(model, mesh, inputs, schedule="1F1B")
+    prof = stage_profile(one.problem, one.node_choice, proxy_blocks(one), 1)
+    table = 8192 * 64 * 4
+    assert prof.tied_bytes == table
+    # its state on both ends, its embedding lookup on the first
+    assert prof.pre.state_bytes >= table and prof.post.state_bytes >= table
+    assert prof.pre.forward_s > 0
+    # the copies' gradients are summed across the two ranks once per step: both pay it
+    ends = one.plan.pipeline.stages
+    assert ends[0].sync_s == ends[-1].sync_s > 0
+    # a V keeps both ends on rank 0: nothing to sum across ranks
+    v = plan_pipeline(model, mesh, inputs, schedule="ZBVZeroBubble").plan.pipeline
+    assert v.stages[0].rank == v.stages[-1].rank and v.stages[0].sync_s == 0
+
+
 def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
     # a vocabulary of 16k on a 64-wide model: the head outweighs several blocks. One
     # process per core (pp=2 on the cpu profile's 2 cores): where processes share cores the
