@@ -35,7 +35,7 @@ from autopar.passes.pipeline_schedule import (
     core_speed,
     simulate,
 )
-from autopar.passes.stage_profile import StageProfile
+from autopar.passes.stage_profile import PartCost, StageProfile
 from autopar.passes.stage_split import StageCost, StageSplit, schedule_in_flight, split_stages
 
 if TYPE_CHECKING:
@@ -178,21 +178,24 @@ def stage_time(sched: PipelineSchedule, prof: StageProfile, i: int, j: int, n_bl
     if not (sched.splits_backward and prof.splits_backward):
         share = prof.weight_share if prof.splits_backward else 0.0
         return StageTime.of(fwd, bwd, share, over.send_s, kept, over.action_s, 0.0, over.post_s)
-    parts = [(prof.block, j - i)] + ([(prof.pre, 1)] if i == 0 else []) \
-        + ([(prof.post, 1)] if j == n_blocks else [])
+    parts = chunk_parts(prof, i, j, n_blocks)
     nodes = sum(c.nodes * k for c, k in parts)
     again = sum(c.recompute_s * k for c, k in parts)
     return StageTime.of(fwd, bwd, prof.weight_share, over.send_s, kept, over.action_s,
                         nodes * over.node_s + again, over.post_s)
 
 
+def chunk_parts(prof: StageProfile, i: int, j: int, n_blocks: int
+                ) -> list[tuple[PartCost, int]]:
+    """The parts a stage of blocks [i, j) holds, each with its count: the blocks, and the
+    embedding on the first stage, the head on the last."""
+    return [(prof.block, j - i)] + ([(prof.pre, 1)] if i == 0 else []) \
+        + ([(prof.post, 1)] if j == n_blocks else [])
+
+
 def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float, ...]:
     """(forward, backward, sync, state + transient, kept per microbatch) of blocks [i, j)."""
-    parts = [(prof.block, j - i)]
-    if i == 0:
-        parts.append((prof.pre, 1))
-    if j == n_blocks:
-        parts.append((prof.post, 1))
+    parts = chunk_parts(prof, i, j, n_blocks)
     fwd = sum(c.forward_s * k for c, k in parts)
     bwd = sum(c.backward_s * k for c, k in parts)
     sync = sum(c.sync_s * k for c, k in parts)

@@ -339,8 +339,9 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
     posts = receive_posts(schedule.name, schedule.p, schedule.v, schedule.m)
 
     def posted(r: int, a: Action, kind: str) -> float:
+        # after the rank's j-th action (its previous one where torch posts just before)
         j = posts[r].get((a.stage, a.microbatch, kind), pos[r] - 1)
-        return runs[r][j][2] if 0 <= j < len(runs[r]) else (free[r] if j >= 0 else 0.0)
+        return runs[r][j][2] if j >= 0 else 0.0
 
     def hop(src: int, dst: int) -> float:  # boundary between stages min(src, dst) and +1
         return 0.0 if rank_of[src] == rank_of[dst] else times[min(src, dst)].send_s

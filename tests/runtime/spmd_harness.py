@@ -46,19 +46,26 @@ SETTINGS = dict(deadline=None, derandomize=True,
 
 
 @contextlib.contextmanager
-def fake_world(size: int) -> Iterator[Any]:
-    """A fake process group of ``size`` ranks and LocalTensorMode over them."""
-    from torch.distributed._local_tensor import LocalTensorMode
+def fake_group(size: int) -> Iterator[None]:
+    """A fake process group of ``size`` ranks (this process is rank 0; nothing is sent)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
     try:
-        with LocalTensorMode(size) as mode:
-            yield mode
+        yield
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_world(size: int) -> Iterator[Any]:
+    """A fake process group of ``size`` ranks and LocalTensorMode over them."""
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    with fake_group(size), LocalTensorMode(size) as mode:
+        yield mode
 
 
 def mesh_for(shape: tuple[int, ...]) -> Mesh:
@@ -292,3 +299,27 @@ def spawn_reports(worker: Callable, args: tuple, nprocs: int, out_dir: Any,
                 p.terminate()
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
+
+def train_usage_error(argv: list[str], capsys: Any) -> str:
+    """``autopar train ARGV``'s error: it exits 2 with one ``autopar: error:`` line and no
+    traceback; the line."""
+    from autopar.cli import main
+
+    assert main(["train", *argv]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
+    assert "Traceback" not in out + err
+    return lines[0]
+
+
+def four_block_model(preset_name: str, batch: int, seq: int) -> tuple[nn.Module, tuple]:
+    """A preset with 4 blocks, weights seeded, and example inputs (batch x seq), seeded."""
+    from autopar.models import get_preset
+
+    preset = get_preset(preset_name)
+    preset = preset.replace(n_layer=4) if preset.family == "gpt2" else preset.replace(n_layers=4)
+    torch.manual_seed(0)
+    model = preset.build("cpu")
+    torch.manual_seed(1)
+    return model, preset.example_inputs(batch, seq, "cpu")

@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from spmd_harness import mesh_for, reference_plan
+from spmd_harness import fake_group, mesh_for, reference_plan
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -38,16 +37,10 @@ _MOVES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
 @contextlib.contextmanager
 def _meta_mesh(shape: tuple[int, ...], axes: tuple[str, ...]) -> Iterator[Any]:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
     size = math.prod(shape)
-    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
-    try:
+    with fake_group(size):
         yield DeviceMesh("meta", torch.arange(size).view(shape), mesh_dim_names=axes)
-    finally:
-        dist.destroy_process_group()
 
 
 class _CpuOps(TorchDispatchMode):

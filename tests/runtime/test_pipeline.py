@@ -25,12 +25,11 @@ from collections import Counter
 
 import pytest
 import torch
-from spmd_harness import EPS, LR, rel_err
+from spmd_harness import EPS, LR, four_block_model, rel_err
 from torch import nn
 
 import autopar
 from autopar.errors import MeshError, PlanError
-from autopar.models import get_preset
 from autopar.runtime import pipeline_stages as ps
 from autopar.runtime.pipeline import (
     StageEvent,
@@ -70,12 +69,7 @@ CLIP = {"gpipe-gpt2-trace": 0.5, "zbv-gpt2": 0.5, "1f1b-hf-gpt2": 0.5, "1f1b-gpt
 def _build(preset_name: str):
     if preset_name == "hf-gpt2":
         return _hf_gpt2()
-    preset = get_preset(preset_name)
-    preset = preset.replace(n_layer=4) if preset.family == "gpt2" else preset.replace(n_layers=4)
-    torch.manual_seed(0)
-    model = preset.build("cpu")
-    torch.manual_seed(1)
-    return model, preset.example_inputs(BATCH, SEQ, "cpu")
+    return four_block_model(preset_name, BATCH, SEQ)
 
 
 def _hf_gpt2():

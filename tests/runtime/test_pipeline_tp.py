@@ -21,16 +21,14 @@ errors for meshes, frontends, schedules and plans that cannot run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from spmd_harness import EPS, LR, rel_err
+from spmd_harness import EPS, LR, fake_group, four_block_model, rel_err
 
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
@@ -65,12 +63,7 @@ CLIP = {"1f1b-gpt2-pp4-tp2": 0.5, "1f1b-llama": 0.5}
 
 
 def _build(preset_name: str):
-    preset = get_preset(preset_name)
-    preset = preset.replace(n_layer=4) if preset.family == "gpt2" else preset.replace(n_layers=4)
-    torch.manual_seed(0)
-    model = preset.build("cpu")
-    torch.manual_seed(1)
-    return model, preset.example_inputs(BATCH, SEQ, "cpu")
+    return four_block_model(preset_name, BATCH, SEQ)
 
 
 def _reference(preset_name: str, clip: float | None) -> dict:
@@ -206,20 +199,6 @@ def test_pipeline_stages_run_their_plans() -> None:
 # --- without processes ------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _fake_world(size: int) -> Iterator[None]:
-    """A fake process group of ``size`` ranks (this process is rank 0; nothing is sent)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _stage_graphs(preset: str, mesh: Mesh):
     """Both stages of a 2-stage split, captured with their boundary pinned on ``mesh``."""
     from autopar.runtime.stage_program import StageInputs, trace_stage
@@ -302,7 +281,7 @@ def test_meshes_frontends_and_schedules_that_cannot_run() -> None:
 
     model, inputs = _build("gpt2-tiny")
     moe, moe_inputs = _build("moe-tiny")
-    with _fake_world(8):
+    with fake_group(8):
         bad = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "sp"))
         with pytest.raises(MeshError, match=r"axes 'pp', 'dp' and 'tp'; axis \['sp'\]"):
             build_pipeline(model, inputs, bad)

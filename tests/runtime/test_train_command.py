@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from spmd_harness import train_usage_error
 
-from autopar.cli import main
 from autopar.runtime.corpus import VOCAB_SIZE, BatchSampler, decode, encode, load_text, load_tokens
 from autopar.runtime.progress import Progress, loss_report, sparkline
 
@@ -40,12 +40,8 @@ from autopar.runtime.progress import Progress, loss_report, sparkline
 def test_bad_options_are_one_line_and_exit_2(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["train", *argv]) == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
-    assert needle in lines[0]
-    assert "Traceback" not in out + err
+    line = train_usage_error(argv, capsys)
+    assert needle in line
 
 
 def test_bad_option_through_the_console_script() -> None:

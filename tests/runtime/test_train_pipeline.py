@@ -15,8 +15,7 @@ import subprocess
 import sys
 
 import pytest
-
-from autopar.cli import main
+from spmd_harness import train_usage_error
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -49,12 +48,8 @@ from autopar.cli import main
 def test_bad_pipeline_options_are_one_line_and_exit_2(
     argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["train", *argv]) == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autopar: error: "), err
-    assert needle in lines[0], lines[0]
-    assert "Traceback" not in out + err
+    line = train_usage_error(argv, capsys)
+    assert needle in line, line
 
 
 def _train(*argv: str) -> subprocess.CompletedProcess:
