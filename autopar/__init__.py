@@ -5,10 +5,10 @@ split across a device mesh by solving an ILP over per-op costs, and run the resu
 torch.distributed.
 """
 
-from autopar.devices import PROFILES, DeviceProfile, get_profile
-from autopar.errors import AutoparError, CaptureError, MeshError, PlanError
-from autopar.mesh import Mesh
-from autopar.placements import Partial, R, Replicate, S, Shard
+from autopar.ir.devices import PROFILES, DeviceProfile, get_profile
+from autopar.ir.errors import AutoparError, CaptureError, MeshError, PlanError
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import Partial, R, Replicate, S, Shard
 
 __version__ = "0.1.0"
 

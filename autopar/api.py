@@ -21,22 +21,22 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar import errors
-from autopar.capture import capture
-from autopar.devices import PROFILES
-from autopar.errors import MeshError, PlanError
-from autopar.graph import PlanGraph
-from autopar.mesh import Mesh
-from autopar.passes import mixed_precision
-from autopar.passes.mixed_precision import Precision
-from autopar.passes.recompute import apply_recompute
-from autopar.placements import Spec
-from autopar.plan import Plan, SolverInfo
+from autopar.capture.joint import capture
+from autopar.ir import errors
+from autopar.ir.devices import PROFILES
+from autopar.ir.errors import MeshError, PlanError
+from autopar.ir.graph import PlanGraph
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import Spec
+from autopar.ir.plan import Plan, SolverInfo
+from autopar.passes.memory import mixed_precision
+from autopar.passes.memory.mixed_precision import Precision
+from autopar.passes.memory.recompute import apply_recompute
 from autopar.runtime import _compat
 from autopar.runtime.parallel_module import ParallelModule
 
 if TYPE_CHECKING:
-    from autopar.runtime.pipeline_module import PipelineModule
+    from autopar.runtime.pipeline.module import PipelineModule
 
 _BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda", "fake": "cpu", "threaded": "cpu"}
 
@@ -63,7 +63,7 @@ def parallelize(
 ) -> ParallelModule | PipelineModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh,
     or a number of devices: every ``pp x dp x tp`` shape of them is planned and the fastest
-    that the runtime runs is taken, :mod:`autopar.shape_search`).
+    that the runtime runs is taken, :mod:`autopar.planning.shapes`).
 
     ``plan=None`` solves a plan; a :class:`Plan` or a plan JSON path is used as given, after
     checking it was made for this model, these input shapes and this mesh. The model's
@@ -80,7 +80,7 @@ def parallelize(
     capacity less a reserve; ``math.inf``: no limit). ``precision``: ``"fp32"``, ``"bf16"`` or
     ``"fp16"`` (default: bf16 on GPU profiles, fp32 on ``cpu``), ``reduce_dtype`` the
     gradients' reduction dtype (``"fp32"`` default, or the compute dtype); fp16 scales the
-    loss dynamically and skips a step whose gradients overflow (:mod:`autopar.runtime.loss_scale`;
+    loss dynamically and skips a step whose gradients overflow (:mod:`autopar.runtime.optim.loss_scale`;
     the module's ``loss_scale`` holds the scale and the count of skipped steps). ``recompute``: ``"auto"`` (only
     where the plan would not fit otherwise), ``"none"``, ``"selective"`` or ``"full"``.
     ``zero``: the ZeRO stage of the parameters the plan stores split (``"auto"``, 1, 2, 3);
@@ -92,16 +92,16 @@ def parallelize(
     ``profile``: a directory: the second training step's forward and backward (the first
     pays one-off costs) run under ``torch.profiler`` and each rank writes its trace to
     ``DIR/trace_rank{r}.json``, with ranges named as the plan's predicted timeline, which
-    rank 0 writes to ``DIR/predicted.json`` (:mod:`autopar.runtime.profiling`,
+    rank 0 writes to ``DIR/predicted.json`` (:mod:`autopar.runtime.observe.profiling`,
     ``docs/timeline.md``). On a pipeline the second call's schedule step is written per
     action instead (each forward and backward under torch's action name, the gradient sync),
-    beside the plan's predicted step with the same names (:mod:`autopar.pipeline_timeline`).
+    beside the plan's predicted step with the same names (:mod:`autopar.report.pipeline_timeline`).
 
     A mesh with a ``pp`` axis of size > 1 (or a plan with a pipeline section) trains the model
-    as a pipeline: :func:`autopar.pipeline_planner.plan_pipeline` picks the stages, the
+    as a pipeline: :func:`autopar.planning.pipeline.plan_pipeline` picks the stages, the
     schedule (``schedule=``: torch's name, ``"1F1B"``, ``"ZBVZeroBubble"``, ...), the
     micro-batches (``microbatches=``) and the stages per rank (``virtual=``), or takes them
-    from ``plan=``, and the result is a :class:`~autopar.runtime.pipeline_module.PipelineModule`
+    from ``plan=``, and the result is a :class:`~autopar.runtime.pipeline.module.PipelineModule`
     (``docs/pipelines.md``). Stages are replicated over ``dp`` where the plan keeps their
     parameters whole, computing in the plan's precision (fp32 by default there, or bf16) and
     recomputing as it says, as the SPMD runtime does; else each runs its own plan on the
@@ -169,7 +169,7 @@ def parallelize(
             "optimizer would keep it on the device, beyond the plan's memory)", stacklevel=2)
     pm = ParallelModule(model, device_mesh, graph, the_plan, replan, compile)
     if profile is not None:
-        from autopar.runtime.profiling import arm
+        from autopar.runtime.observe.profiling import arm
 
         arm(pm, profile, amesh)
     return pm
@@ -179,7 +179,7 @@ def parallelize(
 
 
 def _is_pipeline(mesh: Mesh, plan: Plan | None) -> bool:
-    from autopar.pipeline_planner import pipeline_axis
+    from autopar.planning.pipeline import pipeline_axis
 
     return pipeline_axis(mesh) is not None or (plan is not None and plan.pipeline is not None)
 
@@ -189,8 +189,8 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
               ) -> PipelineModule:
     """The pipeline branch of :func:`parallelize`: plan (rank 0, shared) or check the plan
     given, then build this rank's stages as the plan says."""
-    from autopar.pipeline_planner import plan_pipeline
-    from autopar.runtime import pipeline_module as pm
+    from autopar.planning.pipeline import plan_pipeline
+    from autopar.runtime.pipeline import module as pm
 
     pm.PipelineInputs.of(args, kwargs)
     if plan is not None:
@@ -231,10 +231,10 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
                       ) -> Plan:
     """The fastest plan over the ``pp x dp x tp`` shapes of ``n`` devices that the runtime
     runs as written (planned on rank 0, shared): a pipeline plan the runtime refuses
-    (:func:`~autopar.runtime.pipeline_module.check_runnable`: stage programs in bf16 or
+    (:func:`~autopar.runtime.pipeline.module.check_runnable`: stage programs in bf16 or
     recomputing, offloaded optimizer state, ...) gives way to the next shape."""
-    from autopar.runtime import pipeline_module as pm
-    from autopar.shape_search import search_shapes
+    from autopar.planning.shapes import search_shapes
+    from autopar.runtime.pipeline import module as pm
 
     _ensure_process_group(Mesh((n,), ("dp",), "cpu"))
     world = dist.get_world_size()
@@ -328,7 +328,7 @@ def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 
 def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: float | None,
                time_limit_s: float, recompute: str, zero: str | int, offload: str) -> Plan:
-    from autopar.planner import make_plan
+    from autopar.planning.planner import make_plan
 
     return make_plan(model, mesh, graph=graph, memory_budget=memory_budget,
                      time_limit_s=time_limit_s, model_name=type(model).__name__,
@@ -336,10 +336,10 @@ def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: fl
 
 
 def plan_mode(plan: Plan) -> str:
-    """The planner's mode a plan was made in (:func:`autopar.planner.mode_graph`): its
+    """The planner's mode a plan was made in (:func:`autopar.planning.planner.mode_graph`): its
     recomputation, with ``+zero3`` where it re-gathers parameters in the backward and
     ``+offload`` where it offloads optimizer state."""
-    from autopar.planner import OFFLOADED, REGATHER, WHOLE_GRADS
+    from autopar.planning.planner import OFFLOADED, REGATHER, WHOLE_GRADS
 
     ps = plan.param_state
     return (plan.recompute.mode + (REGATHER if ps.regathered else "")
@@ -356,9 +356,9 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
 
     Used to replan for new input shapes with the parameters where they are, and to turn a
     hand-written reference layout into an executable plan."""
-    from autopar.memory_fit import memory_limit
-    from autopar.passes import sharding_problem
-    from autopar.planner import (
+    from autopar.passes.problem import sharding_problem
+    from autopar.planning.memory_fit import memory_limit
+    from autopar.planning.planner import (
         OFFLOADED,
         WHOLE_GRADS,
         assemble_plan,

@@ -43,10 +43,10 @@ def bubble_table(parts: list[tuple[Job, dict]], got: dict) -> str:
 
 def predicted_stage_times(planned: Any, ranges: Sequence[tuple[int, int]]) -> list[float]:
     """Forward + backward of each stage per microbatch, as the planner adds them up
-    (:mod:`autopar.passes.stage_profile`'s parts: the first stage also runs the embedding,
+    (:mod:`autopar.passes.pipeline.stage_profile`'s parts: the first stage also runs the embedding,
     the last the head)."""
-    from autopar.passes.stage_profile import stage_profile
-    from autopar.pipeline_planner import proxy_blocks
+    from autopar.passes.pipeline.stage_profile import stage_profile
+    from autopar.planning.pipeline import proxy_blocks
 
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned), 1)
     n = ranges[-1][1]
@@ -124,8 +124,8 @@ def fidelity_table(parts: list[tuple[Job, dict]], got: dict, target: float
 
 
 def calibration_lines(cal2: dict | None, cal4: dict | None) -> list[str]:
-    from autopar.devices import get_profile
-    from autopar.passes.cost_model import collective_time
+    from autopar.ir.devices import get_profile
+    from autopar.passes.cost.cost_model import collective_time
 
     prof = get_profile("cpu")
     bw, lat, ovh = prof.intra_node_bandwidth, prof.intra_node_latency, prof.collective_overhead
@@ -134,7 +134,7 @@ def calibration_lines(cal2: dict | None, cal4: dict | None) -> list[str]:
              f"{prof.matmul_efficiency}), memory {prof.bytes_per_s() / 1e9:.0f} GB/s, "
              f"collective {ovh * 1e3:.1f} ms + {lat * 1e6:.0f} us per ring step + "
              f"bytes / {bw / 1e9:.1f} GB/s, point-to-point {lat * 1e6:.0f} us + bytes / "
-             f"{bw / 1e9:.1f} GB/s (figures from autopar/devices.py, set from gloo "
+             f"{bw / 1e9:.1f} GB/s (figures from autopar/ir/devices.py, set from gloo "
              f"collectives measured with 4 ranks on this 2-core machine; not re-fitted here)."]
     for n, cal in ((2, cal2), (4, cal4)):
         if cal is None:
@@ -157,7 +157,7 @@ def calibration_lines(cal2: dict | None, cal4: dict | None) -> list[str]:
 def findings(bub: list[tuple[Job, dict]], fid: list[tuple[Job, dict]], got: dict,
              cals: Sequence[dict]) -> list[str]:
     """What limits the predictions, each with this run's figures."""
-    from autopar.devices import get_profile
+    from autopar.ir.devices import get_profile
 
     out = []
     busy = {(j.mesh[0], j.name.split()[-1]): med([(1 - b) * sp for b, sp in

@@ -3,7 +3,7 @@ timed round by round (all jobs in each round, so load from other programs hits t
 and a short calibration of the ``cpu`` device profile's figures on the same processes.
 
 A job is a plan to run: an SPMD plan through ``autopar.parallelize(..., plan=...)`` or a
-pipeline through ``autopar.runtime.pipeline.build_pipeline`` with the split, schedule,
+pipeline through ``autopar.runtime.pipeline.runner.build_pipeline`` with the split, schedule,
 microbatches and stages per rank the planner chose. A measured step is forward + backward +
 gradient sync (and reading the loss, which a training loop logs), timed from a barrier on
 each rank; the optimizer step (fused AdamW) runs after it, untimed, because the cost model has
@@ -62,7 +62,7 @@ class _Runner:
         if job.is_pipeline:
             from torch.distributed.device_mesh import init_device_mesh
 
-            from autopar.runtime.pipeline import build_pipeline
+            from autopar.runtime.pipeline.runner import build_pipeline
 
             dmesh = init_device_mesh("cpu", job.mesh, mesh_dim_names=job.axes)
             self.module: Any = build_pipeline(
@@ -70,8 +70,8 @@ class _Runner:
                 n_microbatches=job.microbatches, virtual=job.virtual, frontend="module")
         else:
             import autopar
-            from autopar.mesh import Mesh
-            from autopar.plan import Plan
+            from autopar.ir.mesh import Mesh
+            from autopar.ir.plan import Plan
 
             plan = Plan.from_json(json.loads(job.plan))
             self.module = autopar.parallelize(model, Mesh(job.mesh, job.axes, "cpu"),

@@ -5,7 +5,7 @@ training steps with ``autopar.parallelize`` on local gloo processes (``cpu`` dev
 and measures, on every rank, the peak of the bytes held by live tensors during one training
 step (forward, backward, optimizer step), after a warm-up step:
 
-* **What is measured** (:class:`autopar.runtime.live_memory.LiveBytes`): every storage a
+* **What is measured** (:class:`autopar.runtime.observe.live_memory.LiveBytes`): every storage a
   tensor of this rank holds, counted once however many tensors view it, from the op that made
   it until it is freed: parameters (their local pieces), gradients, the optimizer's state
   (exp_avg, exp_avg_sq, step), activations, gathered parameters, resharded copies, gradient
@@ -13,7 +13,7 @@ step (forward, backward, optimizer step), after a warm-up step:
   and are not seen. torch's ``MemTracker`` counts the same way (it also works with these
   DTensor parameters); this tracker keeps a timeline, to find what makes a peak.
 * **Why it is comparable with the prediction** (``plan.cost.mem_bytes``, from
-  ``passes/memory.py``): the model counts the same things per device: parameters and Adam
+  ``passes/memory/peak.py``): the model counts the same things per device: parameters and Adam
   state throughout, gradients from the backward op that makes them, activations from their op
   to their last reader, views as their base. The warm-up step makes the optimizer state
   exist (AdamW creates it lazily at its first step), as it does in every step after the
@@ -56,7 +56,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, update_results  # noqa: E402
 
-from autopar.mesh import Mesh  # noqa: E402
+from autopar.ir.mesh import Mesh  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
 
 TOLERANCE = 0.10
@@ -91,9 +91,9 @@ class Combo:
     def capture(self, model, inputs):
         """The step traced as this combination runs it: under its precision policy, with its
         recomputation applied (what the plan was made on)."""
-        from autopar.capture import capture
-        from autopar.passes.mixed_precision import resolve
-        from autopar.planner import mode_graph
+        from autopar.capture.joint import capture
+        from autopar.passes.memory.mixed_precision import resolve
+        from autopar.planning.planner import mode_graph
 
         graph = capture(model, inputs, precision=resolve(self.precision, self.amesh().device))
         return mode_graph(graph, self.recompute)
@@ -123,7 +123,7 @@ COMBOS = [
     Combo("llama3-tiny", "megatron_tp", precision="bf16", recompute="selective"),
     Combo("llama3-tiny", "fsdp", precision="bf16", recompute="full", mesh=(2, 2)),
     Combo("moe-tiny", "data_parallel", precision="bf16", recompute="full", mesh=(2, 2)),
-    # ZeRO stages (passes/zero.py): FSDP's layout with the weights gathered again in the
+    # ZeRO stages (passes/memory/zero.py): FSDP's layout with the weights gathered again in the
     # backward (ZeRO-3; "full+zero3" is FSDP with per-block checkpointing, as the planner
     # and the fixed policies run it), and with whole-gradient all-reduces (ZeRO-1)
     Combo("llama3-tiny", "fsdp", precision="bf16", recompute="none+zero3"),
@@ -149,9 +149,9 @@ def make_plan(c: Combo, memory_budget: float | None = None) -> str | None:
     if c.plan == "solver":
         return None
     from autopar.api import complete_plan
-    from autopar.capture import capture
+    from autopar.capture.joint import capture
     from autopar.models.reference_plans import REFERENCE_PLANS
-    from autopar.passes.mixed_precision import resolve
+    from autopar.passes.memory.mixed_precision import resolve
 
     preset, model, inputs = build(c)
     mesh = c.amesh()
@@ -172,8 +172,8 @@ def measure(jobs: list[tuple[Combo, str | None]]) -> list[dict]:
     import gc
 
     import autopar
-    from autopar.plan import Plan
-    from autopar.runtime.live_memory import LiveBytes
+    from autopar.ir.plan import Plan
+    from autopar.runtime.observe.live_memory import LiveBytes
 
     out = []
     for c, plan_json in jobs:
@@ -208,11 +208,11 @@ def per_node(c: Combo, plan_json: str) -> float:
     """The peak a per-node usage gives (each node's output from its op to its last reader,
     views as their base: what scoring reported before it counted the whole step's buffers
     with ``passes.memory.step_usage``), on the graph the plan was made on."""
-    from autopar.capture import capture
-    from autopar.passes import sharding_problem
-    from autopar.passes.memory import peak_memory, plan_choice
-    from autopar.passes.recompute import apply_recompute
-    from autopar.plan import Plan
+    from autopar.capture.joint import capture
+    from autopar.ir.plan import Plan
+    from autopar.passes.memory.peak import peak_memory, plan_choice
+    from autopar.passes.memory.recompute import apply_recompute
+    from autopar.passes.problem import sharding_problem
 
     _, model, inputs = build(c)
     plan = Plan.from_json(json.loads(plan_json))
@@ -267,11 +267,11 @@ def sweep_references(model, mesh: Mesh, family: str) -> dict:
 def budget_sweep(mesh_text: str) -> dict:
     """``make_plan`` at every budget of :data:`SWEEP_BUDGETS_GIB` (depth proxy of 4 layers,
     the step traced once in the device's default precision, bf16 on the h100)."""
-    from autopar.capture import capture
-    from autopar.errors import PlanError
+    from autopar.capture.joint import capture
+    from autopar.ir.errors import PlanError
     from autopar.models import get_preset
-    from autopar.passes.mixed_precision import resolve
-    from autopar.planner import make_plan
+    from autopar.passes.memory.mixed_precision import resolve
+    from autopar.planning.planner import make_plan
 
     preset = get_preset(SWEEP_MODEL)
     preset = preset.replace(max_seq_len=max(SWEEP_SEQ, preset.config.max_seq_len))
@@ -391,12 +391,12 @@ def _sweep_body(parts: list[str]) -> str:
 
 
 _EXPLAIN = """Predicted: `plan.cost.mem_bytes`, the planner's peak bytes per device over the
-step (`passes/scoring.py` with `passes/memory.step_usage`: every node's output from its op to
+step (`passes/cost/scoring.py` with `passes/memory.step_usage`: every node's output from its op to
 its last reader, and the buffers two layouts make: reshard copies, a layer's gathered
 parameters until its last reader or the views that keep them, gradient-bucket copies).
 Measured: the peak of bytes held by live tensors on each rank during one training step
 (forward, backward, fused AdamW step, `zero_grad`) after a warm-up step, every storage counted
-once (`runtime/live_memory.py`: a dispatch mode that watches each op's output storages until
+once (`runtime/observe/live_memory.py`: a dispatch mode that watches each op's output storages until
 they are freed; parameters, gradients and Adam state counted from the start); the global batch
 every rank is handed is the training loop's and is not counted, the slices the step makes of it
 are. Each combination passes its precision and recompute mode explicitly (bf16: fp32 master

@@ -71,7 +71,7 @@ from _pipeline_stats import (  # noqa: E402
     schedule_bubble,
 )
 
-from autopar.mesh import Mesh  # noqa: E402
+from autopar.ir.mesh import Mesh  # noqa: E402
 
 # torch's schedule names (the planner's) -> build_pipeline's keys, and stages per rank
 SCHEDULES = {"GPipe": ("gpipe", 1), "1F1B": ("1f1b", 1),
@@ -105,7 +105,7 @@ def pipeline_job(name: str, fields: tuple, pp: int, dp: int, schedule: str, m: i
     (gradients all-reduced at the end), so the prediction is for that layout (the planner's
     data-parallel stage reference with the plan's split and schedule)."""
     from autopar.models.reference_plans import applicable_plans
-    from autopar.pipeline_planner import plan_pipeline, predict_split
+    from autopar.planning.pipeline import plan_pipeline, predict_split
 
     model, inputs = _model(fields)
     mesh = Mesh((pp, dp), ("pp", "dp"), "cpu")
@@ -131,7 +131,7 @@ def pipeline_job(name: str, fields: tuple, pp: int, dp: int, schedule: str, m: i
 def spmd_jobs() -> list[tuple[Job, dict[str, Any]]]:
     """Reference layouts and the solver's plans of the fidelity model on 4 devices."""
     from autopar.models.reference_plans import applicable_plans
-    from autopar.planner import make_plan
+    from autopar.planning.planner import make_plan
 
     model, inputs = _model(MODEL)
     out = []
@@ -202,7 +202,7 @@ def bubble_part(pps: Sequence[int]) -> list[tuple[Job, dict]]:
 
 
 def heavy_part() -> list[tuple[Job, dict]]:
-    from autopar.pipeline_planner import predict_split
+    from autopar.planning.pipeline import predict_split
 
     job, pred = pipeline_job("heavy planner", HEAVY, HEAVY_PP, 1, HEAVY_SCHEDULE, M_BUBBLE)
     blocks = dict(HEAVY)["n_layer"]

@@ -17,7 +17,7 @@ c. **Split backward** (``split_backward_node_s``): one process, one GPT-2 block 
    autograd nodes the forward records.
 
 The fidelity benchmark (``benchmarks/pipeline.py``) then uses these figures as the profile
-holds them; they are set in ``autopar/devices.py`` from this script's output, never from the
+holds them; they are set in ``autopar/ir/devices.py`` from this script's output, never from the
 plans it ranks. About a minute on 2 cores.
 
     python benchmarks/pipeline_calibration.py            # prints the table
@@ -39,8 +39,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, update_results  # noqa: E402
 
-from autopar.devices import get_profile  # noqa: E402
-from autopar.passes.pipeline_schedule import (  # noqa: E402
+from autopar.ir.devices import get_profile  # noqa: E402
+from autopar.passes.pipeline.schedule import (  # noqa: E402
     SCHEDULES,
     SINGLE_STAGE,
     PipelineSchedule,
@@ -207,7 +207,7 @@ def main() -> None:
     stab = table(["d_model", "autograd nodes", "whole backward ms", "split backward ms",
                   "extra ms", "us per node"], srows)
     summary = table(
-        ["figure", "measured here", "profile (autopar/devices.py)"],
+        ["figure", "measured here", "profile (autopar/ir/devices.py)"],
         [["pipeline_action_s", f"{action_s * 1e6:.0f} us (median)",
           f"{cpu.pipeline_action_s * 1e6:.0f} us"],
          ["p2p_post_s", f"{post_s * 1e6:.0f} us (fit)", f"{cpu.p2p_post_s * 1e6:.0f} us"],

@@ -18,11 +18,11 @@ import time
 sys.path.insert(0, "benchmarks")
 from _common import machine, table, update_results  # noqa: E402
 
-from autopar.capture import capture  # noqa: E402
-from autopar.mesh import Mesh  # noqa: E402
+from autopar.capture.joint import capture  # noqa: E402
+from autopar.ir.mesh import Mesh  # noqa: E402
 from autopar.models import get_preset  # noqa: E402
 from autopar.models.reference_plans import REFERENCE_PLANS  # noqa: E402
-from autopar.planner import make_plan  # noqa: E402
+from autopar.planning.planner import make_plan  # noqa: E402
 
 MODELS = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama3-1b", "llama3-8b",
           "llama3-70b", "mixtral-8x7b"]

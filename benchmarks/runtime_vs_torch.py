@@ -52,8 +52,8 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, update_results  # noqa: E402
 
-from autopar.devices import get_profile  # noqa: E402
-from autopar.mesh import Mesh  # noqa: E402
+from autopar.ir.devices import get_profile  # noqa: E402
+from autopar.ir.mesh import Mesh  # noqa: E402
 from autopar.models import MLP, REFERENCE_PLANS, MLPConfig  # noqa: E402
 from autopar.runtime.launch import launch  # noqa: E402
 
@@ -96,8 +96,8 @@ class Bench:
 
 
 def make_plans(b: Bench, time_limit_s: float) -> tuple[dict[str, dict], dict[str, str], dict]:
-    from autopar.plan import SolverInfo
-    from autopar.planner import assemble_plan, make_plan
+    from autopar.ir.plan import SolverInfo
+    from autopar.planning.planner import assemble_plan, make_plan
 
     with torch.device("meta"):
         model = MLP(b.config())
@@ -264,7 +264,7 @@ def _build_runs(b: Bench, x: torch.Tensor, y: torch.Tensor) -> dict[str, _Step]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import autopar
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     rank, world = dist.get_rank(), dist.get_world_size()
     share = b.batch // world
@@ -682,7 +682,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]],
   {extra["backward"]:+.2f} ms in the backward and {extra["optimizer"]:+.2f} ms in the
   optimizer step. The optimizer's share is the DTensor parameters (placed as the plan says,
   as the issue asks and as torch's TP and FSDP have them; DDP's are plain): the fused AdamW
-  kernel runs on the local pieces (`runtime/fused_optim.py`, a DTensor op handler that skips
+  kernel runs on the local pieces (`runtime/optim/fused.py`, a DTensor op handler that skips
   DTensor's sharding of the call where every state is placed as its parameter; torch's TP
   and FSDP runs in these processes take it too, with unchanged results), but the optimizer's
   Python still walks DTensors and the call still enters DTensor's dispatch before the
@@ -696,7 +696,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]],
   gradients come from the whole output gradient, with no collective, as in torch: priced as
   members of a full bucket, the solver would sum them over a sharded batch and all-reduce a
   2 KiB bucket; the planner finds that bucket nearly empty, prices it at its fill and solves
-  again (`passes/bucket_fill.py`).
+  again (`passes/cost/bucket_fill.py`).
 - **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
   fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
   all-gather per layer, gradient reduce-scatters in buckets (on the `cpu` profile one, once

@@ -26,7 +26,7 @@ with the same script (``parallelize`` plans the stages, the schedule and the mic
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --mesh pp=2,dp=2
 
-Data: the byte-level corpus shipped with autopar (``autopar.runtime.corpus``); every rank
+Data: the byte-level corpus shipped with autopar (``autopar.cli.corpus``); every rank
 draws the same batch for a step from the seed.
 """
 
@@ -40,8 +40,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
+from autopar.cli.corpus import BatchSampler
 from autopar.models import get_preset
-from autopar.runtime.corpus import BatchSampler
 from autopar.runtime.launch import cleanup, init_from_env, launch
 
 
@@ -84,7 +84,7 @@ def train(args: argparse.Namespace) -> float:
     model = autopar.parallelize(model, mesh, example_inputs=batch(0))
     if dist_info.is_main:
         print(model.plan.table(), flush=True)
-    # the fused kernel: one per step, run on each rank's pieces (runtime/fused_optim.py)
+    # the fused kernel: one per step, run on each rank's pieces (runtime/optim/fused.py)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 
     loss_value = float("nan")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.errors import AutoparError
+from autopar.ir.errors import AutoparError
 
 from .gpt2 import GPT2, GPT2_CONFIGS, GPT2Config
 from .llama3 import LLAMA_CONFIGS, LlamaConfig, Transformer

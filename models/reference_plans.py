@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from autopar.placements import Placement, R, S, Spec, evenly_divides
+from autopar.ir.placements import Placement, R, S, Spec, evenly_divides
 
 from .gpt2 import GPT2, Block
 from .llama3 import Attention, FeedForward, Transformer

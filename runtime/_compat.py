@@ -1,6 +1,6 @@
 """The runtime's private-torch adapters: functional collectives and LocalTensorMode hooks.
 
-Same policy as :mod:`autopar._torch_compat` (one small function per private API, exercised by
+Same policy as :mod:`autopar.capture._torch_compat` (one small function per private API, exercised by
 ``tests/runtime/test_lower_local.py`` so a torch release that changes one fails loudly there).
 Kept beside the runtime so the planner never imports torch.distributed.
 """

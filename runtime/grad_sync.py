@@ -1,7 +1,7 @@
 """Gradient synchronisation, started in the backward as soon as each gradient exists.
 
 The plan prices every gradient's move into its parameter's layout, pure all-reduces grouped
-into DDP-style buckets (:func:`autopar.passes.buckets.gradient_buckets`) when it priced them
+into DDP-style buckets (:func:`autopar.passes.cost.buckets.gradient_buckets`) when it priced them
 so. :class:`GradSyncSchedule` works out, once per program, after which backward step each of
 those moves can start: a bucket when its last gradient is computed, any other move when its
 gradient is. During the backward, :class:`GradSyncRun` starts each one there without waiting
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from autopar.passes.buckets import BucketKind, GradSync, bucket_kind, sync_groups
+from autopar.passes.cost.buckets import BucketKind, GradSync, bucket_kind, sync_groups
 from autopar.runtime import _compat
 from autopar.runtime.redistribute import Comm, redistribute
 

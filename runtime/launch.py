@@ -13,7 +13,7 @@ Two ways in, one environment inside:
 
 Nothing may hang: collectives time out (``collective_timeout_s``), the whole launch can have a
 deadline (``timeout_s``), a rank that fails takes the others down, and the parent raises the
-first rank's error (an :class:`~autopar.errors.AutoparError` as itself, so the CLI prints its one
+first rank's error (an :class:`~autopar.ir.errors.AutoparError` as itself, so the CLI prints its one
 line; anything else as a :class:`LaunchError` that names the rank and carries its traceback).
 """
 
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.errors import AutoparError
+from autopar.ir.errors import AutoparError
 
 
 class LaunchError(AutoparError):

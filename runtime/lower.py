@@ -18,7 +18,7 @@ incoming gradient. Gradients leave in their parameter's spec (in DDP-style bucke
 plan priced them so, each started as soon as its gradients exist and overlapped with the rest
 of the backward, :mod:`.grad_sync`), the loss replicated.
 
-A pipeline stage's graph (``pg.stage``, :mod:`autopar.stage_capture`) ends in an activation,
+A pipeline stage's graph (``pg.stage``, :mod:`autopar.capture.stage`) ends in an activation,
 not a loss: its forward returns that output moved into the layout it is sent in, its backward
 starts from the output's gradient (a placeholder set when the backward starts, not a seed
 scaled) and also returns the input's gradient, moved into the layout its input came in; both
@@ -41,12 +41,22 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from autopar.errors import PlanError
-from autopar.graph import PlanGraph, TensorMeta
-from autopar.passes.buckets import GradSync
-from autopar.passes.cost_model import sum_axes
-from autopar.passes.edge_costs import gather_unit
-from autopar.passes.stage_boundary import REASON as BOUNDARY
+from autopar.ir.errors import PlanError
+from autopar.ir.graph import PlanGraph, TensorMeta
+from autopar.ir.placements import (
+    Partial,
+    Replicate,
+    Spec,
+    evenly_divides,
+    local_shape,
+    spec_str,
+)
+from autopar.ir.plan import Plan
+from autopar.passes.cost.buckets import GradSync
+from autopar.passes.cost.cost_model import sum_axes
+from autopar.passes.cost.edge_costs import gather_unit
+from autopar.passes.memory.zero import grad_target
+from autopar.passes.problem.stage_boundary import REASON as BOUNDARY
 from autopar.passes.strategies.localize import (
     LocalContext,
     finish_call,
@@ -61,19 +71,10 @@ from autopar.passes.strategies.registry import (
     op_info,
     tensor_inputs,
 )
-from autopar.passes.zero import grad_target
-from autopar.placements import (
-    Partial,
-    Replicate,
-    Spec,
-    evenly_divides,
-    local_shape,
-    spec_str,
-)
-from autopar.plan import Plan
-from autopar.runtime import _compat, profiling
+from autopar.runtime import _compat
 from autopar.runtime.deferred_loss import LossValue
 from autopar.runtime.grad_sync import GradSyncSchedule
+from autopar.runtime.observe import profiling
 from autopar.runtime.param_gather import GatherGroup, group_gathers
 from autopar.runtime.plan_check import grad_sync_mode
 from autopar.runtime.redistribute import Comm, redistribute

@@ -33,14 +33,16 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from autopar.errors import PlanError
-from autopar.graph import PlanGraph
-from autopar.placements import to_torch
-from autopar.plan import Plan
-from autopar.runtime import _compat, elementwise_fast_path, fused_optim, grad_norm
+from autopar.ir.errors import PlanError
+from autopar.ir.graph import PlanGraph
+from autopar.ir.placements import to_torch
+from autopar.ir.plan import Plan
+from autopar.runtime import _compat, elementwise_fast_path
 from autopar.runtime.deferred_loss import DeferredLoss
-from autopar.runtime.loss_scale import DynamicLossScale
 from autopar.runtime.lower import LoweredGraph
+from autopar.runtime.optim import fused as fused_optim
+from autopar.runtime.optim import grad_norm
+from autopar.runtime.optim.loss_scale import DynamicLossScale
 from autopar.runtime.redistribute import CollectiveCounter, Comm
 
 # (args, kwargs, current parameter specs) -> a new graph and plan keeping those specs
@@ -183,8 +185,8 @@ class ParallelModule(nn.Module):
 
     def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
         """``cls(self.parameters(), **kwargs)``, keeping in host memory the optimizer state
-        of the parameters the plan offloads (:mod:`autopar.runtime.offload`)."""
-        from autopar.runtime.offload import make_optimizer
+        of the parameters the plan offloads (:mod:`autopar.runtime.optim.offload`)."""
+        from autopar.runtime.optim.offload import make_optimizer
 
         return make_optimizer(self.named_parameters(), set(self.plan.param_state.offloaded),
                               cls, **kwargs)

@@ -2,7 +2,7 @@
 
 A sharded parameter that an op needs whole is gathered at that op. Within one phase (forward or
 backward), the gathers that the ops of one layer need over the same mesh axis go out as a single
-all-gather when the first of those ops runs (:func:`autopar.passes.buckets.gather_groups`, which
+all-gather when the first of those ops runs (:func:`autopar.passes.cost.buckets.gather_groups`, which
 the scorer uses too, so the plan lists exactly these collectives): every rank hands in its shards
 flattened into one buffer and cuts the gathered buffer back into whole parameters. They are
 dropped after the last op of the group that reads them.
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from autopar.passes.buckets import ParamGather, gather_group_bytes, gather_groups, gather_move
+from autopar.passes.cost.buckets import ParamGather, gather_group_bytes, gather_groups, gather_move
 from autopar.runtime.redistribute import Comm
 
 

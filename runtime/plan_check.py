@@ -3,7 +3,7 @@
 Tensor sizes enter the byte counts, so re-deriving :attr:`Plan.collectives` from the graph's
 tensors catches a plan made for other parameter or activation shapes (a plan records node
 names and specs, not every shape). It also tells how the plan priced gradient syncs: one
-collective per gradient, or DDP-style buckets (:mod:`autopar.passes.buckets`), which the
+collective per gradient, or DDP-style buckets (:mod:`autopar.passes.cost.buckets`), which the
 runtime then issues the same way.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from autopar.errors import PlanError
-from autopar.mesh import Mesh
+from autopar.ir.errors import PlanError
+from autopar.ir.mesh import Mesh
 
 if TYPE_CHECKING:
     from autopar.runtime.lower import LoweredGraph
@@ -37,8 +37,8 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
 
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
-    from autopar.passes.buckets import bucket_collectives, sync_groups
-    from autopar.passes.cost_model import axes_label, reshard_collectives
+    from autopar.passes.cost.buckets import bucket_collectives, sync_groups
+    from autopar.passes.cost.cost_model import axes_label, reshard_collectives
 
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
     merged = lowered.plan.merged_axes()  # as the plan was priced, whatever this mesh's links

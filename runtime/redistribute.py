@@ -1,6 +1,6 @@
 """Moving a local tensor from one placement spec to another with functional collectives.
 
-The steps mirror :func:`autopar.passes.cost_model.reshard_collectives`: one mesh axis at a time,
+The steps mirror :func:`autopar.passes.cost.cost_model.reshard_collectives`: one mesh axis at a time,
 each transition one collective of the kind the cost model predicts, with the same byte count
 (the local buffer each rank hands in), so what runs is what the plan priced:
 
@@ -15,7 +15,7 @@ each transition one collective of the kind the cost model predicts, with the sam
 ``S(d) -> P``   all-gather, then as ``R -> P``
 ==============  ============================================================================
 
-Nested shards (two mesh axes splitting one dim) are routed by :mod:`autopar.passes.reshard_route`.
+Nested shards (two mesh axes splitting one dim) are routed by :mod:`autopar.passes.cost.reshard_route`.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from autopar.passes.cost_model import axes_label, sum_axes
-from autopar.passes.reshard_route import route
-from autopar.placements import Partial, Placement, Replicate, Shard, Spec, normalize_spec
+from autopar.ir.placements import Partial, Placement, Replicate, Shard, Spec, normalize_spec
+from autopar.passes.cost.cost_model import axes_label, sum_axes
+from autopar.passes.cost.reshard_route import route
 from autopar.runtime import _compat
 
 _REDUCE_OPS = {"sum": "sum", "max": "max", "amax": "max", "min": "min", "amin": "min",

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from autopar.graph import TensorMeta
+from autopar.ir.graph import TensorMeta
+from autopar.ir.placements import Partial, Placement, R, Shard
 from autopar.passes.strategies.registry import OpInfo, Rule
-from autopar.placements import Partial, Placement, R, Shard
 
 PSUM = Partial("sum")
 PMAX = Partial("max")

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from autopar.graph import TensorMeta
+from autopar.ir.graph import TensorMeta
+from autopar.ir.placements import Partial, Shard, Spec
 from autopar.passes.strategies.localize import LocalContext
 from autopar.passes.strategies.registry import OpInfo
-from autopar.placements import Partial, Shard, Spec
 
 P = Partial("sum")
 

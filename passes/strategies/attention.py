@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from autopar.graph import TensorMeta
+from autopar.ir.graph import TensorMeta
+from autopar.ir.placements import Placement, R, Shard
 from autopar.passes.strategies._layout import P, return_names, shard_range, tensor_arg_names
 from autopar.passes.strategies.localize import LocalContext, register_impl
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Placement, R, Shard
 
 aten = torch.ops.aten
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from autopar.graph import TensorMeta
+from autopar.ir.graph import TensorMeta
+from autopar.ir.placements import R, Shard
 from autopar.passes.strategies._layout import P, local_out_shape, norm_dim, shard_range
 from autopar.passes.strategies.localize import LocalContext, register_impl, register_localizer
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import R, Shard
 
 aten = torch.ops.aten
 

@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from autopar.ir.placements import Placement, R, Shard
 from autopar.passes.strategies._common import (
     PSUM,
     bcast,
@@ -42,7 +43,6 @@ from autopar.passes.strategies._common import (
 )
 from autopar.passes.strategies.localize import LocalContext, register_finish, register_impl
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Placement, R, Shard
 
 aten = torch.ops.aten
 

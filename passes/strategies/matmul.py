@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.placements import Placement, R, Shard
 from autopar.passes.strategies._common import PSUM, bcast, dedupe
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Placement, R, Shard
 
 aten = torch.ops.aten
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.placements import Shard
 from autopar.passes.strategies._layout import norm_dim
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Shard
 
 aten = torch.ops.aten
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.placements import R, Shard
 from autopar.passes.strategies._layout import P, shard_range
 from autopar.passes.strategies.localize import LocalContext, register_impl
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import R, Shard
 
 aten = torch.ops.aten
 

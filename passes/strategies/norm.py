@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.placements import Placement, R, Shard
 from autopar.passes.strategies._common import PSUM, dedupe, ins_for, outs_for, slots
 from autopar.passes.strategies.localize import LocalContext, local_size, register_localizer
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Placement, R, Shard
 
 aten = torch.ops.aten
 

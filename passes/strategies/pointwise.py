@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
+from autopar.ir.placements import Partial, R, Shard
 from autopar.passes.strategies._common import (
     PSUM,
     Slot,
@@ -36,7 +37,6 @@ from autopar.passes.strategies._common import (
     slots,
 )
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Partial, R, Shard
 
 aten = torch.ops.aten
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.ir.placements import Placement, R, Shard, Spec
 from autopar.passes.strategies._common import (
     PSUM,
     bcast,
@@ -48,7 +49,6 @@ from autopar.passes.strategies.localize import (
 )
 from autopar.passes.strategies.pointwise import shard_rules
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Placement, R, Shard, Spec
 
 aten = torch.ops.aten
 

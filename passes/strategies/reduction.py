@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from autopar.ir.placements import Partial, R, Shard
 from autopar.passes.strategies._common import (
     PMAX,
     PMIN,
@@ -34,7 +35,6 @@ from autopar.passes.strategies._common import (
 )
 from autopar.passes.strategies.localize import LocalContext, register_impl
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import Partial, R, Shard
 
 aten = torch.ops.aten
 

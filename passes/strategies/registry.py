@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autopar.graph import TensorMeta
-from autopar.placements import Partial, Placement, R, Replicate, Shard, Spec, evenly_divides
+from autopar.ir.graph import TensorMeta
+from autopar.ir.placements import Partial, Placement, R, Replicate, Shard, Spec, evenly_divides
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from autopar.ir.placements import Partial, Replicate, Shard, Spec
 from autopar.passes.strategies.localize import LocalContext, finish_call, has_finish, local_call
 from autopar.passes.strategies.registry import OpInfo, Strategy
-from autopar.placements import Partial, Replicate, Shard, Spec
 
 
 def coords(mesh_shape: tuple[int, ...]) -> list[tuple[int, ...]]:

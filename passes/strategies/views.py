@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.ir.placements import R, Shard
 from autopar.passes.strategies._layout import (
     P,
     local_out_shape,
@@ -19,7 +20,6 @@ from autopar.passes.strategies._layout import (
 )
 from autopar.passes.strategies.localize import LocalContext, register_impl, register_localizer
 from autopar.passes.strategies.registry import OpInfo, Rule, register
-from autopar.placements import R, Shard
 
 aten = torch.ops.aten
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.passes.pipeline_schedule import PipelineSchedule, StageTime, events, simulate
+from autopar.passes.pipeline.schedule import PipelineSchedule, StageTime, events, simulate
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "_pipeline_stats.py"
 _spec = importlib.util.spec_from_file_location("bench_pipeline_stats", _PATH)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autopar.ir.placements import R, S, Shard, evenly_divides
 from autopar.models import REFERENCE_PLANS, applicable_plans, get_preset
 from autopar.models.llama3 import apply_rope, repeat_kv
 from autopar.models.reference_plans import ReferencePlan, dp_tp_2d, fsdp_tp_2d, megatron_tp
-from autopar.placements import R, S, Shard, evenly_divides
 
 MESHES = [
     ((8,), ("tp",)),

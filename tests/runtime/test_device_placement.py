@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from spmd_harness import fake_group, mesh_for, reference_plan
+from harness.spmd import fake_group, mesh_for, reference_plan
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.runtime import dtensor_handlers, elementwise_fast_path, fused_optim
+from autopar.runtime import dtensor_handlers, elementwise_fast_path
+from autopar.runtime.optim import fused as fused_optim
 
 aten = torch.ops.aten
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spmd_harness import assert_same_training, fake_world, mesh_for, reference_plan, run_case
+from harness.spmd import assert_same_training, fake_world, mesh_for, reference_plan, run_case
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autopar.models.mlp import MLP, MLPConfig

@@ -21,7 +21,7 @@ import socket
 from pathlib import Path
 
 import torch
-from spmd_harness import (
+from harness.spmd import (
     RNG_SEED,
     assert_same_training,
     check_collectives,
@@ -77,7 +77,7 @@ def _worker(rank: int, port: int, plans: dict, out_dir: str, configs: list = CON
     import torch.distributed.checkpoint as dcp
 
     import autopar
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=__import__("datetime").timedelta(
@@ -147,9 +147,9 @@ def _checkpoint_round_trip(pm, preset_name, mesh_shape, plan, out_dir, dcp) -> N
 
 
 def _reference_plans(configs: list) -> dict[str, str]:
-    from autopar.capture import capture
-    from autopar.plan import Plan
-    from autopar.planner import with_recompute
+    from autopar.capture.joint import capture
+    from autopar.ir.plan import Plan
+    from autopar.planning.planner import with_recompute
 
     plans = {}
     for name, preset_name, mesh_shape, source in configs:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spmd_harness import fake_world
+from harness.spmd import fake_world
 
-from autopar.graph import TensorMeta
-from autopar.passes.buckets import GradSync
+from autopar.ir.graph import TensorMeta
+from autopar.ir.placements import Partial, R, Shard
+from autopar.passes.cost.buckets import GradSync
 from autopar.passes.strategies.simulate import coords, shard, unshard
-from autopar.placements import Partial, R, Shard
 from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.redistribute import CollectiveCounter, Comm
 

@@ -12,9 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-from spmd_harness import (
+from harness.spmd import (
     EPS,
     EXAMPLES,
     LR,
@@ -31,6 +29,8 @@ from spmd_harness import (
     rel_err,
     run_case,
 )
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import autopar
 

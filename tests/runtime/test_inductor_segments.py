@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from spmd_harness import assert_same_training, rel_err, train_parallel, train_single
+from harness.spmd import assert_same_training, rel_err, train_parallel, train_single
 
 import autopar
-from autopar.mesh import Mesh
+from autopar.ir.mesh import Mesh
 from autopar.models import get_preset
 from autopar.runtime.inductor_segments import CompiledRun, fusible, runs
 from autopar.runtime.step_code import _template

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.errors import AutoparError, MeshError
+from autopar.ir.errors import AutoparError, MeshError
 from autopar.runtime.launch import LaunchError, free_port, launch
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from spmd_harness import (
+from harness.spmd import (
     EXAMPLES,
     PLANS,
     SETTINGS,
@@ -25,12 +23,14 @@ from spmd_harness import (
     reference_plan,
     run_case,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autopar
-from autopar.mesh import Mesh
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import R, Shard
 from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
-from autopar.placements import R, Shard
 from autopar.runtime._compat import reconcile
 
 
@@ -163,7 +163,7 @@ def test_batch_norm_running_stats_equal_single_device(mesh_shape, source: str) -
     place is never resharded before it (the write would land on a copy, or on one rank's
     slice of a replicated buffer: on 2x2 each rank's running mean used to differ)."""
     from autopar.api import complete_plan
-    from autopar.capture import capture
+    from autopar.capture.joint import capture
 
     torch.manual_seed(0)
     model = _ConvBN()
@@ -184,8 +184,8 @@ def test_batch_norm_running_stats_equal_single_device(mesh_shape, source: str) -
 def test_a_plan_resharding_an_input_written_in_place_is_refused() -> None:
     """A given plan that moves the running stats before BatchNorm writes them: a clear error
     naming the node and the input, not a silent divergence."""
-    from autopar.errors import PlanError
-    from autopar.plan import NodePlacement, Plan
+    from autopar.ir.errors import PlanError
+    from autopar.ir.plan import NodePlacement, Plan
 
     torch.manual_seed(0)
     model = _ConvBN()
@@ -219,7 +219,7 @@ def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
     """The row-parallel layers of megatron_tp, as the solver completes them, all-reduce their
     partial sums inside the op (one collective per layer, which forward and backward share);
     training equals one device and the collectives run are the plan's, across a JSON trip."""
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     # weights wide against the batch, so that moving activations beats gathering weights
     model, inputs, plan = _mlp_with_reference("megatron_tp", (4,), 64, 512, 8)
@@ -305,7 +305,7 @@ def test_gradient_buckets_are_sized_for_the_device(device: str, syncs: int) -> N
     all-reduces; on CPU cores that gloo shares with the compute an early bucket would only add
     a collective, so one. The runtime fills its buckets as the plan says: the collectives it
     runs are the plan's, and training equals one device."""
-    from autopar.passes.buckets import FIRST_BUCKET_BYTES
+    from autopar.passes.cost.buckets import FIRST_BUCKET_BYTES
 
     torch.manual_seed(0)
     model = MLP(MLPConfig(in_dim=64, hidden=(2048, 64, 2048), out_dim=64))

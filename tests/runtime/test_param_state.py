@@ -1,6 +1,6 @@
 """The parameter state a plan chooses runs as priced and trains as one device: optimizer state
-offloaded to host memory (runtime/offload.py, stepped through ``model.make_optimizer``) on
-simulated ranks and on gloo, and ZeRO-1's whole-gradient all-reduces (passes/zero.py).
+offloaded to host memory (runtime/optim/offload.py, stepped through ``model.make_optimizer``) on
+simulated ranks and on gloo, and ZeRO-1's whole-gradient all-reduces (passes/memory/zero.py).
 ZeRO-2 and ZeRO-3 (re-gathering) are in test_recompute.py's property test."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 
 import torch
-from spmd_harness import (
+from harness.spmd import (
     RNG_SEED,
     assert_same_training,
     check_collectives,
@@ -24,11 +24,11 @@ from spmd_harness import (
 )
 
 import autopar
-from autopar.capture import capture
+from autopar.capture.joint import capture
+from autopar.ir.plan import Plan
 from autopar.models import get_preset
-from autopar.plan import Plan
-from autopar.planner import make_plan, with_recompute
-from autopar.runtime.offload import OffloadedOptimizer
+from autopar.planning.planner import make_plan, with_recompute
+from autopar.runtime.optim.offload import OffloadedOptimizer
 
 STEPS = 3
 WORLD = 2
@@ -78,7 +78,7 @@ def _gloo_worker(rank: int, port: int, plan_json: dict, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))

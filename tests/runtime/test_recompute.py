@@ -9,9 +9,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
-from spmd_harness import (
+from harness.spmd import (
     EXAMPLES,
     RNG_SEED,
     SETTINGS,
@@ -21,12 +19,14 @@ from spmd_harness import (
     reference_plan,
     train_parallel,
 )
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import autopar
-from autopar.capture import capture
+from autopar.capture.joint import capture
 from autopar.models import get_preset
-from autopar.passes.recompute import SUFFIX, apply_recompute, recompute_nodes
-from autopar.planner import make_plan, with_recompute
+from autopar.passes.memory.recompute import SUFFIX, apply_recompute, recompute_nodes
+from autopar.planning.planner import make_plan, with_recompute
 
 
 def _model(name: str, **overrides):
@@ -132,8 +132,8 @@ def test_recompute_saves_memory_at_a_price():
 
 
 def test_auto_recomputes_only_when_the_limit_binds():
-    from autopar.memory_fit import leanest
-    from autopar.passes import sharding_problem
+    from autopar.passes.problem import sharding_problem
+    from autopar.planning.memory_fit import leanest
 
     model, _, preset = _model("llama3-tiny")
     inputs = preset.example_inputs(8, 64, "cpu")

@@ -13,16 +13,16 @@ import itertools
 import os
 
 import torch
+from harness.spmd import fake_world
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from spmd_harness import fake_world
 
-from autopar.graph import TensorMeta
-from autopar.mesh import Mesh
-from autopar.passes import cost_model
-from autopar.passes.reshard_route import route, route_collectives
+from autopar.ir.graph import TensorMeta
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import Partial, R, Shard, evenly_divides, local_shape
+from autopar.passes.cost import cost_model
+from autopar.passes.cost.reshard_route import route, route_collectives
 from autopar.passes.strategies.simulate import coords, shard, unshard
-from autopar.placements import Partial, R, Shard, evenly_divides, local_shape
 from autopar.runtime.redistribute import CollectiveCounter, Comm, redistribute
 
 MESHES = [(2,), (4,), (2, 2), (2, 2, 2)]
@@ -113,7 +113,7 @@ def test_nested_shards_every_pair_on_2x2() -> None:
 
 def test_every_route_on_3_axes_is_valid_and_terminates() -> None:
     """Pure routing, no tensors: every step valid when taken, every route reaching ``dst``."""
-    from autopar.passes.reshard_route import _invalid, reshard_steps
+    from autopar.passes.cost.reshard_route import _invalid, reshard_steps
 
     options = [R, Shard(0), Shard(1), Partial("sum")]
     for n_axes in (2, 3):

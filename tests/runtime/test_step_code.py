@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from spmd_harness import fake_world, mesh_for, reference_plan, train_parallel
+from harness.spmd import fake_world, mesh_for, reference_plan, train_parallel
 
 import autopar
 from autopar.models import get_preset

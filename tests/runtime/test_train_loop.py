@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spmd_harness import (
+from harness.spmd import (
     PLANS,
     RNG_SEED,
     assert_same_training,
@@ -36,7 +36,7 @@ from spmd_harness import (
 
 from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
-from autopar.runtime import grad_norm
+from autopar.runtime.optim import grad_norm
 
 STEPS = 3
 # per step: clip_grad_norm_'s options (foreach=None takes the per-tensor loop on DTensors, as
@@ -128,7 +128,7 @@ def test_gpt_accumulate_and_clip_on_2x2() -> None:
 
 
 def test_inf_norm_of_sharded_gradients_is_replicated() -> None:
-    """Why :mod:`autopar.runtime.grad_norm` exists: DTensor leaves the inf norm's total
+    """Why :mod:`autopar.runtime.optim.grad_norm` exists: DTensor leaves the inf norm's total
     ``Partial(max)`` (each rank would read its own maximum); with the handler it comes back
     replicated. If torch starts replicating it itself, the first assertion says so and the
     handler can go."""
@@ -178,7 +178,7 @@ def _gloo_worker(rank: int, port: int, plans: dict, max_norms: list, out_dir: st
     import torch.distributed as dist
 
     import autopar
-    from autopar.plan import Plan
+    from autopar.ir.plan import Plan
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=datetime.timedelta(seconds=TIMEOUT_S))

@@ -2,7 +2,7 @@ import math
 
 import numpy as np
 import pytest
-from brute import brute_force
+from harness.brute import brute_force
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ import itertools
 import math
 
 import numpy as np
-from brute import brute_force
+from harness.brute import brute_force
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from rule_harness import (
+from harness.rules import (
     MESHES,
     Checked,
     check_all,
@@ -21,9 +19,11 @@ from rule_harness import (
     replicated_strategy,
     traced_node,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from autopar.ir.placements import Partial, R, Shard
 from autopar.passes.strategies.registry import node_strategies
-from autopar.placements import Partial, R, Shard
 
 aten = torch.ops.aten
 F64 = torch.float64
@@ -604,7 +604,7 @@ RANDOM_OPS = [aten.native_dropout, aten.bernoulli_, aten.bernoulli, aten.rand_li
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama3-tiny", "mlp-tiny"])
 def test_reference_model_nodes(preset):
     models = pytest.importorskip("autopar.models")
-    from autopar.capture import capture
+    from autopar.capture.joint import capture
     from autopar.passes.strategies.registry import rule_fn
 
     torch.manual_seed(0)

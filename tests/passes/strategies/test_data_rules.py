@@ -10,12 +10,12 @@ head-sharded attention, expert-parallel gathers and matmuls.
 from __future__ import annotations
 
 import torch
+from harness.rules import MESHES, Checked, check_all, traced_node
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from rule_harness import MESHES, Checked, check_all, traced_node
 
+from autopar.ir.placements import Partial, R, Shard
 from autopar.passes.strategies.registry import Strategy, node_strategies
-from autopar.placements import Partial, R, Shard
 
 aten = torch.ops.aten
 P = Partial("sum")
@@ -356,8 +356,8 @@ def _gpu_sdpa_calls():
 def _node_on_meta(op, args):
     import torch.fx as fx
 
-    from autopar.capture import _metas
-    from autopar.graph import NodeFacts
+    from autopar.capture.joint import _metas
+    from autopar.ir.graph import NodeFacts
 
     g = fx.Graph()
 

@@ -2,7 +2,7 @@
 
 Models: Hugging Face GPT-2, Llama and Mixtral from tiny configs (SDPA and eager attention), and
 the ``autopar.models`` presets. Each is captured on the meta device (nothing allocated) with
-``autopar.capture``; then
+``autopar.capture.joint``; then
 
 - no node reports a missing rule on a 1-D or 2-D mesh, and every strategy places exactly the
   node's tensor inputs and outputs;
@@ -15,7 +15,7 @@ the ``autopar.models`` presets. Each is captured on the meta device (nothing all
 HF Mixtral: transformers 5.x picks the experts implementation by ``experts_implementation``.
 Its ``"eager"`` loop calls ``nonzero()`` and iterates over the experts that were hit (a
 data-dependent shape and Python control flow on values): it cannot be traced on fake tensors,
-so capture traces ``batched_mm`` in its place (``autopar.hf_experts``).
+so capture traces ``batched_mm`` in its place (``autopar.capture.hf_experts``).
 ``"batched_mm"`` gathers each token's expert weights with ``w[expert_ids]`` and runs ``bmm``:
 static shapes, traced here in fp32. ``"grouped_mm"`` (the default) sorts tokens by expert and
 calls ``torch._grouped_mm``, whose fake-tensor kernel accepts bf16 only: traced here in bf16.
@@ -32,8 +32,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from autopar.capture import capture
-from autopar.graph import PlanGraph
+from autopar.capture.joint import capture
+from autopar.ir.graph import PlanGraph
+from autopar.ir.placements import Partial, R, Shard
 from autopar.passes.strategies import simulate
 from autopar.passes.strategies.registry import (
     node_strategies,
@@ -41,7 +42,6 @@ from autopar.passes.strategies.registry import (
     rule_fn,
     tensor_inputs,
 )
-from autopar.placements import Partial, R, Shard
 
 aten = torch.ops.aten
 P = Partial("sum")

@@ -1,0 +1,1 @@
+"""The ``autopar`` command line: ``plan``, ``solve`` and ``train``."""

@@ -1,0 +1,367 @@
+"""The pipeline planner: stages, schedule and microbatches for a mesh with a ``pp`` axis.
+
+Alpa's inter-op pass, with the intra-op planner inside it:
+
+1. **Microbatches.** ``m`` divides the batch so that each microbatch still splits over the
+   data-parallel axes; the fewest with ``m >= 2p`` and the fewest with ``m >= p`` are tried
+   (``microbatches=`` fixes one).
+2. **One stage's intra-op plan.** The model is traced at one microbatch as a stand-in for a
+   stage (:func:`autopar.capture.depth_proxy.stage_representative`): its embedding, head and the
+   ``ceil(L/p)`` blocks a stage holds, each activation kept for the backward held once per
+   microbatch the busiest rank keeps in flight. :func:`autopar.planning.planner.make_plan` plans it on
+   the stage submesh (the mesh less ``pp``) under the device's memory limit, choosing the
+   sharding, recomputation and ZeRO stage together as it does for any plan. Every stage runs
+   that layout: blocks are alike, and the stand-in is the heaviest stage's memory.
+3. **Its cost per part** (:mod:`autopar.passes.pipeline.stage_profile`): embedding, one block, head,
+   each with forward/backward time per microbatch, gradient sync per step, state, kept
+   activations and transients.
+4. **Slicing** (:mod:`autopar.passes.pipeline.stage_split`): for every schedule torch ships
+   (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``LoopedBFS``,
+   ``ZBVZeroBubble``, ``DualPipeV``) and stages per rank ``v``, the DP cuts the blocks into
+   ``p*v`` contiguous stages minimising Alpa's objective under the memory limit (each stage
+   with the in-flight count its schedule gives it), the first stage also holding the
+   embedding and the last the head, so a heavy head gets fewer blocks. The best few splits
+   are replayed in the schedule model (:mod:`autopar.passes.pipeline.schedule`), with the
+   boundary sends priced on the ``pp`` axis's link and the weight-gradient share the
+   zero-bubble schedules defer read off the graph.
+5. The fastest (schedule, v, m) that fits wins; the plan records every option weighed and why.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.capture.depth_proxy import _longest_block_list, stage_representative, traced_blocks
+from autopar.capture.joint import capture
+from autopar.ir.errors import PlanError
+from autopar.ir.mesh import Mesh
+from autopar.ir.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
+from autopar.passes.memory import mixed_precision
+from autopar.passes.pipeline.cost import (
+    Option,
+    Overheads,
+    chunk_cost,
+    microbatch_counts,
+    overheads,
+    planned_stages,
+    replay,
+    schedule_names,
+    schedule_options,
+    stage_time,
+    stand_in_flight,
+    weigh,
+)
+from autopar.passes.pipeline.schedule import PipelineSchedule, textbook_bubble
+from autopar.passes.pipeline.stage_profile import StageProfile, stage_profile
+from autopar.passes.pipeline.stage_split import schedule_in_flight
+from autopar.planning.memory_fit import memory_limit
+from autopar.planning.planner import Planned, make_plan
+
+__all__ = ["batch_size", "microbatch_counts", "pipeline_axis",
+           "plan_pipeline", "planned_stages", "predict_split", "stage_mesh", "stand_in_graph"]
+
+MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none (at most two)
+
+
+def pipeline_axis(mesh: Mesh) -> int | None:
+    """Index of the mesh's pipeline axis (named ``pp``), None where it has none of size > 1."""
+    i = mesh.axes.index("pp") if "pp" in mesh.axes else None
+    return i if i is not None and mesh.shape[i] > 1 else None
+
+
+def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
+    """The mesh less its pipeline axis, each other axis with its own link."""
+    keep = [i for i in range(mesh.ndim) if i != axis]
+    if not keep:
+        return Mesh((1,), ("dp",), mesh.device)
+    return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.axes[i] for i in keep),
+                mesh.device, tuple(mesh.bandwidth[i] for i in keep),
+                tuple(mesh.latency[i] for i in keep))
+
+
+def plan_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    model_name: str = "",
+    max_layers: int | None = None,
+    precision: Any = None,
+    reduce_dtype: str | None = None,
+    recompute: str = "auto",
+    zero: str | int = "auto",
+    offload: str = "auto",
+    workers: int = 1,
+    references: dict[str, Any] | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    virtual: int | None = None,
+    microbatch_choices: int = MICROBATCH_CHOICES,
+    trace_cache: dict | None = None,
+) -> Planned:
+    """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
+
+    ``schedule`` (a torch schedule name), ``microbatches`` and ``virtual`` (stages per rank)
+    fix those choices; None leaves them to the planner, which plans up to
+    ``microbatch_choices`` microbatch counts (:func:`microbatch_counts`). ``trace_cache``: a
+    dict that keeps the traced stand-ins for later calls (a mesh-shape search plans the same
+    model many times). The other arguments are :func:`autopar.planning.planner.make_plan`'s, applied
+    to the stand-in stage; ``references`` are laid out on the stage submesh and weighed as
+    pipelines too, each with its best schedule (one is kept where it is faster). The
+    returned plan's placements are one stage's on the stage submesh; ``plan.pipeline`` holds
+    the stages and schedule."""
+    t0 = time.perf_counter()
+    axis = pipeline_axis(mesh)
+    if axis is None:
+        raise PlanError(f"mesh {mesh.describe()} has no pipeline axis of size > 1: name one "
+                        "axis 'pp' (e.g. --mesh pp=2,dp=4), or plan it with make_plan")
+    p = mesh.shape[axis]
+    sub = stage_mesh(mesh, axis)
+    found = _longest_block_list(model)
+    if found is None:
+        raise PlanError("the model has no list of repeated blocks (an nn.ModuleList of one "
+                        "block type) to cut into pipeline stages: plan it without a 'pp' axis")
+    n_blocks = len(found[1])
+    if p > n_blocks:
+        raise PlanError(f"{p} pipeline stages but the model has {n_blocks} blocks: use "
+                        f"pp <= {n_blocks} (and give the other devices to dp or tp)")
+    batch = batch_size(example_inputs, example_kwargs)
+    dp = sub.data_parallel_size
+    counts = microbatch_counts(batch, dp, p, microbatches)[:max(1, microbatch_choices)]
+    names = schedule_names(schedule)
+    limit, source = memory_limit(memory_budget, mesh.device)
+    prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
+
+    best: _Best | None = None
+    options: list[Option] = []  # the solver's layout's, for the table
+    ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
+    failures: list[str] = []
+    timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0,
+               "pipeline_s": 0.0}
+    for m in counts:
+        scheds = schedule_options(names, p, m, n_blocks, virtual)
+        if not scheds:
+            failures.append(f"m={m}: no schedule of {', '.join(names)} runs {p} stages "
+                            f"of {n_blocks} blocks")
+            continue
+        flight = stand_in_flight(scheds)
+        t1 = time.perf_counter()
+        pg = stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
+                            math.ceil(n_blocks / p), max_layers, flight, trace_cache)
+        timings["trace_s"] += time.perf_counter() - t1
+        try:
+            planned = make_plan(model, sub, graph=pg, memory_budget=memory_budget,
+                                time_limit_s=time_limit_s, model_name=model_name,
+                                references=references,
+                                recompute=recompute, zero=zero, offload=offload,
+                                workers=workers)
+        except PlanError as e:
+            failures.append(f"m={m}: {e}")
+            continue
+        for k in ("build_s", "solve_s", "references_s"):
+            timings[k] += planned.plan.timings.get(k, 0.0)
+        t2 = time.perf_counter()
+        # the solver's layout, then each reference layout (as completed in its own
+        # recomputation mode), weighed alike as pipelines: the fastest that fits is kept,
+        # so the plan is never slower than a fixed layout that fits
+        layouts = [("", planned.problem, planned.node_choice)] + [
+            (name, sp, choice) for name, (sp, choice) in planned.reference_problems.items()]
+        for name, sp, choice in layouts:
+            prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
+            over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
+            weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
+            if not name:
+                options += weighed
+            fitting = [o for o in weighed if o.split is not None]
+            if name:
+                # a layout that fits no split is shown split at its best with no limit
+                shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
+                                        for sched in scheds], key=lambda o: o.step_s)
+                got = _pipeline_cost(planned.plan.references[name], shown)
+                if name not in ref_costs or got.step_s < ref_costs[name].step_s:
+                    ref_costs[name] = got
+            for opt in fitting:
+                # ties (within a part in a million) go to the leaner option (1F1B over
+                # GPipe), then to the solver's layout
+                key = (float(f"{opt.step_s:.6g}"), opt.mem_bytes, bool(name))
+                if best is None or key < best.key:
+                    best = _Best(key, planned, name, opt, prof, over)
+        timings["pipeline_s"] += time.perf_counter() - t2
+    if best is None:
+        raise PlanError(_no_fit(failures, options, limit, p, n_blocks))
+    planned = best.planned
+    if best.reference:
+        assert planned.as_reference is not None
+        planned = planned.as_reference(best.reference)
+        # the solver's layout's options do not describe the layout kept
+        options = [o for o in options if o.split is None] + [best.option]
+    timings["total_s"] = time.perf_counter() - t0
+    pipe = _pipeline_record(mesh.axes[axis], best.option, best.profile, n_blocks, options,
+                            best.overheads, kept=best.reference)
+    plan = planned.plan
+    plan = replace(plan, cost=_pipeline_cost(plan.cost, best.option), pipeline=pipe,
+                   timings=timings, memory_budget=limit,
+                   references=ref_costs,
+                   memory_limit_source=source, model=model_name or plan.model,
+                   input_shapes=_full_shapes(plan.input_shapes, batch))
+    return replace(planned, plan=plan)
+
+
+@dataclass(frozen=True)
+class _Best:
+    key: tuple[float, float, bool]
+    planned: Planned
+    reference: str  # "" for the solver's own layout
+    option: Option
+    profile: StageProfile
+    overheads: Overheads
+
+
+def proxy_blocks(planned: Planned) -> int:
+    assert planned.graph.proxy is not None
+    return planned.graph.proxy.represented
+
+
+def _pipeline_cost(stand_in: PlanCost, opt: Option) -> PlanCost:
+    """A pipeline's cost: the replayed step (gradient sync included), its busy time split as
+    the stage's own compute and communication, and the largest rank's memory."""
+    share = stand_in.comm_s / stand_in.step_s if stand_in.step_s > 0 else 0.0
+    busy = opt.step_s - opt.sync_s
+    return PlanCost(opt.step_s, busy * (1 - share), busy * share + opt.sync_s, opt.mem_bytes)
+
+
+def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn: Any,
+                   prec: Any, mb_size: int, blocks: int, max_layers: int | None,
+                   in_flight: float, cache: dict | None = None) -> Any:
+    """The stand-in of a stage of ``blocks`` blocks, traced at microbatches of ``mb_size``
+    (:func:`autopar.capture.depth_proxy.stage_representative`). The trace depends on the microbatch
+    and the blocks traced only, so ``cache`` keeps it for other stage sizes and in-flight
+    counts: a copy of the graph carries each call's own proxy."""
+    batch = batch_size(inputs, kwargs)
+    key = ("stage", mb_size, traced_blocks(blocks, max_layers), prec)
+    hit = cache.get(key) if cache is not None else None
+    with stage_representative(model, blocks, max_layers, in_flight) as proxy:
+        if hit is None:
+            hit = capture(model, _microbatch(inputs, batch, mb_size),
+                          _microbatch(kwargs or {}, batch, mb_size), loss_fn, precision=prec)
+            if cache is not None:
+                cache[key] = hit
+    pg = copy.copy(hit)
+    pg.proxy = proxy
+    pg.all_param_names = [n for n, q in model.named_parameters() if q.requires_grad]
+    return pg
+
+
+def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]]
+                  ) -> tuple[float, float]:
+    """(step, bubble) a pipeline plan predicts for other block ranges than its own, with its
+    schedule and stage layout: to weigh a hand-made split (equal block counts) against it."""
+    pipe = planned.plan.pipeline
+    if pipe is None:
+        raise PlanError("predict_split needs a pipeline plan (made by plan_pipeline)")
+    axis = pipeline_axis(mesh)
+    if axis is None:
+        raise PlanError(f"mesh {mesh.describe()} has no pipeline axis")
+    n_blocks = pipe.stages[-1].end_block
+    sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)
+    if len(ranges) != sched.num_stages:
+        raise PlanError(f"{len(ranges)} block ranges for {sched.num_stages} stages")
+    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
+                         stage_mesh(mesh, axis).data_parallel_size)
+    step, bubble, _ = replay(sched, prof, ranges, n_blocks,
+                             overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes))
+    return step, bubble
+
+
+def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: int,
+                     options: list[Option], over: Overheads, kept: str = "") -> PipelinePlan:
+    sched, split = chosen.schedule, chosen.split
+    assert split is not None
+    held = schedule_in_flight(sched)
+    stages = []
+    last = len(split.ranges) - 1
+    tied = sched.stage_rank(0) != sched.stage_rank(last)  # end copies summed across ranks
+    for k, (i, j) in enumerate(split.ranges):
+        fwd, _, sync, _, _ = chunk_cost(prof, i, j, n_blocks)
+        sync += over.tied_s if tied and k in (0, last) else 0.0
+        stages.append(PipelineStage(
+            k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
+            split.memory_bytes[k], int(held(k, sched.num_stages)), fwd,
+            prof.block.recompute_s * (j - i), sync,
+            stage_time(sched, prof, i, j, n_blocks, over).split_s))
+    fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)
+    runner_up = next((o for o in fitting if o is not chosen), None)
+    reason = f"the fastest of {len(fitting)} options that fit"
+    if kept:
+        reason = (f"reference layout {kept}, as a pipeline faster than the solver's own "
+                  "layout's fastest option that fits")
+    if runner_up is not None:
+        gain = runner_up.step_s / chosen.step_s - 1
+        reason += (f"; next {_label(runner_up.schedule)} is {gain:.1%} slower")
+    left_out = [o for o in options if o.split is None]
+    if left_out:
+        reason += f"; {len(left_out)} left out (do not fit or cannot be cut)"
+    return PipelinePlan(
+        axis=axis, size=sched.p, schedule=sched.name, virtual=sched.v, microbatches=sched.m,
+        stages=tuple(stages), rank_memory_bytes=split.rank_memory_bytes, step_s=chosen.step_s,
+        bubble=chosen.bubble, textbook_bubble=textbook_bubble(sched.p, sched.m, sched.v),
+        send_s=over.send_s, sync_s=chosen.sync_s, reason=reason,
+        weight_share=prof.weight_share if prof.splits_backward else 0.0,
+        options=tuple(ScheduleOption(o.schedule.name, o.schedule.v, o.schedule.m, o.step_s,
+                                     o.bubble, o.mem_bytes, o.note)
+                      for o in sorted(options, key=lambda o: (o.step_s, _label(o.schedule)))),
+        action_s=over.action_s, post_s=over.post_s, speed=over.speed or (),
+    )
+
+
+def _label(s: PipelineSchedule) -> str:
+    return f"{s.name} v={s.v} m={s.m}"
+
+
+def _no_fit(failures: list[str], options: list[Option], limit: float | None, p: int,
+            n_blocks: int) -> str:
+    from autopar.report.table import fmt_bytes
+
+    lim = "no limit" if limit is None else fmt_bytes(limit)
+    lines = [f"no pipeline plan of {n_blocks} blocks on {p} stages fits {lim} per device"]
+    lines += failures[:3]
+    notes = sorted({o.note for o in options if o.note})
+    lines += notes[:2]
+    fix = ("more pipeline stages (a larger pp) or more devices per stage, fewer microbatches "
+           "in flight (1F1B rather than GPipe), a smaller batch, or --recompute full")
+    return "; ".join(lines) + f". Try {fix}"
+
+
+def batch_size(inputs: tuple, kwargs: dict | None) -> int:
+    for t in [*inputs, *(kwargs or {}).values()]:
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            return int(t.shape[0])
+    raise PlanError("a pipeline needs a batch to cut into microbatches: give example inputs "
+                    "whose first dimension is the batch")
+
+
+def _microbatch(x: Any, batch: int, size: int) -> Any:
+    """``x`` with every tensor of leading dimension ``batch`` cut to its first ``size``."""
+    if isinstance(x, torch.Tensor):
+        return x[:size] if x.dim() >= 1 and x.shape[0] == batch else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_microbatch(v, batch, size) for v in x)
+    if isinstance(x, dict):
+        return {k: _microbatch(v, batch, size) for k, v in x.items()}
+    return x
+
+
+def _full_shapes(shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]:
+    """The inputs' shapes as the user passes them: the whole batch, not a microbatch."""
+    return {k: ([batch, *v[1:]] if v else v) for k, v in shapes.items()}

@@ -1,0 +1,750 @@
+"""The planner: capture -> strategies + cost model -> solve -> Plan.
+
+``make_plan(model, mesh, example_inputs)`` runs the passes in order and returns a
+:class:`Planned` (the plan plus what made it, for explanations and comparisons). Reference
+layouts (``autopar.models.reference_plans``) are scored by the same cost model: their parameter
+and input placements are pinned and the solver completes the rest at its best, so a reference's
+score is the best that layout can do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch.nn as nn
+
+from autopar.capture.joint import capture
+from autopar.ir.errors import PlanError
+from autopar.ir.graph import PlanGraph
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import Spec
+from autopar.ir.plan import NodePlacement, Plan, PlanCost, Recompute, SolverInfo
+from autopar.passes.cost import bucket_fill
+from autopar.passes.cost import cost_model as cm
+from autopar.passes.cost.buckets import first_bucket_bytes
+from autopar.passes.cost.edge_costs import edge_collectives
+from autopar.passes.cost.scoring import score_assignment
+from autopar.passes.memory import mixed_precision
+from autopar.passes.memory import recompute as recompute_mode
+from autopar.passes.memory import zero as zero_mod
+from autopar.passes.memory.mixed_precision import Precision
+from autopar.passes.memory.peak import peak_memory, step_usage
+from autopar.passes.problem import sharding_problem
+from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
+from autopar.passes.problem.reduction import reduced_problem, refine_followers
+from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.planning.memory_fit import memory_limit, no_fit_message
+from autopar.planning.parallel_map import forked_map
+from autopar.solver import Problem, Solution, evaluate, solve
+
+REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
+# seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
+POLISH_S = 2.0
+# the local moves' budget in a reference completion's polish (they stop sooner when done)
+LOCAL_POLISH_S = 0.5
+# the solver's own plan must beat the best reference layout by this fraction to replace it
+MIN_GAIN = 0.01
+
+
+@dataclass
+class Planned:
+    plan: Plan
+    graph: PlanGraph
+    problem: ShardingProblem
+    solution: Solution
+    node_choice: list[int]
+    reference_choices: dict[str, list[int]] = field(default_factory=dict)
+    # every reference layout as completed, in the problem of its own recomputation mode
+    reference_problems: dict[str, tuple[ShardingProblem, list[int]]] = field(
+        default_factory=dict)
+    # name -> a Planned whose plan is that reference layout (a caller that weighs plans by
+    # another measure than this planner's, as the pipeline planner does, may keep one)
+    as_reference: Callable[[str], Planned] | None = None
+
+    def explain(self, node: str, top: int = 5) -> str:
+        from autopar.planning.explain import explain_node
+
+        return explain_node(self, node, top)
+
+
+def make_plan(
+    model: nn.Module,
+    mesh: Mesh,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    references: dict[str, Any] | None = None,
+    model_name: str = "",
+    graph: PlanGraph | None = None,
+    max_layers: int | None = None,
+    min_gain: float = MIN_GAIN,
+    precision: str | Precision | None = None,
+    reduce_dtype: str | None = None,
+    recompute: str = "auto",
+    zero: str | int = "auto",
+    offload: str = "auto",
+    workers: int = 1,
+) -> Planned:
+    """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
+
+    ``memory_budget``: bytes per device; None holds the plan to the device's capacity less a
+    reserve (``DeviceProfile.memory_limit``), ``math.inf`` to nothing.
+    ``precision`` (``fp32``, ``bf16``, ``fp16``; None: the device profile's default) and
+    ``reduce_dtype`` (the gradients' reduction dtype): the step is traced under that policy
+    (:mod:`autopar.passes.memory.mixed_precision`); a ``graph`` given keeps the policy it was
+    traced under. ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the default:
+    nothing is recomputed where the plan fits without it; otherwise the mode, solved with the
+    sharding, whose plan is predicted fastest within the limit; :mod:`autopar.passes.memory.recompute`).
+    ``max_layers``: trace a deeper model as a proxy of that many layers (planning time then
+    does not grow with depth; the plan's node placements cover the traced layers only).
+    ``min_gain``: the solver's own plan replaces the best reference layout (as the solver
+    completes it) only when predicted at least this fraction faster: the cost model errs by
+    more than a fraction of a percent, and the hand-written layouts are the proven ones.
+    Where the plan leaves gradient buckets nearly empty, they are priced at their real fill
+    and everything solved again (:mod:`autopar.passes.cost.bucket_fill`).
+    ``zero``: the ZeRO stage of parameters the plan stores split and gathers for use
+    (:mod:`autopar.passes.memory.zero`): ``"auto"`` (stage 2 or 3, the faster that fits: planned
+    both ways where the plan does not fit at ease), 1, 2 or 3. ``offload``: ``"auto"``
+    (optimizer state is offered to the solver for host memory only where no plan fits
+    without), ``"none"``, ``"optimizer"`` (every parameter's). ``workers``: the reference
+    layouts are completed on up to this many forked processes (:mod:`autopar.planning.parallel_map`)."""
+    recompute_mode.check_mode(recompute)
+    zero = zero_mod.check_stage(zero)
+    zero_mod.check_offload(offload)
+    limit, limit_source = memory_limit(memory_budget, mesh.device)
+    t0 = time.perf_counter()
+    if graph is None:
+        prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
+        graph = capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers,
+                        precision=prec)
+    pg = graph
+    t_trace = time.perf_counter() - t0
+    refs_by_mode: dict[str, dict[str, Any]] = {}
+    for name, ref in (references or {}).items():
+        refs_by_mode.setdefault(_reference_mode(getattr(ref, "recompute", "none")),
+                                {})[name] = ref
+    timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
+    runs: dict[str, _ModeRun] = {}
+
+    seeds: list[_ModeRun] = []  # plans the recomputing modes start from
+    stored = "none" if offload == "auto" else offload  # offload offered from the start?
+
+    def run(mode: str, own: bool) -> _ModeRun:
+        runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
+                                time_limit_s, min_gain, own, timings,
+                                seed=seeds[0] if seeds else None, offload=stored,
+                                prices_of=next(iter(runs.values())).sp if runs else None,
+                                workers=workers)
+        return runs[mode]
+
+    candidates = _candidate_modes(recompute, zero)
+    first = run(candidates[0], own=True)  # also the start of the other modes' searches
+    if first.choice is not None:
+        seeds.append(first)
+    elif limit is not None and len(candidates) > 1:
+        # nothing fits without recomputing: the other modes start from the layout that is
+        # fastest with no limit (the solver alone, from the leanest start, can stall far
+        # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
+        free = _plan_mode(pg, mesh, candidates[0], None, {}, time_limit_s / 2, min_gain, True,
+                          timings)
+        if free.choice is not None:
+            seeds.append(free)
+    # recomputation and re-gathering pay only where memory binds: a plan well inside the
+    # limit is the fastest any mode can give (each adds work and frees no better layout)
+    if not first.fits or (limit is not None and first.peak > AUTO_SLACK * limit):
+        for mode in candidates[1:]:
+            run(mode, own=True)
+    if offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
+        # nothing fits with the state on the device: offer the solver the host for it
+        stored = "auto"
+        for mode in candidates:
+            run(mode + OFFLOADED, own=True)
+    for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
+        if mode not in runs:
+            run(mode, own=False)
+    asked = [r for m, r in runs.items() if _base(m) in candidates]
+    fitting = [r for r in asked if r.choice is not None and r.fits]
+    if not fitting:
+        raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs, time_limit_s))
+    best = min(fitting, key=lambda r: r.step_s)
+    references_cost = {name: c for r in runs.values() for name, c in r.refs.cost.items()}
+    timings["total_s"] = time.perf_counter() - t0
+    sp, sol = best.sp, best.sol
+    assert sp.problem is not None and best.choice is not None
+    plan = assemble_plan(
+        best.pg, sp, best.choice, model_name, mesh,
+        # the objective at the problem's final prices (a repricing may have changed them)
+        SolverInfo(sol.status, round(sol.time_s, 4), best.method, sp.problem.num_nodes,
+                   len(sp.nodes), sp.shared_layers,
+                   float(evaluate(sp.problem, sol.assignment)[0])),
+        timings, references_cost, limit, limit_source=limit_source,
+        recompute=recompute_record(recompute, _recompute_of(best.mode), best.pg, sp,
+                                   best.choice, _unrecomputed(pg, mesh, best.mode, runs, stored)),
+    )
+    ref_runs = {name: r for r in runs.values() for name in r.refs.choices}
+
+    def as_reference(name: str) -> Planned:
+        r = ref_runs[name]
+        choice = r.refs.choices[name]
+        c = r.refs.cost[name]
+        ref_sol = Solution(tuple(r.refs.assign[name] or ()), c.step_s, True, "feasible", 0.0,
+                           f"kept {name}")
+        ref_plan = assemble_plan(
+            r.pg, r.sp, choice, model_name, mesh,
+            SolverInfo("feasible", 0.0, f"kept {name}", r.sp.problem.num_nodes,
+                       len(r.sp.nodes), r.sp.shared_layers, c.step_s),
+            timings, references_cost, limit, limit_source=limit_source,
+            recompute=recompute_record(recompute, _recompute_of(r.mode), r.pg, r.sp, choice,
+                                       _unrecomputed(pg, mesh, r.mode, runs, stored)))
+        return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices)
+
+    return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices,
+                   {name: (r.sp, r.refs.choices[name]) for name, r in ref_runs.items()},
+                   as_reference)
+
+
+# a plan in mode "none" whose peak is under this fraction of the limit is kept without trying
+# recomputation (the memory constraint did not bind it)
+AUTO_SLACK = 0.9
+
+
+@dataclass
+class _ModeRun:
+    """One recomputation mode planned: its graph, problem, the solver's plan (None when the
+    mode was completed only for its reference layouts) and the references completed in it."""
+
+    mode: str
+    pg: PlanGraph
+    sp: ShardingProblem
+    refs: _References
+    sol: Solution | None = None
+    choice: list[int] | None = None
+    method: str = ""
+    step_s: float = float("inf")
+    peak: float = float("inf")
+    fits: bool = False
+
+
+# a mode's suffixes: parameters gathered again in the backward (ZeRO-3), optimizer state
+# offered to the host
+REGATHER = "+zero3"
+WHOLE_GRADS = "+zero1"  # gradients of split parameters all-reduced whole (ZeRO-1)
+OFFLOADED = "+offload"
+
+
+def _candidate_modes(recompute: str, zero: str) -> list[str]:
+    """The modes the planner tries, first the one every other starts from: each recompute
+    mode asked for (``auto``: none, selective, full), with and without re-gathering where the
+    ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing), and
+    ZeRO-1 (whole gradients all-reduced) beside the first. ZeRO-1 moves the bytes ZeRO-2
+    does and holds whole gradients, so without gradient accumulation priced it does not win;
+    it is weighed, not assumed away."""
+    asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
+    out = []
+    for mode in asked:
+        if zero == "3" or (zero == "auto" and mode == "full"):
+            out.append(mode + REGATHER)
+        elif zero == "auto" and mode != "full":
+            out += [mode, mode + REGATHER] + ([mode + WHOLE_GRADS] if mode == asked[0] else [])
+        else:
+            out.append(mode + (WHOLE_GRADS if zero == "1" else ""))
+    return out
+
+
+def _base(mode: str) -> str:
+    """The mode without its offload suffix."""
+    return mode.removesuffix(OFFLOADED)
+
+
+def _recompute_of(mode: str) -> str:
+    return mode.split("+")[0]
+
+
+def _reference_mode(recompute: str) -> str:
+    """The mode a fixed policy's layout is completed in: full recomputation re-gathers (what
+    FSDP with per-block activation checkpointing does), the others keep what they gather."""
+    return recompute + REGATHER if recompute == "full" else recompute
+
+
+def _unrecomputed(pg: PlanGraph, mesh: Mesh, mode: str, runs: dict[str, _ModeRun],
+                  offload: str) -> ShardingProblem:
+    """The problem of the same graph without recomputation (re-gathering and offload as in
+    ``mode``): what a recomputing plan's price is measured against."""
+    plain = "none" + mode.removeprefix(_recompute_of(mode))
+    if plain in runs:
+        return runs[plain].sp
+    return sharding_problem.build(mode_graph(pg, plain), mesh, offload=offload,
+                                  zero1=WHOLE_GRADS in mode)
+
+
+def mode_graph(pg: PlanGraph, mode: str) -> PlanGraph:
+    """``pg`` with a mode's recomputation and re-gathering applied (the nodes it copies into
+    the backward). Without re-gathering, a parameter's views are not recomputed even where
+    the mode recomputes the rest of the layer: the stage is ZeRO-2, the gathered copy kept."""
+    names = recompute_mode.recompute_nodes(pg, _recompute_of(mode))
+    chain = set(zero_mod.regather_nodes(pg))
+    if REGATHER in mode:
+        names = [n.name for n in pg.graph.nodes if n.name in chain or n.name in set(names)]
+    else:
+        names = [n for n in names if n not in chain]
+    return recompute_mode.apply_recompute(pg, names)
+
+
+def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
+               references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
+               timings: dict[str, float], seed: _ModeRun | None = None,
+               offload: str = "none", prices_of: ShardingProblem | None = None,
+               workers: int = 1) -> _ModeRun:
+    """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
+    only the given reference layouts, completed and scored in that mode. ``seed``: another
+    mode's plan, a start for the solver (its placements, each copy as its original).
+    ``offload``: whether parameters may keep their optimizer state on the host
+    (:func:`autopar.passes.problem.sharding_problem.build`)."""
+    mpg = mode_graph(pg, mode)
+    t1 = time.perf_counter()
+    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=WHOLE_GRADS in mode,
+                                prices_of=prices_of)
+    timings["build_s"] += time.perf_counter() - t1
+    assert sp.problem is not None
+    t_refs = time.perf_counter()
+    refs = _References.score(sp, mpg, references, time_limit_s, limit, workers)
+    timings["references_s"] += time.perf_counter() - t_refs
+    out = _ModeRun(mode, mpg, sp, refs)
+    if not own:
+        if refs.fastest is not None:
+            c = refs.cost[refs.fastest]
+            out.sol = Solution(tuple(refs.assign[refs.fastest] or ()), c.step_s, True,
+                               "feasible", 0.0, f"kept {refs.fastest}")
+            out.choice, out.method = refs.choices[refs.fastest], f"kept {refs.fastest}"
+            out.step_s, out.peak, out.fits = c.step_s, c.mem_bytes, True
+        return out
+    # the best reference layout that fits seeds the search: the solver starts from it and can
+    # only improve on it (a portfolio start, as MIP solvers take from heuristics)
+    hint = refs.assign[refs.best] if refs.best is not None else None
+    t2 = time.perf_counter()
+    # the other mode's placements, node for node: a start for the solver (each variable at its
+    # root's strategy) and a candidate itself (the reduced problem's followers and shared
+    # variables do not always let the solver find them again in the recomputing graph)
+    carried = _carried_choice(sp, seed) if seed is not None else None
+    seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
+    # a mode seeded with another's plan has that plan to fall back on: half the time
+    sol = _solve_within_budget(sp, limit, time_limit_s / 2 if seeds else time_limit_s, hint,
+                               seeds)
+    timings["solve_s"] += time.perf_counter() - t2
+    if not sol.feasible:
+        out.sol = sol
+        return out
+    choice, sol, method = _select(sp, [sol], refs, min_gain, limit, carried)
+    # gradient buckets the plan leaves nearly empty priced at their real fill, the problem
+    # solved again from this solution and the references completed again at those prices
+    # (see passes.bucket_fill); a few rounds, as each plan may leave another bucket empty.
+    # A reference's completion is looked at too when the chosen plan's buckets fill: it is
+    # what the benchmarks run as that layout, and a near-empty bucket priced as a full one's
+    # member would leave it an extra collective.
+    for _ in range(REPRICE_ROUNDS):
+        if not (bucket_fill.reprice(sp, choice, limit)
+                or any(bucket_fill.reprice(sp, c, limit) for c in refs.choices.values())):
+            break
+        t3 = time.perf_counter()
+        again = _solve_within_budget(sp, limit, max(1.0, time_limit_s / 4),
+                                     tuple(sol.assignment))
+        timings["solve_s"] += time.perf_counter() - t3
+        t4 = time.perf_counter()
+        # each reference's better completion: at the new prices (they may avoid the bucket)
+        # or as before (one plan's fills, priced on all, may misguide a reference's)
+        again_refs = _References.score(sp, mpg, references, time_limit_s, limit, workers)
+        refs = refs.rescored(sp, limit).better(again_refs, limit)
+        timings["references_s"] += time.perf_counter() - t4
+        choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
+    scored = bucket_fill.score(sp, choice).cost
+    out.refs, out.sol, out.choice, out.method = refs, sol, choice, method
+    out.step_s, out.peak, out.fits = scored.step_s, scored.mem_bytes, _fits(scored.mem_bytes,
+                                                                             limit)
+    return out
+
+
+def _carried_choice(sp: ShardingProblem, other: _ModeRun) -> list[int]:
+    """``other``'s plan as a strategy for every node of ``sp``, a copy as its original (the
+    strategy lists of one op on one shape are built alike in both problems)."""
+    assert other.choice is not None
+    by_name = {n.name: s for n, s in zip(other.sp.nodes, other.choice)}
+    return [by_name[n.meta["autopar"].extra.get("recomputes", n.name)] for n in sp.nodes]
+
+
+def recompute_record(asked: str, mode: str, mpg: PlanGraph, sp: ShardingProblem,
+                     choice: list[int], base: ShardingProblem) -> Recompute:
+    """What a plan on ``mpg`` (recomputation applied) recomputes, per traced layer, and its
+    price (:func:`recompute_price`, against ``base``, the problem without it). ``nodes``
+    lists every copied node, re-gathered parameter views too (the runtime copies them all);
+    the layers, counts and price are the activations' only (re-gathering is the parameter
+    state's, :class:`autopar.passes.memory.zero.ParamState`)."""
+    names = tuple(mpg.recomputed.values())
+    if not names:
+        return Recompute(asked, "none")
+    per_layer: dict[int, int] = {}
+    for n in mpg.graph.nodes:
+        if n.name in mpg.recomputed and not zero_mod.is_param_view(n):
+            ly = n.meta["autopar"].layer
+            per_layer[ly] = per_layer.get(ly, 0) + 1
+    if not per_layer:
+        return Recompute(asked, "none", names)
+    extra_s, saved = recompute_price(sp, choice, base)
+    return Recompute(asked, mode, names, tuple(sorted(per_layer)), extra_s, saved, per_layer)
+
+
+def recompute_price(sp: ShardingProblem, choice: list[int], base: ShardingProblem
+                    ) -> tuple[float, float]:
+    """(extra step time, peak memory saved) of a recomputing plan: its copies' compute and the
+    collectives of their inputs, and its peak against the same placements on ``base``, the
+    problem of the graph without recomputation (a re-gathered parameter view is no
+    recomputation: its gather is the parameter state's price)."""
+    copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra
+              and not zero_mod.is_param_view(n)}
+    if not copies:
+        return 0.0, 0.0
+    w = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
+    extra = sum(float(sp.node_cost[i][choice[i]]) for i in copies)
+    for e in sp.edges:
+        if e.dst in copies and e.in_idx >= 0:
+            src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
+            dst = sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx]
+            if src != dst:
+                extra += sum(c.time_s for c in edge_collectives(sp, e, src, dst)) * w[e.dst]
+    by_name = {n.name: s for n, s in zip(sp.nodes, choice)}
+    kept = score_assignment(base, [by_name[n.name] for n in base.nodes]).cost.mem_bytes
+    return extra, max(0.0, kept - score_assignment(sp, choice).cost.mem_bytes)
+
+
+@dataclass
+class _References:
+    """Reference layouts as the solver completes them on one problem: cost, full choice,
+    solver assignment (None when completed without shared layer variables); the fastest that
+    fits the budget (``fastest``: the plan is never slower) and the fastest of those with an
+    assignment (``best``: it seeds the solver)."""
+
+    cost: dict[str, PlanCost]
+    choices: dict[str, list[int]]
+    assign: dict[str, tuple[int, ...] | None]
+    best: str | None
+    fastest: str | None
+
+    @staticmethod
+    def score(sp: ShardingProblem, pg: PlanGraph, references: dict[str, Any],
+              time_limit_s: float, budget: float | None, workers: int = 1) -> _References:
+        """Each reference completed on ``sp``; on up to ``workers`` forked processes
+        (:mod:`autopar.planning.parallel_map`: each completion is independent)."""
+        cost: dict[str, PlanCost] = {}
+        choices: dict[str, list[int]] = {}
+        assign: dict[str, tuple[int, ...] | None] = {}
+        names = list(references)
+        done = forked_map(lambda n: score_reference(sp, pg, references[n], time_limit_s),
+                          names, workers)
+        for name, got in zip(names, done):
+            if got is not None:
+                cost[name], choices[name], assign[name] = got
+        return _References.of(cost, choices, assign, budget)
+
+    @staticmethod
+    def of(cost: dict[str, PlanCost], choices: dict[str, list[int]],
+           assign: dict[str, tuple[int, ...] | None], budget: float | None) -> _References:
+        fitting = [n for n, c in cost.items() if _fits(c.mem_bytes, budget)]
+        seeds = [n for n in fitting if assign[n] is not None]
+        best = min(seeds, key=lambda n: cost[n].step_s) if seeds else None
+        fastest = min(fitting, key=lambda n: cost[n].step_s) if fitting else None
+        return _References(cost, choices, assign, best, fastest)
+
+    def rescored(self, sp: ShardingProblem, budget: float | None) -> _References:
+        """The same completions, scored again (after the problem was repriced)."""
+        cost = {n: bucket_fill.score(sp, c).cost for n, c in self.choices.items()}
+        return _References.of(cost, self.choices, self.assign, budget)
+
+    def better(self, other: _References, budget: float | None) -> _References:
+        """Per reference, the cheaper of its two completions."""
+        cost, choices, assign = dict(self.cost), dict(self.choices), dict(self.assign)
+        for n, c in other.cost.items():
+            if n not in cost or c.step_s < cost[n].step_s:
+                cost[n], choices[n], assign[n] = c, other.choices[n], other.assign[n]
+        return _References.of(cost, choices, assign, budget)
+
+
+def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_gain: float,
+            budget: float | None, carried: list[int] | None = None
+            ) -> tuple[list[int], Solution, str]:
+    """The plan: the cheapest solution, its followers refined (re-chosen with their whole
+    neighbourhood), unless the best reference, as the solver completes it, is within
+    ``min_gain`` of it. ``carried``: another recomputation mode's plan, node for node, a
+    candidate too. Returns the choice, the solution it came from, and how it was made."""
+    candidates: list[tuple[list[int], Solution]] = []
+    for sol in sols:
+        if sol.feasible:
+            solved = sp.expand(sol.assignment)
+            candidates += [(refine_followers(sp, solved), sol), (solved, sol)]
+    if carried is not None and candidates:
+        candidates.append((carried, replace(candidates[0][1], method="carried from mode none")))
+    scored = [bucket_fill.score(sp, c).cost for c, _ in candidates]
+    fit = [k for k, c in enumerate(scored) if _fits(c.mem_bytes, budget)]
+    k = min(fit, key=lambda k: scored[k].step_s) if fit else 0  # the first if none fits
+    (choice, sol), own = candidates[k], scored[k].step_s
+    method = sol.method
+    best = refs.fastest
+    if best is not None:
+        ref = refs.cost[best].step_s
+        if own * (1 + min_gain) > ref:
+            gain = ref / own - 1 if own > 0 else 0.0
+            choice = refs.choices[best]
+            method = (f"kept {best}: the solver's own plan was {gain:.1%} faster, under the "
+                      f"{min_gain:.0%} margin" if gain >= 0 else
+                      f"kept {best}: the solver's own plan was {-gain:.1%} slower")
+    return choice, sol, method
+
+
+def _fits(mem_bytes: float, budget: float | None) -> bool:
+    return budget is None or mem_bytes <= budget * (1 + 1e-9)
+
+
+def planner_solve(
+    sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
+    domains: list[np.ndarray] | None = None, local_polish: bool = False,
+) -> Solution:
+    """Axis-by-axis exact sweeps from several starts, then the general solver from the best
+    point for what is left of a short polishing budget; the better answer wins.
+
+    ``local_polish`` (reference completions): where every step of the best sweep was solved
+    exactly, the polish is the solver's local moves alone (every node, every rigid group
+    re-chosen on its own), not the exact CP-SAT solve of the whole problem. Over
+    plan_quality's 316 polishes, 61 were improved by those local moves and 9 more by CP-SAT:
+    7 where the sweep's steps were too wide to eliminate (Mixtral on a 1-D mesh; the exact
+    polish still runs there) and 2 on one gpt2-xl 8x8 completion of fsdp, not the best
+    reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s."""
+    t0 = time.perf_counter()
+    best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains)
+    if best is not None and best.status == "optimal":
+        return best
+    if local_polish and best is not None and best.feasible and sweep_was_exact(best):
+        other = solve(problem, timeout_s=LOCAL_POLISH_S, hint=best.assignment,
+                      method="heuristic")
+        return other if other.feasible and other.cost < best.cost else best
+    left = time_limit_s - (time.perf_counter() - t0)
+    polish = min(POLISH_S, left)
+    if polish > 0.2 or best is None:
+        hint = best.assignment if best is not None and best.feasible else None
+        other = solve(problem, timeout_s=max(polish, 0.5), hint=hint)
+        if best is None or (other.feasible and (not best.feasible or other.cost < best.cost)):
+            return other
+        if other.status == "optimal" and best.feasible and best.cost <= other.cost:
+            # the exact solve proved that no plan beats the sweep's
+            return replace(best, status="optimal", lower_bound=best.cost,
+                           method=f"{best.method}, proven optimal by {other.method}")
+    return best
+
+
+def _solve_within_budget(
+    sp: ShardingProblem, budget: float | None, time_limit_s: float,
+    hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
+) -> Solution:
+    """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
+    problem constrains one instant), constrain the instant where it peaks instead (a sharded
+    or recomputing layout peaks elsewhere than the replicated one the problem was built
+    at), or, where it peaks at the constrained instant already, tighten the limit by the
+    overshoot, and solve again.
+
+    Under a budget the leanest assignment (every variable at its smallest usage) starts the
+    search too: it fits wherever anything does, and the sweeps, which move one axis at a
+    time, can miss every fitting point of a tight limit from the other starts. Where they
+    still find none, the general solver gets the time left."""
+    assert sp.problem is not None
+    t0 = time.perf_counter()
+    problem = sp.problem
+    hints = ([hint] if hint is not None else []) + (more_hints or [])
+    if budget is not None:
+        hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
+    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0)
+    if budget is None or not sol.feasible:
+        return sol
+    for _ in range(4):
+        choice = sp.expand(sol.assignment)
+        # the whole step's peak, as the plan reports it (reshard copies, gathers included)
+        peak, instant = peak_memory(*step_usage(sp, choice))
+        if _fits(peak, budget):
+            return sol
+        if instant != sp.peak_time:  # the problem constrains the instant that binds now
+            sp.peak_time = instant
+            sp.problem = problem = reduced_problem(sp, budget)
+        else:
+            limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
+            problem = _with_limit(problem, limit)
+        # a retry starts from a solution that nearly fits: a quarter of the time is plenty
+        # (a whole budget let the general solver search 16 s for llama3-405b's full mode)
+        retry = _solve_or_search(sp, problem, max(1.0, time_limit_s / 4),
+                                 [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
+                                 time.perf_counter())
+        if not retry.feasible:
+            return retry
+        sol = retry
+    return sol
+
+
+def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
+                     hints: list, t0: float) -> Solution:
+    sol = planner_solve(sp, problem, time_limit_s, hints or None)
+    left = time_limit_s - (time.perf_counter() - t0)
+    if sol.feasible or problem.usage_limit is None or left < 1.0:
+        return sol
+    lean = hints[-1] if hints else None
+    other = solve(problem, timeout_s=left, hint=lean)
+    return other if other.feasible else sol
+
+
+def _with_limit(p: Problem, limit: float) -> Problem:
+    return Problem(p.costs, p.usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
+
+
+# --- reference plans ------------------------------------------------------------------------
+
+
+def score_reference(
+    sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float
+) -> tuple[PlanCost, list[int], tuple[int, ...] | None] | None:
+    """Best completion of a reference layout (its params and inputs pinned): its cost, the
+    strategy of every node, and the solver assignment (None when it had to be solved without
+    shared layer variables). None if a pinned placement is one no strategy offers."""
+    got = _pinned_solve(sp, ref, time_limit_s)
+    if got is not _CONFLICT:
+        return got  # type: ignore[return-value]
+    # the layout places repeated layers differently (an MLP alternating column and row
+    # layers): plan it without shared layer variables
+    assert sp.problem is not None
+    flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False,
+                                  zero1=sp.zero1, prices_of=sp)
+    bucket_fill.apply(flat, sp.bucket_fill, sp.problem.usage_limit)  # at the same prices
+    got = _pinned_solve(flat, ref, time_limit_s)
+    if got is None or got is _CONFLICT:
+        return None
+    _, choice, _ = got  # type: ignore[misc]
+    return bucket_fill.score(sp, choice).cost, choice, None
+
+
+_CONFLICT = object()
+
+
+def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
+    assert sp.problem is not None and sp.var_of is not None
+    pins: dict[int, Spec] = {}
+    index = {n.name: i for i, n in enumerate(sp.nodes)}
+    params = {n.meta["autopar"].param_name: i for i, n in enumerate(sp.nodes)
+              if n.op == "placeholder" and n.meta["autopar"].role == "param"}
+    for pname, spec in ref.params.items():
+        if pname in params:
+            pins[params[pname]] = tuple(spec)
+    for n in sp.nodes:
+        f = n.meta["autopar"]
+        if f.role == "input" and f.input_index in ref.inputs:
+            spec = tuple(ref.inputs[f.input_index])
+            if len(spec) == len(sp.mesh.shape) and f.out is not None and len(f.out.shape) > 0:
+                pins[index[n.name]] = spec
+    allowed: dict[int, set[int]] = {}
+    for node_i, spec in pins.items():
+        v = int(sp.var_of[node_i])
+        ok = {k for k, s in enumerate(sp.strategies[node_i]) if s.outs[0] == spec}
+        if not ok:
+            return None
+        allowed[v] = allowed[v] & ok if v in allowed else ok
+        if not allowed[v]:
+            return _CONFLICT
+    sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
+    sol = planner_solve(sp, sub, time_limit_s, domains=maps, local_polish=True)
+    if not sol.feasible:
+        return None
+    full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
+    choice = sp.expand(full_assign)
+    choice = refine_followers(sp, choice)  # placeholders (the pins) are never followers
+    return bucket_fill.score(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
+
+
+def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[np.ndarray]]:
+    """The problem with some variables limited to given strategies; ``maps[v][k]`` is the
+    original index of the restricted problem's strategy ``k``."""
+    maps = [np.asarray(allowed.get(v, range(len(c)))) for v, c in enumerate(p.costs)]
+    costs = [c[m] for c, m in zip(p.costs, maps)]
+    usages = [u[m] for u, m in zip(p.usages, maps)]
+    ecosts = [m_[np.ix_(maps[u], maps[v])] for (u, v), m_ in zip(p.edges, p.edge_costs)]
+    return Problem(costs, usages, p.intervals, p.edges, ecosts, p.usage_limit, p.names, p.name), maps
+
+
+# --- assembling the plan --------------------------------------------------------------------
+
+
+def assemble_plan(
+    pg: PlanGraph, sp: ShardingProblem, choice: list[int], model_name: str, mesh: Mesh,
+    solver: SolverInfo, timings: dict[str, float], references: dict[str, PlanCost],
+    memory_budget: float | None, limit_source: str = "given",
+    recompute: Recompute | None = None,
+) -> Plan:
+    """The plan of ``choice`` on ``pg`` (the graph as planned: recomputation applied)."""
+    scored = bucket_fill.score(sp, choice)
+    params: dict[str, Spec] = {}
+    inputs: dict[str, Spec] = {}
+    input_shapes: dict[str, list[int]] = {}
+    nodes: dict[str, NodePlacement] = {}
+    for i, n in enumerate(sp.nodes):
+        s = sp.strategies[i][choice[i]]
+        f = n.meta["autopar"]
+        nodes[n.name] = NodePlacement(s.ins, s.outs, s.impls, s.raw_outs)
+        if f.role == "param":
+            params[f.param_name] = s.outs[0]
+        elif f.role == "input" and f.input_index is not None and f.out is not None:
+            key = pg.input_names[f.input_index]
+            inputs.setdefault(key, s.outs[0])
+            input_shapes.setdefault(key, list(f.out.shape))
+    if pg.proxy is not None:  # untraced layers take the placements of the layer they stand for
+        params = {name: params[pg.proxy.traced_name(name)] for name in pg.all_param_names}
+    return Plan(
+        model=model_name, mesh_shape=mesh.shape, mesh_axes=mesh.axes, device=mesh.device.name,
+        params=params, inputs=inputs, nodes=nodes, collectives=tuple(scored.collectives),
+        cost=scored.cost, solver=solver, timings={k: round(v, 4) for k, v in timings.items()},
+        missing_rules=dict(sp.missing_rules), references=references,
+        input_shapes=input_shapes, memory_budget=memory_budget,
+        first_bucket_bytes=first_bucket_bytes(mesh.device),
+        merged_sums=tuple(tuple(mesh.axes[k] for k in axes)
+                          for axes in cm.merged_sums(mesh)),
+        precision=pg.precision or Precision(), memory_limit_source=limit_source,
+        recompute=recompute or Recompute(),
+        param_state=zero_mod.param_state(pg, sp, choice),
+    )
+
+
+def with_recompute(graph: PlanGraph, plan: Plan, mode: str, mesh: Mesh) -> Plan:
+    """``plan`` (made without recomputation, on ``graph`` as captured) with ``mode``'s
+    recomputation: every original node placed as in ``plan``, every copy as its original, the
+    collectives and costs scored again. The same layout, recomputing: what the property tests
+    compare bit for bit, and a way to ask what a mode costs a given plan. ``mode``: a
+    recompute mode, with ``+zero3`` to re-gather parameters in the backward too, ``+zero1``
+    to all-reduce the gradients of split parameters whole."""
+    if plan.recompute.nodes:
+        raise PlanError("with_recompute takes a plan that recomputes nothing")
+    mpg = mode_graph(graph, mode)
+    offload = "auto" if plan.param_state.offloaded else "none"
+    sp = sharding_problem.build(mpg, mesh, plan.memory_budget, share_layers=False,
+                                offload=offload, zero1=WHOLE_GRADS in mode)
+    choice = []
+    for i, n in enumerate(sp.nodes):
+        place = plan.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
+        want = (place.ins, place.outs, place.impls, place.raw_outs)
+        ks = [k for k, s in enumerate(sp.strategies[i])
+              if (s.ins, s.outs, s.impls, s.raw_outs) == want]
+        if not ks:
+            raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
+                            "was the plan made for this graph?")
+        choice.append(ks[0])
+    base = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False,
+                                  offload=offload, zero1=WHOLE_GRADS in mode)
+    rec = recompute_record(mode, _recompute_of(mode), mpg, sp, choice, base)
+    return assemble_plan(mpg, sp, choice, plan.model, mesh, plan.solver, dict(plan.timings),
+                         dict(plan.references), plan.memory_budget, plan.memory_limit_source,
+                         rec)

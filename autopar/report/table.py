@@ -1,0 +1,256 @@
+"""A plan as a readable table: placements, collectives, predicted cost, solver, references."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+from autopar.ir.placements import spec_str
+
+if TYPE_CHECKING:
+    from autopar.ir.plan import Plan
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _grouped_params(plan: Plan) -> list[tuple[str, str, int]]:
+    """Parameters whose names differ only by a layer index and share a layout, folded."""
+    groups: dict[tuple[str, str], int] = {}
+    for name, spec in plan.params.items():
+        key = (_LAYER_INDEX.sub(".*.", name), spec_str(spec))
+        groups[key] = groups.get(key, 0) + 1
+    return [(name, spec, n) for (name, spec), n in groups.items()]
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = ["  " + line, "  " + "-" * len(line)]
+    out += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def render(plan: Plan, max_params: int = 40) -> str:
+    mesh = " x ".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
+    shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes.items())
+    c = plan.cost
+    budget = _limit(plan)
+    s = plan.solver
+    lines = [
+        f"autopar plan: {plan.model or 'model'} on {mesh} ({plan.device}); inputs {shapes}",
+        f"predicted step {fmt_time(c.step_s)} = compute {fmt_time(c.compute_s)} + "
+        f"communication {fmt_time(c.comm_s)}; memory {fmt_bytes(c.mem_bytes)} per device{budget}",
+        f"solver: {s.status} ({s.method}) in {s.time_s:.2f} s; {s.variables} variables for "
+        f"{s.nodes} graph nodes, {s.shared_layers} layers sharing variables",
+        "precision: " + precision_line(plan),
+        "recompute: " + recompute_line(plan),
+        "parameter state: " + param_state_line(plan),
+    ]
+    if plan.timings:
+        t = plan.timings
+        lines.append(
+            "planning time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in t.items())
+        )
+    if plan.pipeline is not None:
+        lines += [""] + pipeline_lines(plan)
+    lines += ["", "inputs:"]
+    lines += _table(["input", "shape", "placement"],
+                    [[k, str(plan.input_shapes.get(k, "")), spec_str(v)]
+                     for k, v in plan.inputs.items()])
+    grouped = _grouped_params(plan)
+    lines += ["", f"parameters ({len(plan.params)}; layers folded as *):"]
+    rows = [[name + (f"  (x{n})" if n > 1 else ""), spec] for name, spec, n in grouped[:max_params]]
+    axes = "per stage-mesh axis" if plan.pipeline is not None else "per mesh axis"
+    lines += _table(["parameter", f"placement {axes}"], rows)
+    if len(grouped) > max_params:
+        lines.append(f"  ... {len(grouped) - max_params} more")
+    lines += ["", "collectives per step" + (" of one stage, one microbatch (gradient syncs once "
+                                             "per step):" if plan.pipeline is not None else ":")]
+    if plan.collectives:
+        lines += _table(
+            ["collective", "axis", "count", "bytes/device", "time", "why"],
+            [[x.kind, x.axis, str(x.count), fmt_bytes(x.bytes), fmt_time(x.time_s), x.reason]
+             for x in plan.collectives],
+        )
+    else:
+        lines.append("  none")
+    if any(x.reason == "gradient sync" for x in plan.collectives):
+        from autopar.passes.cost.cost_model import BUCKET_BYTES
+
+        first, rest = fmt_bytes(plan.first_bucket_bytes), fmt_bytes(BUCKET_BYTES)
+        lines.append("  gradient buckets, filled in reverse parameter order: " + (
+            f"{rest} each (communication does not overlap compute on this device)"
+            if plan.first_bucket_bytes >= BUCKET_BYTES else
+            f"the first closes at {first}, so its collective starts early, the others at "
+            f"{rest}"))
+    if plan.missing_rules:
+        ops = ", ".join(f"{k} (x{v})" for k, v in sorted(plan.missing_rules.items()))
+        lines += ["", f"ops with no sharding rule, planned replicated: {ops}"]
+    if plan.references:
+        lines += ["", "reference plans, scored by the same cost model:"]
+        rows = []
+        limit = plan.memory_budget
+
+        def fits(mem: float) -> str:
+            return "yes" if limit is None or mem <= limit * (1 + 1e-9) else "no"
+
+        for name, rc in sorted(plan.references.items(), key=lambda kv: kv[1].step_s):
+            ratio = rc.step_s / c.step_s if c.step_s else float("nan")
+            rows.append([name, fmt_time(rc.step_s), fmt_time(rc.compute_s), fmt_time(rc.comm_s),
+                         fmt_bytes(rc.mem_bytes), fits(rc.mem_bytes), f"{ratio:.2f}x"])
+        rows.insert(0, ["autopar", fmt_time(c.step_s), fmt_time(c.compute_s), fmt_time(c.comm_s),
+                        fmt_bytes(c.mem_bytes), fits(c.mem_bytes), "1.00x"])
+        lines += _table(["plan", "step", "compute", "comm", "memory", "fits", "step vs autopar"],
+                        rows)
+    return "\n".join(lines)
+
+
+def _limit(plan: Plan) -> str:
+    if plan.memory_budget is None:
+        return " (no memory limit)"
+    src = plan.memory_limit_source
+    why = "" if src in ("", "given") else f": {src}"
+    return f" (limit {fmt_bytes(plan.memory_budget)}{why})"
+
+
+def precision_line(plan: Plan) -> str:
+    p = plan.precision
+    if not p.mixed:
+        return "fp32"
+    line = (f"{p.name} compute; fp32 master weights and optimizer state; softmax, norms and the "
+            f"loss in fp32; gradients reduced in {p.reduce}")
+    return line + ("; dynamic loss scaling" if p.loss_scaling else "")
+
+
+def recompute_line(plan: Plan) -> str:
+    r = plan.recompute
+    asked = f" (asked: {r.asked})" if r.asked != r.mode else ""
+    if r.mode == "none" or not r.nodes:
+        return "none" + asked
+    counts = sorted(set(r.per_layer.values()))
+    each = f"{counts[0]} ops in each of" if len(counts) == 1 else f"{len(r.nodes)} ops over"
+    share = f" ({r.time_s / plan.cost.step_s:.1%} of the step)" if plan.cost.step_s else ""
+    return (f"{r.mode}{asked}: {each} {len(r.per_layer)} traced layers "
+            f"({_ranges(sorted(r.per_layer))}); costs {fmt_time(r.time_s)}{share}, saves "
+            f"{fmt_bytes(r.saved_bytes)} at the peak")
+
+
+def param_state_line(plan: Plan) -> str:
+    """ZeRO stages, counted over parameters (with the axes the state is split over), and the
+    optimizer state offloaded to the host."""
+    from autopar.passes.memory.zero import STAGE_NAMES
+
+    ps = plan.param_state
+    groups: dict[tuple[int, tuple[str, ...]], int] = {}
+    for name, stage in ps.stages.items():
+        key = (stage, ps.axes.get(name, ()))
+        groups[key] = groups.get(key, 0) + 1
+    total = len(plan.params)
+    parts = [f"{STAGE_NAMES[stage]} over {','.join(axes)} for {n} of {total}"
+             for (stage, axes), n in sorted(groups.items())]
+    rest = total - sum(groups.values())
+    if rest:
+        parts.append(f"split for compute on every axis (no state repeated) for {rest}")
+    line = "; ".join(parts) or "none"
+    if ps.offloaded:
+        share = f" ({ps.offload_s / plan.cost.step_s:.1%} of the step)" if plan.cost.step_s else ""
+        line += (f"; optimizer state of {len(ps.offloaded)} parameters offloaded to host memory "
+                 f"({fmt_bytes(ps.offload_bytes)} per device; costs {fmt_time(ps.offload_s)}"
+                 f"{share})")
+    return line
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], None
+    for k, x in enumerate(xs):
+        if start is None:
+            start = x
+        if k + 1 == len(xs) or xs[k + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out)
+
+
+def render_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
+    """What differs between two plans of one model: placements and predicted cost."""
+    lines = [f"{name_a}: step {fmt_time(a.cost.step_s)}, memory {fmt_bytes(a.cost.mem_bytes)}",
+             f"{name_b}: step {fmt_time(b.cost.step_s)}, memory {fmt_bytes(b.cost.mem_bytes)}"]
+    if a.mesh_shape != b.mesh_shape:
+        lines.append(f"meshes differ: {a.mesh_shape} vs {b.mesh_shape}")
+    rows = []
+    for key in sorted(set(a.inputs) | set(b.inputs)):
+        pa, pb = a.inputs.get(key), b.inputs.get(key)
+        if pa != pb:
+            rows.append([f"input {key}", spec_str(pa) if pa else "-", spec_str(pb) if pb else "-"])
+    folded: dict[tuple[str, str, str], int] = {}
+    for key in sorted(set(a.params) | set(b.params)):
+        pa, pb = a.params.get(key), b.params.get(key)
+        if pa != pb:
+            k = (_LAYER_INDEX.sub(".*.", key), spec_str(pa) if pa else "-",
+                 spec_str(pb) if pb else "-")
+            folded[k] = folded.get(k, 0) + 1
+    rows += [[name + (f"  (x{n})" if n > 1 else ""), sa, sb] for (name, sa, sb), n in folded.items()]
+    if not rows:
+        return "\n".join(lines + ["the plans place every parameter and input alike"])
+    return "\n".join(lines + [""] + _table(["tensor", name_a, name_b], rows))
+
+
+def pipeline_lines(plan: Plan) -> list[str]:
+    """The stages, schedule, microbatches and bubble of a pipeline plan."""
+    pp = plan.pipeline
+    assert pp is not None
+    stage_axes = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    lines = [
+        f"pipeline: {pp.size} ranks on axis {pp.axis}, schedule {pp.schedule} with "
+        f"{pp.virtual} stage(s) per rank, {pp.microbatches} microbatches; each stage on a "
+        f"{stage_axes} submesh",
+        f"  predicted bubble {pp.bubble:.1%} of the step (textbook (p-1)/(v*m) = "
+        f"{pp.textbook_bubble:.3f} of ideal time); boundary send {fmt_time(pp.send_s)} per "
+        f"microbatch; gradient sync {fmt_time(pp.sync_s)} per step on the slowest rank",
+        f"  why: {pp.reason}",
+    ]
+    rows = []
+    for st in pp.stages:
+        what = [f"blocks {st.first_block}-{st.end_block - 1}" if st.blocks > 1
+                else f"block {st.first_block}"]
+        if st.first:
+            what.insert(0, "embedding")
+        if st.last:
+            what.append("head")
+        rows.append([str(st.index), str(st.rank), " + ".join(what), fmt_time(st.time_s),
+                     str(st.in_flight), fmt_bytes(st.memory_bytes)])
+    lines += _table(["stage", "rank", "holds", "time/microbatch", "in flight", "memory"], rows)
+    per_rank = ", ".join(fmt_bytes(b) for b in pp.rank_memory_bytes)
+    lines.append(f"  memory per pipeline rank: {per_rank}")
+    finite = [o for o in pp.options if math.isfinite(o.step_s)]
+    shown = finite[:6]
+    if len(pp.options) > 1:
+        lines.append("  schedules weighed (fastest first):")
+        lines += ["  " + r for r in _table(
+            ["schedule", "v", "m", "step", "bubble", "memory"],
+            [[o.schedule, str(o.virtual), str(o.microbatches), fmt_time(o.step_s),
+              f"{o.bubble:.1%}", fmt_bytes(o.mem_bytes)] for o in shown])]
+        if len(finite) > len(shown):
+            lines.append(f"    ... {len(finite) - len(shown)} slower ones that fit")
+        failed = len(pp.options) - len(finite)
+        if failed:
+            notes = sorted({o.note for o in pp.options if o.note})[:2]
+            lines.append(f"    ... {failed} that do not fit or cannot be cut: " + "; ".join(notes))
+    return lines

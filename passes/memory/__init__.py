@@ -1,0 +1,1 @@
+"""Memory and precision: the step's peak, recomputation, ZeRO stages, offload, mixed precision."""

@@ -1,0 +1,1 @@
+"""Pipelines: schedules and their replay, stage profiles, the stage-slicing DP."""

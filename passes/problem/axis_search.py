@@ -1,0 +1,179 @@
+"""Solving the planner's problem one mesh axis at a time, each step exactly.
+
+A strategy on an N-D mesh is one 1-D rule per mesh axis. Holding the choices on every axis but
+one, what is left is a problem with a handful of strategies per node (the op's 1-D rules),
+small enough for exact variable elimination (:mod:`autopar.solver.elimination`) however the
+graph is wired. Sweeping the axes until no sweep improves reaches a point that no change on a
+single axis can better; on a 1-D mesh that single step is the global optimum. Several starts
+(all replicated, leanest memory, the best reference layout) are swept and the best kept.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.solver.elimination import greedy_order, minimise
+from autopar.solver.problem import Problem, Solution, evaluate
+
+
+def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
+    """For each solver variable, an int array [strategies, axes]: which 1-D rule (as an id
+    local to that axis) each strategy uses on each mesh axis."""
+    out = []
+    for r in sp.var_root:
+        strategies = sp.strategies[r]
+        ndim = sp.mesh.ndim
+        comp = np.zeros((len(strategies), ndim), dtype=np.int64)
+        for k in range(ndim):
+            ids: dict = {}
+            for s, st in enumerate(strategies):
+                key = (tuple(x[k] for x in st.ins), tuple(x[k] for x in st.outs))
+                comp[s, k] = ids.setdefault(key, len(ids))
+        out.append(comp)
+    return out
+
+
+class _Steps:
+    """The single-axis steps of one problem, each solved once.
+
+    A step on axis ``k`` from a point depends on the point only through which strategies
+    agree with it on every other axis: ``codes[k][v][s]`` numbers those classes, so a step
+    is known by axis and one class per variable. Sweeps revisit steps all the time (the last
+    pass of every sweep repeats the steps that found nothing; starts fall into the same
+    basins), so each is solved once and remembered. Sub-problems of one axis keep the
+    problem's edges, and many share their domain sizes: their elimination orders are kept
+    too. Both caches return exactly what solving again would."""
+
+    def __init__(self, p: Problem, comps: list[np.ndarray]) -> None:
+        self.p = p
+        self.ndim = comps[0].shape[1] if comps else 0
+        self.codes: list[list[np.ndarray]] = []
+        self.groups: list[list[dict[int, np.ndarray]]] = []
+        for k in range(self.ndim):
+            codes, groups = [], []
+            for comp in comps:
+                others = np.delete(comp, k, axis=1)
+                _, code = np.unique(others, axis=0, return_inverse=True)
+                code = code.reshape(-1)
+                codes.append(code)
+                groups.append({int(c): np.nonzero(code == c)[0] for c in np.unique(code)})
+            self.codes.append(codes)
+            self.groups.append(groups)
+        self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
+        self.orders: dict[tuple[int, ...], list[int] | None] = {}
+        self.live = [e > s for s, e in p.intervals]
+
+    def step(self, k: int, cur: np.ndarray, deadline: float) -> tuple[np.ndarray | None, bool]:
+        """The best point reachable from ``cur`` by changing axis ``k`` only (None when the
+        step finds nothing that fits), and whether it was solved exactly."""
+        codes = self.codes[k]
+        key = (k, *(int(codes[v][s]) for v, s in enumerate(cur.tolist())))
+        got = self.memo.get(key)
+        if got is None:
+            got = self.memo[key] = self._solve(k, key[1:], deadline)
+        return got
+
+    def _solve(self, k: int, key: tuple[int, ...], deadline: float
+               ) -> tuple[np.ndarray | None, bool]:
+        p = self.p
+        allowed = [g[c] for g, c in zip(self.groups[k], key)]
+        dom = [len(a) for a in allowed]
+        order = self.orders.get(tuple(dom), ())
+        if order == ():
+            order = self.orders[tuple(dom)] = greedy_order(p.edges, dom, _MAX_ENTRIES)
+        if order is None:
+            return None, False
+        if p.usage_limit is not None and len(set(map(tuple, p.intervals))) > 1:
+            return None, False  # not the one-instant form elimination handles
+        costs = [c[a] for c, a in zip(p.costs, allowed)]
+        usages = [u[a] for u, a in zip(p.usages, allowed)]
+        ecosts = [m.take(allowed[u], 0).take(allowed[v], 1)  # as m[np.ix_(...)], faster
+                  for (u, v), m in zip(p.edges, p.edge_costs)]
+
+        def fits(a: np.ndarray) -> bool:
+            if p.usage_limit is None:
+                return True
+            return evaluate(p, [al[s] for al, s in zip(allowed, a.tolist())])[1]
+
+        a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
+                             max(0.1, deadline - time.monotonic()))
+        if a is None:
+            return None, False
+        return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"
+
+
+# sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)
+_MAX_ENTRIES = 4e6
+
+
+def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
+    """A local optimum over single-axis moves, and whether every step was solved exactly."""
+    p = steps.p
+    exact = True
+    cur = start.copy()
+    cur_cost, cur_ok, _ = evaluate(p, cur)
+    improved = True
+    while improved and time.monotonic() < deadline:
+        improved = False
+        for k in range(steps.ndim):
+            cand, step_exact = steps.step(k, cur, deadline)
+            exact = exact and step_exact
+            if cand is None:
+                continue
+            cost, ok, _ = evaluate(p, cand)
+            if (ok and not cur_ok) or (ok == cur_ok and cost < cur_cost * (1 - 1e-12)):
+                cur, cur_cost, cur_ok, improved = cand, cost, ok, True
+    return cur, exact
+
+
+def solve_axiswise(
+    sp: ShardingProblem, p: Problem, timeout_s: float, hints: list | None = None,
+    restarts: int = 16, seed: int = 0, domains: list[np.ndarray] | None = None,
+) -> Solution | None:
+    """Best of the axis sweeps from each start, or None when a step is too wide to eliminate.
+
+    ``p`` is ``sp.problem`` or a restriction of it; ``domains[v]`` then lists which of the
+    variable's original strategies ``p`` keeps, in order."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    comps = _axis_components(sp)
+    if domains is not None:
+        comps = [c[d] for c, d in zip(comps, domains)]
+    starts = [np.zeros(p.num_nodes, dtype=np.int64)]
+    if p.usage_limit is not None:
+        starts.append(np.array([int(np.argmin(u)) for u in p.usages]))
+    starts += [np.asarray(h, dtype=np.int64) for h in hints or []]
+    # random starts: single-axis moves cannot leave some basins, other starts find others
+    rng = np.random.default_rng(seed)
+    starts += [np.array([int(rng.integers(len(c))) for c in p.costs]) for _ in range(restarts)]
+    steps = _Steps(p, comps)
+    best, best_key, best_exact = None, None, False
+    for start in starts:
+        if time.monotonic() > deadline:
+            break
+        a, exact = _sweep(steps, start, deadline)
+        cost, ok, _ = evaluate(p, a)
+        key = (not ok, cost)
+        if best_key is None or key < best_key:
+            best, best_key, best_exact = a, key, exact
+    if best is None:
+        return None
+    cost, ok, peak = evaluate(p, best)
+    # on a 1-D mesh one step spans every strategy: an exact step is the global optimum
+    status = "optimal" if sp.mesh.ndim == 1 and best_exact else "feasible"
+    return Solution(tuple(int(x) for x in best), cost, ok, status if ok else "timeout-no-solution",
+                    time.monotonic() - t0, SWEEP if best_exact else SWEEP_INEXACT, None, peak)
+
+
+SWEEP = "axis-sweep"
+# some step of the best sweep was not solved exactly: too wide to eliminate (it was skipped),
+# or a memory limit made it a Lagrangian step
+SWEEP_INEXACT = "axis-sweep (inexact steps)"
+
+
+def sweep_was_exact(sol: Solution) -> bool:
+    """Whether every step of the sweep that gave ``sol`` was solved exactly."""
+    return sol.method == SWEEP

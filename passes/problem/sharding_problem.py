@@ -1,0 +1,333 @@
+"""From a PlanGraph on a mesh to the abstract problem the solver takes, and back.
+
+Every tensor-producing node gets its strategies (``passes.strategies``), a compute cost and a
+memory use per strategy; every producer->consumer edge a matrix of resharding costs
+(``passes.edge_costs``); a gradient is tied to its parameter by an edge that prices moving it
+into the parameter's layout. ``passes.problem_reduction`` then merges followers and shares
+variables between repeated layers; ``ShardingProblem.expand`` maps a solution back to every
+node. The exact peak memory of a solved plan is measured over the whole step afterwards
+(``passes.scoring``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.ir.graph import NodeFacts, PlanGraph
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import Replicate
+from autopar.passes.cost import cost_model as cm
+from autopar.passes.memory import zero
+from autopar.passes.memory.peak import live_intervals, own_storage, peak_memory
+from autopar.passes.problem import stage_boundary
+from autopar.passes.problem.reduction import (
+    assign_variables,
+    merge_followers,
+    node_layer,
+    reduced_problem,
+)
+from autopar.passes.strategies.random import WHOLE_DRAW
+from autopar.passes.strategies.registry import (
+    Strategy,
+    all_specs,
+    mutated_inputs,
+    node_strategies,
+    tensor_inputs,
+)
+from autopar.solver.problem import Problem
+
+
+@dataclass(slots=True)
+class Edge:
+    src: int  # producer node index
+    dst: int  # consumer node index
+    out_idx: int  # which output of the producer
+    in_idx: int  # which tensor input of the consumer (-1: gradient tied to its parameter)
+    # the consumer writes that input in place (a buffer's running stats): the value must reach
+    # it as it is, or the write would land on a copy (edge_costs forbids every reshard)
+    written: bool = False
+
+
+@dataclass
+class ShardingProblem:
+    mesh: Mesh
+    nodes: list[fx.Node]
+    strategies: list[list[Strategy]]
+    node_cost: list[np.ndarray]
+    usage: list[np.ndarray]  # bytes per device per strategy (param: + grad + Adam state)
+    edges: list[Edge]
+    missing_rules: dict[str, int]  # op name -> count of nodes planned replicated
+    unary: dict[int, np.ndarray] = field(default_factory=dict)  # communication tied to one node
+    group_cost: list[np.ndarray] = field(default_factory=list)  # root: its group's total cost
+    reshard_cache: dict = field(default_factory=dict, repr=False)
+    # (route key, src id, dst id) -> the pair's cost_model.Move list (edge_costs)
+    moves_cache: dict = field(default_factory=dict, repr=False)
+    # spec -> int, the ids both caches are keyed by: reset or share the three together
+    spec_ids: dict = field(default_factory=dict, repr=False)
+    matrix_cache: dict = field(default_factory=dict, repr=False)
+    # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found
+    # them under-full (passes.bucket_fill); absent: full buckets
+    bucket_fill: dict = field(default_factory=dict)
+    share_layers: bool = True  # identical layers share one solver variable per node
+    # the dtype gradients are summed across ranks in, where it is not their own (a mixed
+    # precision plan reducing in bf16): gradient syncs are priced in it
+    grad_dtype: torch.dtype | None = None
+    loss_scaling: bool = False  # fp16: the step all-reduces an overflow flag (passes.scoring)
+    # ZeRO-1: gradients of split parameters are all-reduced whole, then sliced
+    # (passes.zero.grad_target); priced and run so
+    zero1: bool = False
+    loss_index: int = -1  # the loss node (reported whole on every rank)
+    # a pipeline stage's output and input gradient: (node, the layout each leaves in)
+    boundary: list[tuple[int, tuple]] = field(default_factory=list)
+    weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
+    in_flight: float = 1.0  # microbatches whose kept activations a rank holds (pipelines)
+    peak_time: int = 0
+    live: list[tuple[int, int]] = field(default_factory=list)
+    # reduction results
+    group_of: np.ndarray | None = None  # node -> group root node
+    follow: list[np.ndarray] = field(default_factory=list)  # node: root strategy -> own strategy
+    var_of: np.ndarray | None = None  # node -> solver variable
+    var_root: list[int] = field(default_factory=list)  # variable -> its template root node
+    problem: Problem | None = None
+    shared_layers: int = 0
+
+    def expand(self, assignment: tuple[int, ...] | list[int]) -> list[int]:
+        """Strategy index of every node from one strategy per solver variable."""
+        assert self.var_of is not None and self.group_of is not None
+        out = []
+        for i in range(len(self.nodes)):
+            v = self.var_of[i]
+            root = self.group_of[i]
+            # a shared variable is solved on its template root; a group in another layer uses
+            # the same strategy index at its own root (the strategy lists are identical)
+            s_root = assignment[v]
+            out.append(int(self.follow[i][s_root]) if root != i else int(s_root))
+        return out
+
+
+def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
+          share_layers: bool = True, offload: str = "none", zero1: bool = False,
+          prices_of: ShardingProblem | None = None) -> ShardingProblem:
+    """``offload``: ``none``; ``auto``, each parameter may keep its optimizer state on the
+    host (a strategy variant per layout, :mod:`autopar.passes.memory.zero`); ``optimizer``, every
+    parameter does. ``zero1``: gradients all-reduced whole (ZeRO-1). ``prices_of``: a problem
+    on the same mesh whose resharding prices this one reuses (a planner builds one problem
+    per recomputation mode, of mostly the same tensors: 8B on 8x8 spent 4 of its 7 s of
+    builds pricing the same moves again)."""
+    nodes = [n for n in pg.graph.nodes if n.op in ("placeholder", "call_function")]
+    idx = {n: i for i, n in enumerate(nodes)}
+    strategies: list[list[Strategy]] = []
+    missing: dict[str, int] = {}
+    # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
+    # once and shared (the same list object), which also lets edge matrices be cached
+    cache: dict = {}
+    for n in nodes:
+        facts: NodeFacts = n.meta["autopar"]
+        key = _strategy_key(n)
+        hit = cache.get(key) if key is not None else None
+        if hit is None:
+            if n.op == "placeholder":
+                meta = facts.out
+                specs = all_specs(meta, mesh.shape) if meta is not None else [(Replicate(),) * mesh.ndim]
+                hit = (_placeholder_strategies(specs, facts.role == "param", offload), False)
+            else:
+                ns = node_strategies(n, mesh.shape)
+                hit = (ns.strategies, ns.missing_rule)
+            first = hit[0][0]
+            assert all(isinstance(p, Replicate) for s in first.ins + first.outs for p in s), n.name
+            if key is not None:
+                cache[key] = hit
+        if hit[1]:
+            missing[facts.op] = missing.get(facts.op, 0) + 1
+        strategies.append(hit[0])
+
+    edges: list[Edge] = []
+    for n in nodes:
+        v = idx[n]
+        if n.target is operator.getitem:
+            edges.append(Edge(idx[n.args[0]], v, int(n.args[1]), 0))
+            continue
+        written = mutated_inputs(n)
+        for i, a in enumerate(tensor_inputs(n)):
+            if a in idx:
+                edges.append(Edge(idx[a], v, 0, i, i in written))
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    param_index = {n.meta["autopar"].param_name: i for i, n in enumerate(nodes)
+                   if n.op == "placeholder" and n.meta["autopar"].role == "param"}
+    for gname, pname in pg.grad_of.items():
+        if gname in by_name:
+            edges.append(Edge(by_name[gname], param_index[pname], 0, -1))
+
+    sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
+    sp.zero1 = zero1
+    if prices_of is not None and prices_of.mesh is mesh:
+        # keyed by spec ids and tensor price keys, valid in any problem on this mesh (not the
+        # matrix cache: it is keyed by the ids of this build's strategy lists)
+        sp.spec_ids, sp.reshard_cache = prices_of.spec_ids, prices_of.reshard_cache
+        sp.moves_cache = prices_of.moves_cache
+    if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
+        sp.grad_dtype = pg.precision.reduce_dtype
+    sp.loss_scaling = pg.precision is not None and pg.precision.loss_scaling
+    cost_cache: dict = {}
+    for i, n in enumerate(nodes):
+        f = n.meta["autopar"]
+        key = (id(strategies[i]), f.op, f.flops)
+        if key not in cost_cache:
+            cost_cache[key] = _node_costs(n, strategies[i], mesh)
+        sp.node_cost.append(cost_cache[key])
+    sp.loss_index = loss_i = by_name[pg.loss_node]
+    loss_meta = nodes[loss_i].meta["autopar"].out
+    # the loss is reported whole on every rank: a partial loss pays its (deferred) all-reduce
+    sp.unary[loss_i] = np.array(
+        [sum(c.time_s for c in cm.loss_collectives(loss_meta, s.outs[0], mesh))
+         for s in strategies[loss_i]]
+    )
+    # like the costs, per strategy list and outputs: a model's repeated layers repeat them
+    usage_cache: dict = {}
+    for i, n in enumerate(nodes):
+        f = n.meta["autopar"]
+        key = (id(strategies[i]), f.role, f.op,
+               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
+               own_storage(n), _read_outputs(n))
+        if key not in usage_cache:
+            usage_cache[key] = _usage(n, strategies[i], mesh)
+        sp.usage.append(usage_cache[key])
+    sp.live = live_intervals(nodes)
+    if pg.proxy is not None:
+        # a traced middle layer stands for several real ones: weigh its costs, and the memory
+        # each of them holds at once: its parameters, gradients and the activations kept for
+        # the backward (live across the forward's end). What a layer frees before the next
+        # one runs (its transients, forward or backward) is held by one layer at a time.
+        # A pipeline stage's stand-in (depth_proxy.stage_representative) also holds each
+        # kept activation once per microbatch in flight.
+        sp.weight = np.array([pg.layer_weight(node_layer(n)) for n in nodes])
+        sp.in_flight = f = pg.proxy.in_flight
+        turn = next((i for i, n in enumerate(nodes) if n.meta["autopar"].phase == "bwd"),
+                    len(nodes))
+        for i, w in enumerate(sp.weight):
+            if w != 1.0:
+                sp.node_cost[i] = sp.node_cost[i] * w
+            a, b = sp.live[i]
+            if nodes[i].meta["autopar"].role in ("param", "grad"):
+                scale = w
+            else:
+                scale = w * f if a < turn <= b else 1.0
+            if scale != 1.0:
+                sp.usage[i] = sp.usage[i] * scale
+    else:
+        sp.weight = np.ones(len(nodes))
+    stage_boundary.apply(sp, pg)  # a pipeline stage's pinned inputs and priced outputs
+    sp.peak_time = _replicated_peak(sp)
+    merge_followers(sp)
+    sp.share_layers = share_layers
+    assign_variables(sp, share_layers)
+    sp.problem = reduced_problem(sp, memory_budget)
+    return sp
+
+
+def _frozen(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in x.items()))
+    if isinstance(x, fx.Node):
+        f = x.meta.get("autopar")
+        return ("node", f.outputs if f else None)
+    if isinstance(x, (int, float, str, bool, type(None), torch.dtype, torch.device,
+                      torch.memory_format, torch.layout)):
+        return x
+    raise TypeError(type(x))
+
+
+def _strategy_key(n: fx.Node):
+    """Nodes with equal keys have equal strategy lists (same op, argument shapes and values)."""
+    f: NodeFacts = n.meta["autopar"]
+    try:
+        if n.op == "placeholder":
+            return ("placeholder", f.role == "param", f.out)
+        return (n.target, _frozen(n.args), _frozen(n.kwargs), f.outputs)
+    except TypeError:
+        return None
+
+
+def _placeholder_strategies(specs: list, param: bool, offload: str) -> list[Strategy]:
+    """One strategy per layout; a parameter's also with its optimizer state on the host, where
+    offloading is offered (``auto``: both; ``optimizer``: only that). The whole-replicated
+    layout stays first (the solver's reference start)."""
+    kept = [Strategy((), (s,)) for s in specs]
+    if not param or offload == "none":
+        return kept
+    moved = [Strategy((), (s,), (zero.OFFLOAD,)) for s in specs]
+    return kept + moved if offload == "auto" else moved
+
+
+# --- per-node costs -------------------------------------------------------------------------
+
+
+def _node_costs(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
+    facts: NodeFacts = n.meta["autopar"]
+    if n.op == "placeholder":
+        return np.array([zero.offload_time(facts.out, s.outs[0], mesh)
+                         if zero.OFFLOAD in s.impls else 0.0 for s in strategies])
+    in_metas = tuple(a.meta["autopar"].out for a in tensor_inputs(n)) if n.target is not operator.getitem else ()
+    if n.target is operator.getitem:
+        return np.zeros(len(strategies))
+    out = np.empty(len(strategies))
+    whole = (Replicate(),) * len(mesh.shape)
+    for k, s in enumerate(strategies):
+        ins, outs = s.ins, s.op_outs
+        if WHOLE_DRAW in s.impls:  # every rank draws the whole tensor (strategies/random.py)
+            ins, outs = (whole,) * len(ins), (whole,) * len(outs)
+        out[k] = cm.compute_time(facts.op, facts.flops, in_metas, facts.outputs, ins, outs,
+                                 mesh) + in_op_reduction_time(facts, s, mesh)
+    return out
+
+
+def in_op_collectives(facts: NodeFacts, s: Strategy, mesh: Mesh) -> list[cm.Collective]:
+    """The all-reduces a strategy runs inside its op (see ``registry._reduced_in_op``)."""
+    if not s.raw_outs:
+        return []
+    return [c for meta, a, b in zip(facts.outputs, s.raw_outs, s.outs) if meta is not None
+            for c in cm.reshard_collectives(meta, a, b, mesh)]
+
+
+def in_op_reduction_time(facts: NodeFacts, s: Strategy, mesh: Mesh) -> float:
+    return sum(c.time_s for c in in_op_collectives(facts, s, mesh))
+
+
+def _usage(n: fx.Node, strategies: list[Strategy], mesh: Mesh) -> np.ndarray:
+    facts: NodeFacts = n.meta["autopar"]
+    out = np.zeros(len(strategies))
+    if facts.role == "param":
+        for k, s in enumerate(strategies):
+            # why no gradient here: it exists only from the backward op that makes it (counted
+            # there, below); zero_grad frees it before the next forward
+            out[k] = cm.param_bytes_per_device(facts.out, s.outs[0], mesh, grad=False)
+            if zero.OFFLOAD in s.impls:
+                out[k] -= zero.offload_saving(facts.out, s.outs[0], mesh)
+        return out
+    if own_storage(n):  # one output of a multi-output op, held for as long as it is read
+        for k, s in enumerate(strategies):
+            out[k] = cm.activation_bytes(facts.out, s.outs[0], mesh)
+        return out
+    if facts.op in cm.VIEW_OPS:
+        return out  # views alias their base
+    read = _read_outputs(n)  # counted at their getitem, each for its own lifetime
+    for k, s in enumerate(strategies):
+        out[k] = sum(cm.activation_bytes(m, spec, mesh)
+                     for j, (m, spec) in enumerate(zip(facts.outputs, s.outs)) if j not in read)
+    return out
+
+
+def _read_outputs(n: fx.Node) -> frozenset[int]:
+    """The outputs of a multi-output op that a ``getitem`` of its own storage reads."""
+    return frozenset(int(u.args[1]) for u in n.users if own_storage(u))
+
+
+def _replicated_peak(sp: ShardingProblem) -> int:
+    return peak_memory([u[0] for u in sp.usage], sp.live)[1]

@@ -1,0 +1,1 @@
+"""What a run measures: profiler traces and live memory."""

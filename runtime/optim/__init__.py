@@ -1,0 +1,1 @@
+"""Optimizer-side runtime: fused steps, offloaded state, gradient norms, loss scaling."""

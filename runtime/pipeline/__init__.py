@@ -1,0 +1,1 @@
+"""Pipeline execution: stage modules and programs under torch.distributed.pipelining."""

@@ -1,0 +1,402 @@
+"""A pipeline behind the ordinary training loop: ``loss = model(x, y); loss.backward()``.
+
+torch's schedules run the forward and the backward of every micro-batch in one call, so the
+whole step happens in ``forward``; the gradients it makes are held aside, and ``backward``
+hands them to autograd scaled by the gradient it receives. So ``loss.backward()`` stores the
+step's gradients in ``.grad`` as a one-device backward would, ``(loss / k).backward()`` over
+k calls accumulates them as gradient accumulation does, and hooks run as usual. Any
+``torch.optim`` optimizer steps :meth:`PipelineModule.parameters` (this rank's stages).
+
+:func:`from_plan` is ``autopar.parallelize``'s way in for a mesh with a ``pp`` axis: it runs a
+pipeline plan (:func:`autopar.planning.pipeline.plan_pipeline`) as it is written, its stages'
+block ranges, schedule, stages per rank and micro-batches. Where the plan's stage layout keeps
+every parameter whole on a ``dp``-only stage mesh, the stages are plain modules replicated
+over ``dp`` (any schedule, autopar's models and Hugging Face ones), computing in the plan's
+precision and recomputing as it says, as the SPMD runtime does (:mod:`.planned_stage`);
+where it splits them (a ``tp`` axis, ZeRO/FSDP over ``dp``), each stage runs its own
+intra-op plan with the parameters placed as the pipeline plan says (:mod:`.stage_program`),
+in fp32 without recomputation. What neither runs as written (offload, fp16's loss scaling;
+bf16, recomputation or a split-backward schedule in stage programs; selective recomputation
+under a split backward) is refused with the cause and the fix (:func:`check_runnable`),
+never run as something else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.ir.errors import MeshError, PlanError
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import R
+from autopar.ir.plan import Plan, ScheduleOption
+from autopar.runtime.pipeline import stages as ps
+from autopar.runtime.pipeline.runner import (
+    AXES,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    PipelineRunner,
+    build_pipeline,
+    stage_placement,
+)
+
+# the plan's schedule names (torch's class names less "Schedule") -> the runtime's keys
+RUNTIME_SCHEDULE = {
+    "GPipe": "gpipe",
+    "1F1B": "1f1b",
+    "Interleaved1F1B": "interleaved_1f1b",
+    "LoopedBFS": "looped_bfs",
+    "InterleavedZeroBubble": "interleaved_zb",
+    "ZBVZeroBubble": "zbv",
+    "DualPipeV": "dualpipev",
+}
+
+
+def runtime_schedule(name: str) -> str:
+    """The runtime's key (:data:`autopar.runtime.pipeline.runner.SCHEDULES`) of a plan's schedule."""
+    key = RUNTIME_SCHEDULE.get(name)
+    if key is None:
+        raise PlanError(f"the plan's pipeline schedule {name!r} has no runtime schedule: make "
+                        f"the plan with one of {', '.join(RUNTIME_SCHEDULE)}")
+    return key
+
+
+class _WholeStep(torch.autograd.Function):
+    """The schedule's step in ``forward``; its gradients, scaled, in ``backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: PipelineRunner, tokens: torch.Tensor, targets: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        # what .grad holds from earlier calls (accumulation) is not this step's: set it aside
+        # so the schedule writes this step's alone, then put it back for autograd to add to
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        with torch.enable_grad():  # the schedule runs its own forward and backward
+            loss = runner.step(tokens, targets)
+        ctx.grads = [p.grad for p in params]
+        for p, g in zip(params, earlier):
+            p.grad = g
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:  # type: ignore[override]
+        grads, ctx.grads = ctx.grads, None
+        # a number, not a tensor: a stage program's gradients are DTensors, which take no
+        # plain tensor operand
+        scale = float(grad_loss)
+        scaled = [g if g is None or scale == 1.0 else g * scale for g in grads]
+        return (None, None, None, *scaled)
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineInputs:
+    """How a call hands the pipeline its token ids and targets: two positional tensors
+    (``keys`` None) or two keywords (a Hugging Face model's ``input_ids`` and ``labels``)."""
+
+    keys: tuple[str, str] | None = None
+
+    @classmethod
+    def of(cls, args: Sequence[Any], kwargs: dict | None) -> PipelineInputs:
+        kwargs = kwargs or {}
+        if not kwargs and len(args) == 2 and all(isinstance(a, torch.Tensor) for a in args):
+            return cls(None)
+        if not args and set(kwargs) == {"input_ids", "labels"}:
+            return cls(("input_ids", "labels"))
+        raise PlanError(
+            f"a pipeline takes the token ids and the targets (two positional tensors, or "
+            f"input_ids= and labels= for a Hugging Face model), got {len(args)} positional and "
+            f"keywords {sorted(kwargs)}: call the model with those two only")
+
+    def split(self, args: Sequence[Any], kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None and not kwargs and len(args) == 2:
+            return args[0], args[1]
+        if self.keys is not None and not args and set(kwargs) == set(self.keys):
+            return kwargs[self.keys[0]], kwargs[self.keys[1]]
+        want = "two positional tensors" if self.keys is None else \
+            f"keywords {self.keys[0]}= and {self.keys[1]}="
+        raise PlanError(f"the pipeline was built for calls with {want}, called with "
+                        f"{len(args)} positional and keywords {sorted(kwargs)}: call it as it "
+                        "was parallelized")
+
+
+class PipelineModule(nn.Module):
+    """This rank's pipeline stages as one module. Calling it runs a whole schedule step and
+    returns the single-device mean loss on every rank; its ``backward`` delivers the step's
+    gradients. ``stages.<s>`` holds stage ``s`` under the whole model's names
+    (``stages.1.layers.3.attention.wq.weight``); a tied weight has one copy per stage.
+    Clip gradients with :meth:`clip_grad_norm_` (torch's own would see this rank's stages
+    only). ``plan``: the pipeline plan it runs, where ``parallelize`` made it."""
+
+    def __init__(self, runner: PipelineRunner, plan: Plan | None = None,
+                 inputs: PipelineInputs | None = None) -> None:
+        super().__init__()
+        self.runner = runner
+        self.plan = plan
+        self.inputs = inputs or PipelineInputs()
+        self.profile: Any = None  # a directory: one step's traces (:meth:`profile_step`)
+        self._calls = 0
+        self.stages = nn.ModuleDict({str(s): m for s, m in sorted(runner.stage_modules.items())})
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        tokens, targets = self.inputs.split(args, kwargs)
+        shapes = (tuple(tokens.shape), tuple(targets.shape))
+        if self.plan is not None and shapes != self.runner.input_shapes:
+            # the stages' buffers (and traced graphs) have the example's shapes
+            raise PlanError(
+                f"the pipeline was parallelized for inputs of shapes {self.runner.input_shapes}, "
+                f"called with {shapes}: call it with those shapes, or parallelize again for "
+                "these (a pipeline does not replan on its own)")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("a pipeline step runs forward and backward together; call it "
+                               "with gradients enabled (not under torch.no_grad())")
+        params = list(self.runner.parameters())
+        loss = _WholeStep.apply(self.runner, tokens, targets, *params)
+        self._calls += 1
+        if self.profile is not None and self._calls == 2:  # the first pays one-off costs
+            self.write_profile(self.profile)
+        return loss
+
+    def write_profile(self, out_dir: Any) -> None:
+        """The last step as traces beside the plan's prediction: this rank's measured actions
+        (``trace_rank{r}.json``: each forward and backward under torch's action name, the
+        gradient sync; the per-action timings :class:`PipelineRunner` records around
+        torch's own actions) and, on rank 0, the plan's predicted step (``predicted.json``,
+        :mod:`autopar.report.pipeline_timeline`), with the same event names."""
+        import torch.distributed as dist
+
+        from autopar.report.trace_events import pipeline_trace_events, write_trace
+
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        rank = dist.get_rank()  # the events carry it: one process per rank in the trace
+        write_trace(pipeline_trace_events(self.runner.last_step_events),
+                    d / f"trace_rank{rank}.json", {"autopar": "measured", "rank": rank})
+        if rank == 0 and self.plan is not None and self.plan.pipeline is not None:
+            from autopar.report.pipeline_timeline import write_pipeline_timeline
+
+            write_pipeline_timeline(self.plan, d / "predicted.json")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The whole model's gradient norm (as one device computes it) on every rank, the
+        gradients scaled as torch's ``clip_grad_norm_`` scales them."""
+        return self.runner.clip_grad_norm_(max_norm, norm_type)
+
+    def make_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """``cls(self.parameters(), **kwargs)``, as ``ParallelModule.make_optimizer``."""
+        return cls(self.parameters(), **kwargs)
+
+
+# --- parallelize's way in -----------------------------------------------------------------------
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """A pipeline mesh the runtime runs: a ``pp`` axis, the others ``dp`` or ``tp``."""
+    if "pp" not in mesh.axes:
+        raise MeshError(f"mesh {mesh.describe()} has no axis named 'pp': name the pipeline "
+                        "axis 'pp' (e.g. pp=2,dp=2)")
+    other = [f"{a}={n}" for a, n in zip(mesh.axes, mesh.shape) if a not in AXES and n > 1]
+    if other:
+        raise MeshError(f"pipelines run on mesh axes 'pp', 'dp' and 'tp'; {', '.join(other)} is "
+                        "not one of them: name the mesh's axes from ('pp', 'dp', 'tp')")
+
+
+def runs_programs(plan: Plan) -> bool:
+    """Whether the plan's stages run as stage programs (their intra-op plan on the stage
+    submesh: :mod:`.stage_program`), not as plain modules replicated over ``dp``: where the
+    submesh has a ``tp`` axis of size > 1 or the stage layout splits a parameter (or its
+    optimizer state) over an axis."""
+    tp = any(a not in ("dp",) and n > 1 for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    split = any(p != R for spec in plan.params.values() for p in spec)
+    return tp or split or plan.param_state.zero1
+
+
+def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
+    """Refuse, naming what differs and the fix, a pipeline plan whose stages the runtime would
+    run otherwise than written. Plain stages (replicated over ``dp``) run fp32 or bf16 and
+    any recompute mode as the SPMD runtime does (:mod:`.planned_stage`; selective
+    recomputation under schedules with a whole backward), in autopar's stage modules; nothing
+    runs offloaded optimizer state or fp16's loss scaling; stage programs run autopar's GPT-2
+    and Llama-3 stages in fp32, without recomputation, under any schedule (one that splits
+    the backward runs a program's backward whole in its input action)."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    fix_fit = ("give a larger memory_budget (--memory-budget), more pipeline stages or "
+               "smaller micro-batches")
+    if plan.param_state.offloaded:
+        raise PlanError(f"the plan keeps the optimizer state of "
+                        f"{len(plan.param_state.offloaded)} parameters on the host, which "
+                        f"pipeline stages do not do: plan with offload='none', or {fix_fit}")
+    prec, mode = plan.precision, plan.recompute.mode
+    if prec.loss_scaling:
+        raise PlanError(f"the plan computes in {prec.name}, whose dynamic loss scaling pipeline "
+                        "stages do not do yet: plan it with precision='bf16' (--precision "
+                        "bf16) or 'fp32'")
+    key = runtime_schedule(pipe.schedule)
+    if not runs_programs(plan):
+        if mode == "selective" and key in SPLIT_BACKWARD:
+            raise PlanError(f"the plan recomputes selectively under {pipe.schedule}, whose "
+                            "backward runs twice over every block (input, then weight "
+                            "gradients) where selective checkpointing keeps each result for "
+                            "one pass: plan with recompute='full', or with schedule 1F1B, "
+                            "GPipe, Interleaved1F1B or LoopedBFS")
+        if (prec.mixed or mode != "none") and model is not None and \
+                ps.module_family(model) is None:
+            raise PlanError(f"the plan computes in {prec.name} with recompute {mode!r}, which "
+                            f"pipelines run in autopar's stage modules (autopar's GPT-2, "
+                            f"Llama-3 and MoE, Hugging Face Llama-style decoders), not in "
+                            f"torch's traced stages of {type(model).__name__}: plan it with "
+                            "precision='fp32' and recompute='none', or use a mesh without a "
+                            "'pp' axis")
+        return
+    why = ("its stage mesh has a 'tp' axis" if "tp" in plan.mesh_axes else
+           "its stage layout splits parameters over dp (ZeRO/FSDP)")
+    if prec.mixed or mode != "none":
+        what = [f"computes in {prec.name}"] * prec.mixed + \
+            [f"recomputes activations ({mode})"] * (mode != "none")
+        fix = ["precision='fp32'"] * prec.mixed + ["recompute='none'"] * (mode != "none")
+        raise PlanError(f"the plan {' and '.join(what)}, but stages that run their own plan "
+                        f"({why}) trace and run in fp32 without recomputation: plan it with "
+                        f"{' and '.join(fix)}, or use a mesh of axes ('pp', 'dp') whose "
+                        "stages stay replicated")
+    if model is not None and ps.module_family(model) not in ("gpt2", "llama3"):
+        raise PlanError(f"the plan runs each stage's own intra-op plan ({why}), which pipelines "
+                        f"do for autopar's GPT-2 and Llama-3 models only, not "
+                        f"{type(model).__name__}: use a mesh of axes ('pp', 'dp'), or "
+                        f"{fix_fit} so that stages stay replicated")
+
+
+def runnable_option(plan: Plan) -> ScheduleOption | None:
+    """Where the planner chose a schedule the plan's stages cannot run (a split backward
+    under selective recomputation), the fastest option it weighed that they can; None where
+    its choice runs."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    if plan.recompute.mode != "selective" or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
+        return None
+    fit = [o for o in pipe.options if math.isfinite(o.step_s)
+           and runtime_schedule(o.schedule) not in SPLIT_BACKWARD]
+    return min(fit, key=lambda o: o.step_s, default=None)
+
+
+def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequence[int]],
+               fixed: dict[str, Any]) -> None:
+    """A given plan was made for this model, these inputs, this mesh and the ``fixed``
+    pipeline choices (schedule, microbatches, virtual: the caller's, None where not given)."""
+    from autopar.planning.pipeline import pipeline_axis, stage_mesh
+
+    pipe = plan.pipeline
+    if pipe is None:
+        raise PlanError("the plan has no pipeline section (it was made for a mesh without a "
+                        "'pp' axis): make it for this mesh (autopar plan ... --mesh "
+                        f"{_mesh_text(mesh)}), or run on the mesh it was made for")
+    axis = pipeline_axis(mesh)
+    sub = stage_mesh(mesh, axis) if axis is not None else None
+    if sub is None or mesh.axes[axis] != pipe.axis or mesh.shape[axis] != pipe.size or \
+            tuple(sub.shape) != tuple(plan.mesh_shape) or tuple(sub.axes) != tuple(plan.mesh_axes):
+        made = ",".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
+        raise PlanError(f"the plan was made for mesh {made} but runs on {_mesh_text(mesh)}: "
+                        "make the plan for this mesh, or run on the mesh it was made for")
+    n_blocks = len(ps.find_blocks(model)[1])
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    if pipe.stages[-1].end_block != n_blocks or set(plan.params) != names:
+        raise PlanError(f"the plan was made for another model ({plan.model or 'unnamed'}, "
+                        f"{pipe.stages[-1].end_block} blocks; this one has {n_blocks}): make the "
+                        "plan for this model")
+    planned = [list(s) for s in plan.input_shapes.values()]
+    if planned != [list(s) for s in shapes]:
+        raise PlanError(f"the plan was made for inputs of shapes {planned}, the example inputs "
+                        f"have {[list(s) for s in shapes]}: make the plan for these shapes")
+    have = {"schedule": pipe.schedule, "microbatches": pipe.microbatches,
+            "virtual": pipe.virtual}
+    for key, want in fixed.items():
+        if want is not None and _same(key, want) != have[key]:
+            raise PlanError(f"{key}={want!r} was asked but the given plan has {key}="
+                            f"{have[key]!r}: leave {key} out to run the plan as made, or make "
+                            "the plan with it")
+
+
+def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwargs: dict | None,
+              time_limit_s: float = 30.0) -> PipelineModule:
+    """``model`` as the pipeline ``plan`` describes, on ``device_mesh``: its stages' block
+    ranges, schedule, stages per rank and micro-batches; each stage a plain module replicated
+    over ``dp``, or, where :func:`runs_programs`, a stage program whose parameters are placed
+    as the plan places them (its activations planned on the stage's own graph, rank 0,
+    ``time_limit_s``). Every rank builds its own stages from its copy of the model; the model
+    itself is left as it was."""
+    check_runnable(plan, model)
+    inputs = PipelineInputs.of(args, kwargs)
+    tokens, targets = inputs.split(args, kwargs or {})
+    pipe = plan.pipeline
+    assert pipe is not None
+    key = runtime_schedule(pipe.schedule)
+    placement = stage_placement(pipe.size, len(pipe.stages), SCHEDULES[key][1])
+    for st in pipe.stages:  # torch's schedules fix where each stage runs: the plan must agree
+        if placement[st.index] != st.rank:
+            raise PlanError(f"the plan puts stage {st.index} on pipeline rank {st.rank}, where "
+                            f"torch's {pipe.schedule} runs it on rank {placement[st.index]}: "
+                            "make the plan again with this autopar")
+    family = ps.module_family(model)
+    if family is None and not ps._is_hf(model):
+        # the runtime's loss is the family's own next-token cross-entropy: any other model's
+        # loss would be computed as something else
+        raise PlanError(
+            f"pipelines run autopar's GPT-2, Llama-3 and MoE models and Hugging Face causal LMs "
+            f"(with their own next-token loss), not {type(model).__name__}: run it on a mesh "
+            "without a 'pp' axis")
+    options: dict[str, Any] = {"frontend": "auto"}
+    if runs_programs(plan):
+        options = {"frontend": "module", "stage_plans": _pinned_stage_plans(plan, time_limit_s),
+                   "plan_time_limit_s": time_limit_s}
+    else:
+        options["precision"] = plan.precision  # as the SPMD runtime runs them (planned_stage)
+        options["recompute"] = plan.recompute.mode
+        if family == "hf" or plan.precision.mixed or plan.recompute.mode != "none":
+            # autopar's stages: Hugging Face decoders' (torch's splitter drops their rotary
+            # inputs with some transformers releases and fails to export 3 stages with
+            # others), and the only ones a plan's precision and recomputation reach
+            options["frontend"] = "module"
+    runner = build_pipeline(model, (tokens, targets), device_mesh,
+                            split=[(st.first_block, st.end_block) for st in pipe.stages],
+                            schedule=key, n_microbatches=pipe.microbatches,
+                            virtual=pipe.virtual, **options)
+    return PipelineModule(runner, plan, inputs)
+
+
+def _pinned_stage_plans(plan: Plan, time_limit_s: float) -> Any:
+    """``build_pipeline``'s ``stage_plans``: each stage's plan with its parameters placed as
+    the pipeline plan's stage layout places them and the rest (activations, collectives)
+    solved on the stage's own graph. The pipeline plan was made under the memory limit; the
+    stage plans are not limited again (their graphs hold one micro-batch, not the in-flight
+    ones the pipeline planner counted)."""
+    from autopar.capture.stage import pin_boundary
+    from autopar.planning.planner import make_plan
+
+    ps_ = plan.param_state
+    zero = 3 if ps_.regathered else 1 if ps_.zero1 else 2  # of the parameters it splits
+
+    def stage_plan(stage: int, graph: Any, mesh: Mesh) -> Plan:
+        pins = {n: plan.params[n] for n in graph.param_names if n in plan.params}
+        return make_plan(None, mesh, graph=pin_boundary(graph, mesh, pins),
+                         memory_budget=math.inf, time_limit_s=time_limit_s, workers=1,
+                         zero=zero, model_name=f"{plan.model} stage {stage}").plan
+
+    return stage_plan
+
+
+def _same(key: str, value: Any) -> Any:
+    if key == "schedule":
+        from autopar.passes.pipeline.schedule import canonical_name
+
+        return canonical_name(value)
+    return value
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    return ",".join(f"{a}={n}" for a, n in zip(mesh.axes, mesh.shape))

@@ -1,0 +1,377 @@
+"""Pipeline stages that run autopar's intra-op plan on their submesh (PP x DP x TP).
+
+Each stage of a pipeline is planned as a program of its own (:mod:`autopar.capture.stage`):
+its joint graph is traced with its boundary, planned on the stage's submesh (the mesh's axes
+other than ``pp``: ``dp``, ``tp``) and lowered as :class:`StageProgram`, a
+:class:`~autopar.runtime.parallel_module.ParallelModule` whose parameters are DTensors placed
+as the stage's plan says. Its ``forward`` takes this rank's piece of what the previous stage
+sent (token ids on the first stage) and returns this rank's piece of its output, or on the
+last stage the micro-batch's loss, whole; its backward takes the piece of the output's
+gradient the next stage sent back and returns the piece of the input's gradient, the
+parameters' DTensor gradients made by the planned collectives (so data parallelism's
+gradient sums are the plan's, not a separate all-reduce). torch's ``PipelineStage`` sends and
+receives those pieces between the pp neighbours at the same (dp, tp) coordinate, which is
+right because both neighbours place the tensor between them alike: the batch split over
+``dp``, whole on ``tp`` (:func:`autopar.capture.stage.boundary_spec`), pinned in both plans.
+
+The last stage computes the loss inside its program (its targets come as the keyword input
+``targets``, which torch's schedules hand every stage; the others ignore it), so the head's
+vocabulary-parallel matmul and the cross-entropy run as planned, not on gathered logits.
+
+Planning (:func:`plan_stages`) runs on rank 0 for every stage in order, so a weight two
+stages share (GPT-2's embedding and head) is pinned on the later stage to the layout the
+earlier chose (its gradient copies are then summed piece by piece over the pp ranks holding
+them), and the plans reach every rank as JSON (the solver is not deterministic under a time
+limit; every rank must run the same program).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from autopar.ir.errors import MeshError, PlanError
+from autopar.ir.graph import PlanGraph
+from autopar.ir.mesh import Mesh
+from autopar.ir.placements import local_shape, spec_str
+from autopar.ir.plan import Plan
+from autopar.runtime.parallel_module import ParallelModule, _Call, _store_fresh_grads
+
+# a stage's plan: given (dict by stage index), or made by a callable from the stage's graph
+# (its boundary pinned) and submesh; None: autopar.planning.planner.make_plan
+StagePlans = Mapping[int, Plan] | Callable[[int, PlanGraph, Mesh], Plan] | None
+
+TARGETS = "targets"  # the keyword input the last stage reads its targets from
+
+
+class _StageStep(torch.autograd.Function):
+    """The stage's forward nodes in ``forward``, its backward nodes in ``backward``; the
+    received activation (or token ids) and the parameters are the inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, x: torch.Tensor, *params: torch.Tensor
+                ) -> torch.Tensor:  # type: ignore[override]
+        out, saved = call.run_forward()
+        ctx.call = call
+        ctx.saved_env = saved
+        if call.lowered.pg.has_loss:  # the last stage: its loss, whole on every rank
+            out = call.lowered.whole_loss(out, call.pm._comm)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
+        call: _Call = ctx.call
+        saved, ctx.saved_env = ctx.saved_env, None
+        carry, sync = call.pm._grad_sync_turn()
+        grads, dx = call.run_stage_backward(saved, grad_out.contiguous(), carry, sync)
+        return (None, dx, *_store_fresh_grads(ctx, call.pm._param_list, grads, skip=1))
+
+
+class StageProgram(ParallelModule):
+    """One pipeline stage as a planned SPMD program on its submesh. Parameter names are the
+    stage module's (the whole model's). ``collectives`` counts what it ran.
+
+    Within a pipeline step (:meth:`defer_grad_sync` ... :meth:`grad_sync_done`, as
+    ``PipelineRunner.step`` brackets the schedule) the plan's gradient sync runs once: each
+    backward but the step's last keeps its parameters' local gradient contributions (the ones
+    the sync would sum or move into their parameter's layout) in a carry, and the last adds
+    them to its own before running the sync, as DDP's ``no_sync`` does under torch's
+    schedules. The last is counted, not told: under the split-backward schedules the program's
+    whole backward runs in the input action, which torch calls with ``last_backward=False``
+    for every micro-batch. Collectives that make activations' gradients run in every
+    backward. Outside such a bracket every backward syncs its own gradients."""
+
+    def __init__(self, stage: nn.Module, submesh: Any, graph: PlanGraph, plan: Plan,
+                 compile: bool = False) -> None:
+        if graph.stage is None:
+            raise PlanError("a StageProgram runs a pipeline stage's graph "
+                            "(autopar.capture.stage.capture_stage), not a whole step's")
+        if plan.precision.loss_scaling:
+            raise PlanError("fp16 with dynamic loss scaling does not run in pipeline stages "
+                            "yet: plan them in bf16 or fp32")
+        super().__init__(stage, submesh, graph, plan, None, compile)
+        self._defer = 0  # backwards in this step, the sync in the last (<= 1: in every one)
+        self._seen = 0  # backwards run so far in this step
+        self._carry: dict[int, torch.Tensor] = {}  # parameter index -> local gradient sum
+
+    def defer_grad_sync(self, n_backwards: int) -> None:
+        """The next ``n_backwards`` backwards are one step's: run the plan's gradient sync
+        once, in the last of them, on the gradients summed over all of them."""
+        self._defer, self._seen, self._carry = n_backwards, 0, {}
+
+    def grad_sync_done(self) -> None:
+        """End the step :meth:`defer_grad_sync` began; raise if a gradient was left unsynced
+        (fewer backwards ran than announced)."""
+        seen, want, left = self._seen, self._defer, len(self._carry)
+        self._defer, self._seen, self._carry = 0, 0, {}
+        if left:
+            raise RuntimeError(
+                f"internal: the stage program's gradient sync was deferred to its backward "
+                f"{want} of the step, but {seen} ran: {left} parameters' gradients were "
+                "never summed across ranks")
+
+    def _grad_sync_turn(self) -> tuple[dict[int, torch.Tensor] | None, bool]:
+        """(carry, whether this backward runs the gradient sync) for the backward starting."""
+        if self._defer <= 1:
+            return None, True
+        self._seen += 1
+        return self._carry, self._seen >= self._defer
+
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        lowered = self._active[1]
+        leaves = list(args)
+        if lowered.pg.has_loss:  # the last stage reads its targets too
+            if kwargs.get(TARGETS) is None:
+                raise PlanError("the last pipeline stage computes the loss: call it with "
+                                f"{TARGETS}=<this rank's piece of the micro-batch's targets>")
+            leaves.append(kwargs[TARGETS])
+        with torch.no_grad():
+            env = self._placeholders(lowered, leaves, pieces=True)
+        if not torch.is_grad_enabled():
+            out = lowered.forward(env, self._comm)[0]
+            return lowered.whole_loss(out, self._comm) if lowered.pg.has_loss else out
+        return _StageStep.apply(_Call(self, lowered, env), args[0], *self._param_list)
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageInputs:
+    """The global micro-batch a stage receives (every dp share), shapes and dtypes: its
+    example inputs for capture."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    def examples(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(s, dtype=getattr(torch, d), device="meta")
+                     for s, d in zip(self.shapes, self.dtypes))
+
+
+def trace_stage(stage: nn.Module, inputs: StageInputs, last: bool, loss_fn: Callable,
+                block_path: str) -> PlanGraph:
+    """The stage's joint graph (:func:`autopar.capture.stage.capture_stage`)."""
+    from autopar.capture.stage import capture_stage
+
+    holder = stage.get_submodule(block_path)
+    blocks = [holder[k] for k in getattr(stage, "order", list(holder.keys()))]
+    return capture_stage(stage, inputs.examples(), loss_fn if last else None, blocks)
+
+
+def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageInputs,
+                targets: StageInputs, loss_fn: Callable, mesh: Mesh,
+                tied: Mapping[str, Sequence[int]], stage_plans: StagePlans = None,
+                time_limit_s: float = 30.0) -> tuple[list[Plan], list[StageInputs]]:
+    """Every stage's plan on ``mesh`` (the submesh), in order, and the inputs each was traced
+    with. ``stages``: all of them (meta weights are enough); ``first``: the first stage's
+    token ids, ``targets`` the last stage's targets; ``tied``: weight name -> the stages
+    holding a copy. Each stage's inputs are pinned to the boundary layout, and a tied weight
+    on a later stage to the layout the first holder's plan gave it."""
+    from autopar.capture.stage import pin_boundary
+    from autopar.planning.planner import make_plan
+
+    n = len(stages)
+    plans: list[Plan] = []
+    inputs: list[StageInputs] = []
+    placed: dict[str, tuple] = {}  # a tied weight's layout, from its first holder's plan
+    x = first
+    prev: PlanGraph | None = None
+    for s in range(n):
+        last = s == n - 1
+        ins = StageInputs(x.shapes + targets.shapes, x.dtypes + targets.dtypes) if last else x
+        graph = trace_stage(stages[s], ins, last, loss_fn, block_path)
+        pins = {name: spec for name, spec in placed.items() if s in tied.get(name, ())}
+        pinned = pin_boundary(graph, mesh, pins)
+        if stage_plans is None:
+            plan = make_plan(stages[s], mesh, graph=pinned, memory_budget=math.inf, workers=1,
+                             time_limit_s=time_limit_s,
+                             model_name=f"{type(stages[s]).__name__} {s}").plan
+        elif callable(stage_plans):
+            plan = stage_plans(s, pinned, mesh)
+        else:
+            if s not in stage_plans:
+                raise PlanError(f"stage_plans has no plan for stage {s}: give one per stage "
+                                f"(0 to {n - 1}), or a callable (stage, graph, mesh) -> Plan")
+            plan = stage_plans[s]
+        check_stage_plan(s, pinned, plan, mesh, plans[-1] if plans else None, prev)
+        for name, spec in pinned.pins.items():  # a plan given may place them otherwise
+            if tuple(plan.nodes[name].outs[0]) != tuple(spec):
+                what = next(n for n in pinned.graph.nodes if n.name == name).meta["autopar"]
+                label = what.param_name or pinned.input_names[what.input_index]
+                raise PlanError(
+                    f"stage {s}'s plan places {label} as {spec_str(plan.nodes[name].outs[0])} "
+                    f"but the pipeline gives it as {spec_str(spec)}: make the stage's plan from "
+                    "the graph it is handed, whose boundary (and shared weights) are pinned")
+        for name in tied:
+            if s in tied[name] and name in plan.params:
+                want = placed.setdefault(name, tuple(plan.params[name]))
+                if tuple(plan.params[name]) != want:
+                    raise PlanError(
+                        f"stage {s}'s plan places the shared weight {name} as "
+                        f"{spec_str(plan.params[name])}, stage {tied[name][0]}'s as "
+                        f"{spec_str(want)}: the copies' gradients are summed piece by piece, "
+                        "so every stage holding it must place it alike; pin it so "
+                        "(autopar.capture.stage.pin_boundary(graph, mesh, params=...))")
+        plans.append(plan)
+        inputs.append(ins)
+        prev = pinned
+        meta = _node_meta(graph, graph.loss_node)
+        x = StageInputs((meta.shape,), (str(meta.dtype).removeprefix("torch."),))
+    return plans, inputs
+
+
+def _node_meta(graph: PlanGraph, name: str) -> Any:
+    return next(n for n in graph.graph.nodes if n.name == name).meta["autopar"].out
+
+
+def check_stage_plan(s: int, graph: PlanGraph, plan: Plan, mesh: Mesh,
+                     prev_plan: Plan | None, prev_graph: PlanGraph | None) -> None:
+    """Raise :class:`PlanError` unless ``plan`` runs stage ``s`` on ``mesh`` and receives its
+    input in the layout the previous stage's plan sends its output in."""
+    from autopar.runtime.lower import validate
+
+    if tuple(plan.mesh_shape) != tuple(mesh.shape) or tuple(plan.mesh_axes) != tuple(mesh.axes):
+        raise PlanError(
+            f"stage {s}'s plan was made for mesh {dict(zip(plan.mesh_axes, plan.mesh_shape))} "
+            f"but the stage runs on {dict(zip(mesh.axes, mesh.shape))} (the mesh's axes other "
+            "than pp): plan it for that submesh")
+    validate(graph, plan)
+    st = graph.stage
+    assert st is not None
+    if prev_plan is None or prev_graph is None or st.input is None:
+        return
+    prev_st = prev_graph.stage
+    assert prev_st is not None and prev_st.output_grad is not None
+    sent = tuple(prev_plan.nodes[prev_st.output_grad].outs[0])
+    got = tuple(plan.nodes[st.input].outs[0])
+    if sent != got:
+        raise PlanError(
+            f"stage {s}'s plan receives its input as {spec_str(got)} but stage {s - 1}'s plan "
+            f"sends its output as {spec_str(sent)}: the pieces sent between them would not "
+            "match; plan both with their boundary pinned alike "
+            "(autopar.capture.stage.pin_boundary on the same submesh)")
+
+
+def agree(make: Callable[[], tuple[list[Plan], list[StageInputs]]]
+          ) -> tuple[list[Plan], list[StageInputs]]:
+    """``make()`` on rank 0; its plans and stage inputs on every rank (JSON broadcast)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            plans, inputs = make()
+            box[0] = json.dumps({"plans": [p.to_json() for p in plans],
+                                 "inputs": [[list(map(list, i.shapes)), list(i.dtypes)]
+                                            for i in inputs]})
+        except Exception as e:  # every rank must leave the broadcast, then all raise
+            box[0] = "error:" + f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(box, src=0)
+    text = box[0]
+    if text.startswith("error:"):
+        raise PlanError(f"planning the pipeline's stages failed on rank 0: {text[6:]}")
+    got = json.loads(text)
+    return ([Plan.from_json(p) for p in got["plans"]],
+            [StageInputs(tuple(tuple(s) for s in shapes), tuple(dtypes))
+             for shapes, dtypes in got["inputs"]])
+
+
+def local_example(inputs: StageInputs, plan: Plan, graph: PlanGraph, device: torch.device,
+                  count: int) -> tuple[torch.Tensor, ...]:
+    """This rank's pieces of a stage's first ``count`` inputs, as torch's ``PipelineStage``
+    wants its example inputs (a floating-point one requires a gradient)."""
+    nodes = [n for n in graph.graph.nodes if n.op == "placeholder"
+             and n.meta["autopar"].role == "input"]
+    out = []
+    for node, shape, dtype in list(zip(nodes, inputs.shapes, inputs.dtypes))[:count]:
+        piece = local_shape(tuple(shape), plan.nodes[node.name].outs[0], tuple(plan.mesh_shape))
+        t = torch.zeros(piece, dtype=getattr(torch, dtype), device=device)
+        out.append(t.requires_grad_(t.is_floating_point()))
+    return tuple(out)
+
+
+def local_output(program: StageProgram, device: torch.device) -> torch.Tensor:
+    """This rank's piece of a stage's output (the loss on the last stage): the example
+    output torch's ``PipelineStage`` wants."""
+    lowered = program._active[1]
+    graph = lowered.pg
+    meta = _node_meta(graph, graph.loss_node)
+    if graph.has_loss:
+        return torch.zeros((), dtype=meta.dtype, device=device, requires_grad=True)
+    spec = lowered.boundary[0][1]
+    piece = local_shape(meta.shape, spec, lowered.mesh_shape)
+    return torch.zeros(piece, dtype=meta.dtype, device=device, requires_grad=True)
+
+
+# --- building a pipeline's stages -------------------------------------------------------------
+
+
+def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int, int]],
+                   local: Sequence[int], dmesh: Any, pp_group: Any, tokens: torch.Tensor,
+                   targets: torch.Tensor, rows: int, loss_fn: Callable, device: torch.device,
+                   stage_plans: StagePlans = None, time_limit_s: float = 30.0
+                   ) -> tuple[dict[int, StageProgram], list, list[Plan]]:
+    """This rank's stages as :class:`StageProgram` s on the submesh of ``dmesh``'s axes other
+    than ``pp``, torch's ``PipelineStage`` over each (static shapes: this rank's pieces), and
+    every stage's plan. ``rows``: the global micro-batch's (every dp share's rows)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from autopar.api import _meta_skeleton
+    from autopar.passes.memory.recompute import apply_recompute
+    from autopar.runtime.pipeline import stages as ps
+
+    names = tuple(dmesh.mesh_dim_names)
+    sub_axes = tuple(n for n in names if n != "pp")
+    if not sub_axes:
+        raise MeshError(f"stages that run a plan each run on the mesh's axes other than pp, and "
+                        f"mesh {names} has none: add a 'dp' or 'tp' axis (of size 1 is fine)")
+    submesh = dmesh[sub_axes] if len(sub_axes) > 1 else dmesh[sub_axes[0]]
+    amesh = Mesh.from_device_mesh(submesh)
+    n_stages = len(ranges)
+
+    def example(t: torch.Tensor) -> StageInputs:
+        return StageInputs(((rows, *t.shape[1:]),), (str(t.dtype).removeprefix("torch."),))
+
+    def make() -> tuple[list[Plan], list[StageInputs]]:
+        skeleton = _meta_skeleton(model)  # every stage, no weights: planning only
+        every = ps.module_stages(skeleton, block_path, ranges, range(n_stages))
+        held = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
+                for s, m in every.items()}
+        tied = ps.tied_names(held, ps.alias_names(model))
+        return plan_stages(every, block_path, example(tokens), example(targets), loss_fn,
+                           amesh, tied, stage_plans, time_limit_s)
+
+    plans, inputs = agree(make)
+    mods = ps.module_stages(model, block_path, ranges, local)
+    programs: dict[int, StageProgram] = {}
+    stages = []
+    for s in local:
+        graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path)
+        graph = apply_recompute(graph, plans[s].recompute.nodes)  # as the plan was made
+        programs[s] = prog = StageProgram(mods[s], submesh, graph, plans[s])
+        # the program's backward is one lowered piece: under a schedule that splits it (ZBV,
+        # DualPipeV, InterleavedZeroBubble) the input action runs it whole, as torch does for
+        # a stage given a weight-gradient builder, and the weight action has nothing left
+        stages.append(PipelineStage(prog, s, n_stages, device,
+                                    input_args=local_example(inputs[s], plans[s], graph,
+                                                             device, 1),
+                                    output_args=local_output(prog, device), group=pp_group,
+                                    dw_builder=_weights_done))
+    return programs, stages, plans
+
+
+def _weights_done() -> Callable[[], None]:
+    """A stage program's weight-gradient runner: its gradients were made with its input's."""
+    return _nothing
+
+
+def _nothing() -> None:
+    return None

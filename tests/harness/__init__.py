@@ -1,0 +1,1 @@
+"""Helpers the tests share: simulated SPMD runs, op-rule checks, brute-force solvers."""

@@ -1,0 +1,78 @@
+import time
+
+import numpy as np
+import pytest
+
+from autopar.capture.joint import capture
+from autopar.ir.mesh import Mesh
+from autopar.models import get_preset
+from autopar.passes.problem import sharding_problem
+from autopar.passes.problem.axis_search import solve_axiswise
+from autopar.solver import Problem, evaluate
+from autopar.solver.elimination import solve_by_elimination
+
+
+def _sp(mesh, name="gpt2-tiny"):
+    preset = get_preset(name)
+    return sharding_problem.build(capture(preset.build("meta"), preset.example_inputs(4, 32)), mesh)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama3-tiny"])
+def test_on_a_1d_mesh_the_sweep_is_the_global_optimum(name):
+    sp = _sp(Mesh((4,), ("tp",)), name)
+    sol = solve_axiswise(sp, sp.problem, timeout_s=30)
+    exact = solve_by_elimination(sp.problem, max_entries=5e7)
+    assert sol.status == "optimal"
+    assert exact is not None and sol.cost == pytest.approx(exact.cost, rel=1e-12)
+
+
+def test_on_a_2d_mesh_it_improves_on_every_start():
+    sp = _sp(Mesh((2, 2), ("dp", "tp")))
+    p = sp.problem
+    rng = np.random.default_rng(3)
+    hint = [int(rng.integers(len(c))) for c in p.costs]
+    sol = solve_axiswise(sp, p, timeout_s=30, hints=[hint], restarts=0)
+    assert sol.feasible
+    assert sol.cost <= evaluate(p, hint)[0]
+    assert sol.cost <= evaluate(p, [0] * p.num_nodes)[0]
+    assert evaluate(p, sol.assignment)[0] == pytest.approx(sol.cost)
+
+
+@pytest.mark.parametrize("limit", [None, "tight"])
+def test_each_step_is_the_exact_optimum_over_one_axis_and_solved_once(limit):
+    """A step from a point equals eliminating the problem restricted to the strategies that
+    agree with the point on every other axis (the step's definition); asking again, or from
+    another point of the same classes, is answered from memory with the same answer."""
+    from autopar.passes.problem.axis_search import _axis_components, _Steps
+    from autopar.planning.planner import _with_limit
+
+    sp = _sp(Mesh((2, 2), ("dp", "tp")))
+    p = sp.problem
+    if limit == "tight":  # between the leanest and the all-replicated peak: memory binds
+        lean = evaluate(p, [int(np.argmin(u)) for u in p.usages])[2]
+        p = _with_limit(p, lean + 0.3 * (evaluate(p, [0] * p.num_nodes)[2] - lean))
+    comps = _axis_components(sp)
+    steps = _Steps(p, comps)
+    rng = np.random.default_rng(0)
+    solved = 0
+    for _ in range(6):
+        cur = np.array([int(rng.integers(len(c))) for c in p.costs])
+        for k in range(2):
+            allowed = [np.nonzero((np.delete(c, k, 1) == np.delete(c, k, 1)[s]).all(1))[0]
+                       for c, s in zip(comps, cur)]
+            sub = Problem([c[a] for c, a in zip(p.costs, allowed)],
+                          [u[a] for u, a in zip(p.usages, allowed)], p.intervals, p.edges,
+                          [m[np.ix_(allowed[u], allowed[v])]
+                           for (u, v), m in zip(p.edges, p.edge_costs)], p.usage_limit)
+            want = solve_by_elimination(sub)
+            got, exact = steps.step(k, cur, deadline=time.monotonic() + 30)
+            if want is None or not want.feasible:
+                assert got is None
+                continue
+            solved += 1
+            assert exact == (want.status == "optimal")
+            assert got.tolist() == [a[s] for a, s in zip(allowed, want.assignment)]
+            before = len(steps.memo)
+            again, _ = steps.step(k, cur, deadline=time.monotonic() + 30)
+            assert len(steps.memo) == before and again.tolist() == got.tolist()
+    assert solved

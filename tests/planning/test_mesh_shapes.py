@@ -1,0 +1,49 @@
+import itertools
+
+import pytest
+
+from autopar.ir.errors import MeshError
+from autopar.planning.mesh_shapes import MeshShape, mesh_shapes
+
+
+def exhaustive(n, node, layers):
+    return {
+        MeshShape(pp, dp, tp)
+        for pp, dp, tp in itertools.product(range(1, n + 1), repeat=3)
+        if pp * dp * tp == n and node % tp == 0 and pp <= layers
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 6, 8, 12, 16, 24, 64])
+@pytest.mark.parametrize("node,layers", [(8, 32), (4, 3), (8, 1)])
+def test_shapes_are_exactly_the_valid_factorisations(n, node, layers):
+    shapes = mesh_shapes(n, num_layers=layers, devices_per_node=node)
+    assert set(shapes) == exhaustive(n, node, layers)
+    assert len(shapes) == len(set(shapes))
+    assert list(shapes) == sorted(shapes, key=lambda s: (s.pp, s.tp))
+    assert all(s.size == n for s in shapes)
+
+
+def test_tp_rides_the_node_links():
+    h100 = mesh_shapes(16, device="h100")
+    assert max(s.tp for s in h100) == 8  # 8 GPUs a node
+    shape = MeshShape(2, 2, 4)
+    mesh = shape.mesh("h100")
+    assert mesh.axes == ("pp", "dp", "tp") and mesh.shape == (2, 2, 4)
+    assert mesh.bandwidth[2] == mesh.device.intra_node_bandwidth
+    assert mesh.bandwidth[0] == mesh.device.inter_node_bandwidth
+    stage = shape.stage_mesh("h100")
+    assert stage.shape == (2, 4) and stage.bandwidth == mesh.bandwidth[1:]
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_invalid_device_counts_are_errors(bad):
+    with pytest.raises(MeshError, match="number of devices must be a positive integer"):
+        mesh_shapes(bad)
+
+
+def test_invalid_layers_and_node_are_errors():
+    with pytest.raises(MeshError, match="number of layers"):
+        mesh_shapes(8, num_layers=0)
+    with pytest.raises(MeshError, match="devices_per_node"):
+        mesh_shapes(8, devices_per_node=0)
