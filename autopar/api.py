@@ -29,8 +29,8 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Spec
 from autopar.ir.plan import Plan, SolverInfo
-from autopar.passes.memory import mixed_precision
-from autopar.passes.memory.mixed_precision import Precision
+from autopar.ir.precision import Precision
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.memory.recompute import apply_recompute
 from autopar.runtime import _compat
 from autopar.runtime.parallel_module import ParallelModule
@@ -142,7 +142,7 @@ def parallelize(
     skeleton = _meta_skeleton(model)
     with _compat.outside_local_tensor_mode():
         if plan is None:
-            prec = mixed_precision.resolve(precision, amesh.device, reduce_dtype)
+            prec = resolve_precision(precision, amesh.device, reduce_dtype)
             graph = capture(model, example_inputs, example_kwargs, loss_fn, precision=prec)
             _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
             the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget,

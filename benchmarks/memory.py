@@ -92,7 +92,7 @@ class Combo:
         """The step traced as this combination runs it: under its precision policy, with its
         recomputation applied (what the plan was made on)."""
         from autopar.capture.joint import capture
-        from autopar.passes.memory.mixed_precision import resolve
+        from autopar.ir.precision import resolve
         from autopar.planning.planner import mode_graph
 
         graph = capture(model, inputs, precision=resolve(self.precision, self.amesh().device))
@@ -150,8 +150,8 @@ def make_plan(c: Combo, memory_budget: float | None = None) -> str | None:
         return None
     from autopar.api import complete_plan
     from autopar.capture.joint import capture
+    from autopar.ir.precision import resolve
     from autopar.models.reference_plans import REFERENCE_PLANS
-    from autopar.passes.memory.mixed_precision import resolve
 
     preset, model, inputs = build(c)
     mesh = c.amesh()
@@ -269,8 +269,8 @@ def budget_sweep(mesh_text: str) -> dict:
     the step traced once in the device's default precision, bf16 on the h100)."""
     from autopar.capture.joint import capture
     from autopar.ir.errors import PlanError
+    from autopar.ir.precision import resolve
     from autopar.models import get_preset
-    from autopar.passes.memory.mixed_precision import resolve
     from autopar.planning.planner import make_plan
 
     preset = get_preset(SWEEP_MODEL)

@@ -19,55 +19,14 @@ rank, so the plan's peak memory is a stage's.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch.nn as nn
 
-
-@dataclass(frozen=True, slots=True)
-class DepthProxy:
-    path: str  # the ModuleList's qualified name, e.g. "layers"
-    total: int  # blocks in the real model
-    kept: int  # blocks traced
-    # blocks the trace stands for (a pipeline stage's share; None: all of them) and the
-    # microbatches whose saved activations a rank holds at once (pipelines; 1 otherwise)
-    stands_for: int | None = None
-    in_flight: float = 1.0
-
-    @property
-    def represented(self) -> int:
-        return self.total if self.stands_for is None else self.stands_for
-
-    @property
-    def middle_weight(self) -> float:
-        return (self.represented - 2) / (self.kept - 2)
-
-    def layer_weight(self, layer: int | None) -> float:
-        if layer is None:
-            return 1.0
-        if self.represented < self.kept:  # a stage of one block, traced as two to be tagged
-            return self.represented / self.kept
-        if layer == 0 or layer == self.kept - 1:
-            return 1.0
-        return self.middle_weight
-
-    def traced_name(self, name: str) -> str:
-        """The traced parameter that stands for ``name`` (itself if it was traced)."""
-        m = re.match(rf"^{re.escape(self.path)}\.(\d+)\.(.*)$", name)
-        if not m:
-            return name
-        i = int(m.group(1))
-        if i < self.kept - 1:
-            return name
-        if self.kept < 3:  # no middle block: the last traced one stands for the rest
-            return f"{self.path}.{self.kept - 1}.{m.group(2)}"
-        j = self.kept - 1 if i == self.total - 1 else 1 + (i - 1) % (self.kept - 2)
-        return f"{self.path}.{j}.{m.group(2)}"
+from autopar.ir.depth import DepthProxy
 
 
-def _longest_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+def longest_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     best = None
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and len({type(c) for c in mod}) == 1:
@@ -79,7 +38,7 @@ def _longest_block_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 @contextlib.contextmanager
 def truncated(model: nn.Module, max_layers: int | None) -> Iterator[DepthProxy | None]:
     """Within the block, the model's longest list of repeated blocks keeps ``max_layers``."""
-    found = _longest_block_list(model) if max_layers else None
+    found = longest_block_list(model) if max_layers else None
     if found is None or max_layers is None or len(found[1]) <= max_layers:
         yield None
         return
@@ -110,7 +69,7 @@ def stage_representative(model: nn.Module, blocks: int, max_layers: int | None,
     blocks (at most ``max_layers`` traced, the middle ones weighted), each activation kept
     for the backward held ``in_flight`` times. The embedding and the head stay: the first
     and last stages hold them, and one layout serves every stage."""
-    found = _longest_block_list(model)
+    found = longest_block_list(model)
     if found is None:
         raise ValueError("the model has no list of repeated blocks to cut into stages")
     path, block_list = found

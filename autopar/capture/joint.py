@@ -35,8 +35,8 @@ from autopar.capture.depth_proxy import truncated
 from autopar.capture.hf_experts import traceable_experts
 from autopar.ir.errors import CaptureError
 from autopar.ir.graph import NodeFacts, PlanGraph, StageIO, TensorMeta
+from autopar.ir.precision import Precision
 from autopar.passes.memory import mixed_precision
-from autopar.passes.memory.mixed_precision import Precision
 
 
 def capture(

@@ -36,7 +36,7 @@ from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Replicate, Shard, Spec, evenly_divides, spec_str
-from autopar.passes.memory.mixed_precision import Precision
+from autopar.ir.precision import Precision
 
 BATCH_AXIS = "dp"  # the mesh axis a stage's boundary tensors split their batch over
 

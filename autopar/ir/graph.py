@@ -13,9 +13,9 @@ import torch
 import torch.fx as fx
 
 if TYPE_CHECKING:
-    from autopar.capture.depth_proxy import DepthProxy
+    from autopar.ir.depth import DepthProxy
     from autopar.ir.placements import Spec
-    from autopar.passes.memory.mixed_precision import Precision
+    from autopar.ir.precision import Precision
 
 Role = Literal["param", "buffer", "input", "activation", "grad", "loss", "output"]
 

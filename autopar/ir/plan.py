@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.ir.errors import PlanError
+from autopar.ir.param_state import ParamState
 from autopar.ir.placements import Spec, format_spec, parse_spec
-from autopar.passes.memory.mixed_precision import Precision
-from autopar.passes.memory.zero import ParamState
+from autopar.ir.precision import Precision
 
 # 2: in-op all-reduces (``raw_out``), parameter gathers listed one per layer and phase, gradient
 # reduce-scatters in buckets. 3: the batch-sharded mean nll_loss all-reduces its count of kept

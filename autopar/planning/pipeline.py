@@ -39,12 +39,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.capture.depth_proxy import _longest_block_list, stage_representative, traced_blocks
+from autopar.capture.depth_proxy import longest_block_list, stage_representative, traced_blocks
 from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
-from autopar.passes.memory import mixed_precision
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.pipeline.cost import (
     Option,
     Overheads,
@@ -128,7 +128,7 @@ def plan_pipeline(
                         "axis 'pp' (e.g. --mesh pp=2,dp=4), or plan it with make_plan")
     p = mesh.shape[axis]
     sub = stage_mesh(mesh, axis)
-    found = _longest_block_list(model)
+    found = longest_block_list(model)
     if found is None:
         raise PlanError("the model has no list of repeated blocks (an nn.ModuleList of one "
                         "block type) to cut into pipeline stages: plan it without a 'pp' axis")
@@ -141,7 +141,7 @@ def plan_pipeline(
     counts = microbatch_counts(batch, dp, p, microbatches)[:max(1, microbatch_choices)]
     names = schedule_names(schedule)
     limit, source = memory_limit(memory_budget, mesh.device)
-    prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
+    prec = resolve_precision(precision, mesh.device, reduce_dtype)
 
     best: _Best | None = None
     options: list[Option] = []  # the solver's layout's, for the table

@@ -23,15 +23,15 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Spec
 from autopar.ir.plan import NodePlacement, Plan, PlanCost, Recompute, SolverInfo
+from autopar.ir.precision import Precision
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.cost import bucket_fill
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.cost.buckets import first_bucket_bytes
 from autopar.passes.cost.edge_costs import edge_collectives
 from autopar.passes.cost.scoring import score_assignment
-from autopar.passes.memory import mixed_precision
 from autopar.passes.memory import recompute as recompute_mode
 from autopar.passes.memory import zero as zero_mod
-from autopar.passes.memory.mixed_precision import Precision
 from autopar.passes.memory.peak import peak_memory, step_usage
 from autopar.passes.problem import sharding_problem
 from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
@@ -120,7 +120,7 @@ def make_plan(
     limit, limit_source = memory_limit(memory_budget, mesh.device)
     t0 = time.perf_counter()
     if graph is None:
-        prec = mixed_precision.resolve(precision, mesh.device, reduce_dtype)
+        prec = resolve_precision(precision, mesh.device, reduce_dtype)
         graph = capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers,
                         precision=prec)
     pg = graph
@@ -383,7 +383,7 @@ def recompute_record(asked: str, mode: str, mpg: PlanGraph, sp: ShardingProblem,
     price (:func:`recompute_price`, against ``base``, the problem without it). ``nodes``
     lists every copied node, re-gathered parameter views too (the runtime copies them all);
     the layers, counts and price are the activations' only (re-gathering is the parameter
-    state's, :class:`autopar.passes.memory.zero.ParamState`)."""
+    state's, :class:`autopar.ir.param_state.ParamState`)."""
     names = tuple(mpg.recomputed.values())
     if not names:
         return Recompute(asked, "none")

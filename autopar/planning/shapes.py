@@ -28,12 +28,12 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.capture.depth_proxy import _longest_block_list
+from autopar.capture.depth_proxy import longest_block_list
 from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.plan import Plan
-from autopar.passes.memory import mixed_precision
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.planning.mesh_shapes import MeshShape, mesh_shapes
 from autopar.planning.parallel_map import forked_map
 from autopar.planning.pipeline import batch_size, microbatch_counts, plan_pipeline, stand_in_graph
@@ -69,7 +69,7 @@ def shape_mesh(shape: MeshShape, device: Any) -> Mesh:
 def candidate_shapes(model: nn.Module, n_devices: int, batch: int, device: Any,
                      devices_per_node: int | None = None) -> list[MeshShape]:
     """The shapes worth planning (module docstring)."""
-    found = _longest_block_list(model)
+    found = longest_block_list(model)
     n_blocks = len(found[1]) if found is not None else 1
     out = []
     for s in mesh_shapes(n_devices, n_blocks, device, devices_per_node):
@@ -110,8 +110,8 @@ def search_shapes(
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
     cache: dict = {}
-    prec = mixed_precision.resolve(precision, Mesh((1,), ("dp",), device).device, reduce_dtype)
-    found = _longest_block_list(model)
+    prec = resolve_precision(precision, Mesh((1,), ("dp",), device).device, reduce_dtype)
+    found = longest_block_list(model)
     n_blocks = len(found[1]) if found is not None else 1
     # every trace made here, before the fan-out: the children share them
     for s in shapes:

@@ -155,7 +155,7 @@ def recompute_line(plan: Plan) -> str:
 def param_state_line(plan: Plan) -> str:
     """ZeRO stages, counted over parameters (with the axes the state is split over), and the
     optimizer state offloaded to the host."""
-    from autopar.passes.memory.zero import STAGE_NAMES
+    from autopar.ir.param_state import STAGE_NAMES
 
     ps = plan.param_state
     groups: dict[tuple[int, tuple[str, ...]], int] = {}

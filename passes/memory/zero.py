@@ -34,12 +34,12 @@ holds no state on the device, ``impls == ("offload",)``): it saves memory, never
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from autopar.ir.errors import PlanError
+from autopar.ir.param_state import ParamState
 from autopar.ir.placements import Partial, Replicate, Shard
 from autopar.passes.cost.cost_model import ADAM_STATE_BYTES_PER_PARAM, VIEW_OPS, num_shards
 from autopar.passes.memory.recompute import needed_in_backward
@@ -54,7 +54,6 @@ OFFLOAD = "offload"  # the impl tag of a parameter strategy whose optimizer stat
 # bytes the host's optimizer step reads and writes per element: Adam reads the fp32 parameter,
 # gradient and two moments and writes back the parameter and the moments
 HOST_STEP_BYTES_PER_ELEM = 28.0
-STAGE_NAMES = {0: "replicated (DDP)", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3 (FSDP)"}
 
 
 STAGES = ("auto", "1", "2", "3")
@@ -120,43 +119,6 @@ def offload_time(meta: TensorMeta, spec: Spec, mesh: Mesh) -> float:
 def offload_saving(meta: TensorMeta, spec: Spec, mesh: Mesh) -> float:
     """Device bytes offloading this parameter's optimizer state frees."""
     return meta.numel * ADAM_STATE_BYTES_PER_PARAM / num_shards(spec, mesh.shape)
-
-
-@dataclass(frozen=True)
-class ParamState:
-    """What a plan does with its parameters' state: the ZeRO stage of each parameter (by
-    name), the mesh axes each stage shards the state over beyond its tensor-parallel split,
-    the parameters whose optimizer state is offloaded to the host, and what that costs."""
-
-    stages: dict[str, int] = field(default_factory=dict)
-    axes: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    offloaded: tuple[str, ...] = ()
-    offload_s: float = 0.0  # predicted step time offloading adds
-    offload_bytes: float = 0.0  # optimizer state per device kept on the host instead
-    regathered: bool = False  # the backward reads parameters afresh (their views copied)
-    zero1: bool = False  # gradients of split parameters all-reduced whole (grad_target)
-
-    def count(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for s in self.stages.values():
-            out[s] = out.get(s, 0) + 1
-        return dict(sorted(out.items()))
-
-    def to_json(self) -> dict:
-        return {"stages": dict(self.stages), "axes": {k: list(v) for k, v in self.axes.items()},
-                "offloaded": list(self.offloaded), "offload_s": self.offload_s,
-                "offload_bytes": self.offload_bytes, "regathered": self.regathered,
-                "zero1": self.zero1}
-
-    @classmethod
-    def from_json(cls, d: dict | None) -> ParamState:
-        if not d:
-            return cls()
-        return cls({k: int(v) for k, v in d.get("stages", {}).items()},
-                   {k: tuple(v) for k, v in d.get("axes", {}).items()},
-                   tuple(d.get("offloaded", ())), float(d.get("offload_s", 0.0)),
-                   float(d.get("offload_bytes", 0.0)), bool(d.get("regathered", False)),
-                   bool(d.get("zero1", False)))
 
 
 def param_state(pg: PlanGraph, sp: ShardingProblem, choice: list[int]) -> ParamState:

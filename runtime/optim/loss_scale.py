@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.ir.placements import Partial, Replicate
-from autopar.passes.memory.mixed_precision import FP16_INITIAL_SCALE
+from autopar.ir.precision import FP16_INITIAL_SCALE
 from autopar.runtime import _compat
 
 

@@ -46,8 +46,8 @@ from torch.utils.checkpoint import (
 
 from autopar.capture.joint import module_tag
 from autopar.ir.errors import PlanError
+from autopar.ir.precision import Precision
 from autopar.passes.memory import mixed_precision
-from autopar.passes.memory.mixed_precision import Precision
 from autopar.passes.memory.recompute import FIXED_MODES, draws, selective
 
 BlockRunner = Callable[[nn.Module, tuple, dict], Any]

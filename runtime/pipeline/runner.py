@@ -38,8 +38,8 @@ from torch.distributed.pipelining import PipelineStage, build_stage
 from torch.distributed.tensor import DTensor
 
 from autopar.ir.errors import MeshError, PlanError
-from autopar.passes.memory import mixed_precision
-from autopar.passes.memory.mixed_precision import Precision
+from autopar.ir.precision import Precision
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.runtime import _compat
 from autopar.runtime.pipeline import stages as ps
 from autopar.runtime.pipeline.events import StageEvent, bubble_fraction, chrome_trace, instrument
@@ -159,7 +159,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     """
     cls, style, per_rank = _schedule_entry(schedule)
     key = schedule.lower().replace("-", "_")
-    prec = mixed_precision.resolve(precision or "fp32", None)
+    prec = resolve_precision(precision or "fp32", None)
     check_modes(prec, recompute, schedule if key in SPLIT_BACKWARD else None)
     modes = prec.mixed or recompute != "none"  # the stages run under planned_stage
     virtual = virtual if virtual is not None else (per_rank or 1)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from autopar.capture.depth_proxy import DepthProxy
 from autopar.capture.joint import capture
+from autopar.ir.depth import DepthProxy
 from autopar.ir.mesh import Mesh
 from autopar.models import get_preset
 from autopar.passes.cost.scoring import score_assignment

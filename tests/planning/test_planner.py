@@ -92,8 +92,8 @@ def test_infeasible_budget_is_a_clear_error():
 
 def test_activations_over_the_limit_suggest_a_batch_that_fits():
     from autopar.capture.joint import capture
+    from autopar.ir.precision import Precision
     from autopar.passes.memory import recompute
-    from autopar.passes.memory.mixed_precision import Precision
     from autopar.passes.problem import sharding_problem
     from autopar.planning.memory_fit import leanest
 

@@ -35,8 +35,8 @@ def _plan(case: tuple[str, str, str]) -> tuple[str, float, float]:
     """(plan JSON, plan.cost.mem_bytes, the model's peak with buffers) for a reference."""
     from autopar.api import complete_plan
     from autopar.capture.joint import capture
+    from autopar.ir.precision import Precision
     from autopar.models.reference_plans import REFERENCE_PLANS
-    from autopar.passes.memory.mixed_precision import Precision
     from autopar.passes.memory.peak import peak_memory, plan_choice, step_usage
     from autopar.passes.memory.recompute import apply_recompute
     from autopar.passes.problem import sharding_problem

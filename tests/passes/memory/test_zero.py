@@ -10,10 +10,10 @@ from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Replicate
 from autopar.ir.plan import Plan
+from autopar.ir.precision import resolve
 from autopar.models import get_preset
 from autopar.models.reference_plans import fsdp
 from autopar.passes.memory import zero
-from autopar.passes.memory.mixed_precision import resolve
 from autopar.planning.planner import make_plan, mode_graph, with_recompute
 
 MESH = Mesh((4,), ("dp",), "h100")

@@ -22,8 +22,8 @@ from harness.spmd import (
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.ir.precision import Precision
 from autopar.models import get_preset
-from autopar.passes.memory.mixed_precision import Precision
 from autopar.planning.planner import make_plan
 from autopar.runtime.optim.loss_scale import LossScaleWarning
 

@@ -46,8 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.ir.precision import Precision
 from autopar.models import get_preset
-from autopar.passes.memory.mixed_precision import Precision
 from autopar.passes.memory.recompute import recompute_nodes
 from autopar.runtime.pipeline import stages as ps
 from autopar.runtime.pipeline.planned_stage import PlannedStage
