@@ -55,6 +55,7 @@ from _common import machine, table, update_results  # noqa: E402
 from autopar.ir.devices import get_profile  # noqa: E402
 from autopar.ir.mesh import Mesh  # noqa: E402
 from autopar.models import MLP, REFERENCE_PLANS, MLPConfig  # noqa: E402
+from autopar.report.table import plan_table
 from autopar.runtime.launch import launch  # noqa: E402
 
 NPROC = 4
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(**{**b.__dict__, "plans": plans, "plan_axes": axes})
     print(f"planned in {info['planning dp']} s (dp mesh) + {info['planning tp']} s (tp mesh); "
           "the solver's plan:")
-    print(info["solver plan"].table())
+    print(plan_table(info["solver plan"]))
     t0 = time.perf_counter()
     res = launch(_worker, NPROC, (b,), backend="gloo", timeout_s=1800)[0]
     wall = time.perf_counter() - t0

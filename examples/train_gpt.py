@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.cli.corpus import BatchSampler
 from autopar.models import get_preset
+from autopar.report.table import plan_table
 from autopar.runtime.launch import cleanup, init_from_env, launch
 
 
@@ -83,7 +84,7 @@ def train(args: argparse.Namespace) -> float:
 
     model = autopar.parallelize(model, mesh, example_inputs=batch(0))
     if dist_info.is_main:
-        print(model.plan.table(), flush=True)
+        print(plan_table(model.plan), flush=True)
     # the fused kernel: one per step, run on each rank's pieces (runtime/optim/fused.py)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
 

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from autopar.ir.errors import AutoparError
 from autopar.ir.mesh import DATA_PARALLEL_AXES, Mesh
+from autopar.report.table import plan_table
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
           "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
@@ -144,11 +145,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def plan_for_devices(args: argparse.Namespace) -> int:
     """``--devices N``: every pp x dp x tp shape of N devices planned, the best few shown
     side by side, then the winner's plan (:mod:`autopar.planning.shapes`)."""
+    from autopar.ir.units import fmt_bytes, fmt_time
     from autopar.planning.parallel_map import default_workers
     from autopar.planning.pipeline import plan_pipeline
     from autopar.planning.planner import make_plan
     from autopar.planning.shapes import search_shapes, shape_mesh
-    from autopar.report.table import fmt_bytes, fmt_time
 
     if args.schedule or args.microbatches or args.virtual or args.compare:
         raise UsageError("--devices picks the mesh shape itself: drop --schedule, "
@@ -180,7 +181,7 @@ def plan_for_devices(args: argparse.Namespace) -> int:
     best = fitting[0]
     print()
     if not (args.explain or args.timeline):
-        print(best.plan.table())
+        print(plan_table(best.plan))
         if args.json:
             best.plan.save(args.json)
             print(f"\nplan written to {args.json}")
@@ -195,7 +196,7 @@ def plan_for_devices(args: argparse.Namespace) -> int:
 
 def _report(planned, args: argparse.Namespace) -> int:
     """The plan's table, then what the options ask for: explanations, JSON, timeline."""
-    print(planned.plan.table())
+    print(plan_table(planned.plan))
     for node in args.explain or []:
         print()
         print(planned.explain(node))
@@ -243,9 +244,9 @@ def add_pipeline_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from autopar.ir.plan import Plan
-    from autopar.report.table import render_diff
+    from autopar.report.table import plan_diff
 
-    print(render_diff(Plan.load(args.a), Plan.load(args.b), args.a, args.b))
+    print(plan_diff(Plan.load(args.a), Plan.load(args.b), args.a, args.b))
     return 0
 
 

@@ -24,6 +24,7 @@ from autopar.cli.corpus import VOCAB_SIZE, BatchSampler, decode
 from autopar.cli.progress import Progress, format_rate, loss_report
 from autopar.ir.errors import AutoparError
 from autopar.ir.mesh import Mesh
+from autopar.report.table import plan_table
 
 LM_FAMILIES = ("gpt2", "llama3", "moe")
 DEFAULTS: dict[str, Any] = {
@@ -353,7 +354,7 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     if rank == 0:
         plan = getattr(pm, "plan", None)
         if plan is not None:
-            print(plan.table(), flush=True)
+            print(plan_table(plan), flush=True)
         print(flush=True)
         if cfg.profile and hasattr(pm, "_comm"):
             _write_predicted(pm, cfg.profile)

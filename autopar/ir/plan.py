@@ -337,13 +337,3 @@ class Plan:
             return cls.from_json(json.loads(p.read_text()))
         except json.JSONDecodeError as e:
             raise PlanError(f"plan file {p} is not JSON ({e})") from e
-
-    # --- reading ------------------------------------------------------------------------------
-
-    def table(self, max_params: int = 40) -> str:
-        from autopar.report.table import render
-
-        return render(self, max_params)
-
-    def __str__(self) -> str:
-        return self.table()

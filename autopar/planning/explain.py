@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.report.table import fmt_time
+from autopar.ir.units import fmt_time
 from autopar.solver.problem import evaluate
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from autopar.ir.devices import DeviceProfile
-from autopar.report.table import fmt_bytes
+from autopar.ir.units import fmt_bytes
 
 if TYPE_CHECKING:
     from autopar.ir.graph import PlanGraph

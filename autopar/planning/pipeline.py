@@ -331,7 +331,7 @@ def _label(s: PipelineSchedule) -> str:
 
 def _no_fit(failures: list[str], options: list[Option], limit: float | None, p: int,
             n_blocks: int) -> str:
-    from autopar.report.table import fmt_bytes
+    from autopar.ir.units import fmt_bytes
 
     lim = "no limit" if limit is None else fmt_bytes(limit)
     lines = [f"no pipeline plan of {n_blocks} blocks on {p} stages fits {lim} per device"]

@@ -7,26 +7,12 @@ import re
 from typing import TYPE_CHECKING
 
 from autopar.ir.placements import spec_str
+from autopar.ir.units import fmt_bytes, fmt_time
 
 if TYPE_CHECKING:
     from autopar.ir.plan import Plan
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-
-
-def fmt_bytes(x: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
-def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} us"
 
 
 def _grouped_params(plan: Plan) -> list[tuple[str, str, int]]:
@@ -47,7 +33,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
     return out
 
 
-def render(plan: Plan, max_params: int = 40) -> str:
+def plan_table(plan: Plan, max_params: int = 40) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
     shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes.items())
     c = plan.cost
@@ -188,7 +174,7 @@ def _ranges(xs: list[int]) -> str:
     return ", ".join(out)
 
 
-def render_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
+def plan_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
     """What differs between two plans of one model: placements and predicted cost."""
     lines = [f"{name_a}: step {fmt_time(a.cost.step_s)}, memory {fmt_bytes(a.cost.mem_bytes)}",
              f"{name_b}: step {fmt_time(b.cost.step_s)}, memory {fmt_bytes(b.cost.mem_bytes)}"]

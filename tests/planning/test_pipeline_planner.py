@@ -18,6 +18,7 @@ from autopar.planning.mesh_shapes import MeshShape
 from autopar.planning.pipeline import microbatch_counts, plan_pipeline, predict_split
 from autopar.planning.planner import make_plan
 from autopar.planning.shapes import candidate_shapes, search_shapes, shape_mesh
+from autopar.report.table import plan_table
 
 GiB = 2**30
 
@@ -60,7 +61,7 @@ def test_the_plan_round_trips_through_json_and_prints_its_stages(tmp_path):
     assert len(doc["stages"]) == len(planned.plan.pipeline.stages)
     back = Plan.load(path)
     assert back.pipeline == planned.plan.pipeline
-    table = back.table()
+    table = plan_table(back)
     assert "pipeline: 2 ranks on axis pp" in table and "embedding + block" in table
     assert "on pp=2 x dp=2" in table
 

@@ -13,6 +13,7 @@ from autopar.ir.plan import Plan
 from autopar.models import get_preset
 from autopar.passes.cost.cost_model import BUCKET_BYTES
 from autopar.planning.planner import make_plan
+from autopar.report.table import plan_table
 
 
 def _plan(name, mesh, batch, seq, budget=None, precision=None, recompute="auto", **changes):
@@ -113,7 +114,7 @@ def test_activations_over_the_limit_suggest_a_batch_that_fits():
 def test_default_limit_is_the_devices_memory_less_its_reserve():
     planned = _plan("gpt2-tiny", Mesh((2,), ("dp",), "cpu"), batch=4, seq=32)
     assert planned.plan.memory_budget == 14 * 2**30  # cpu profile: 16 GiB less 2 GiB
-    assert "cpu's 16.00 GiB less a 2.00 GiB reserve" in planned.plan.table()
+    assert "cpu's 16.00 GiB less a 2.00 GiB reserve" in plan_table(planned.plan)
     assert planned.plan.precision.name == "fp32"  # the cpu profile's default
 
 
@@ -134,7 +135,7 @@ def test_plan_round_trips_through_json(tmp_path):
     assert all(isinstance(v, list) and len(v) == 2 for v in doc["params"].values())
     loaded = Plan.load(path)
     assert loaded == planned.plan
-    assert "predicted step" in loaded.table()
+    assert "predicted step" in plan_table(loaded)
     # gloo on CPU cores: one bucket size, also after a JSON round trip
     on_cpu = _plan("llama3-tiny", Mesh((2,), ("dp",), "cpu"), batch=4, seq=32).plan
     assert on_cpu.first_bucket_bytes == BUCKET_BYTES
