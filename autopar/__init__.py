@@ -2,27 +2,46 @@
 
 Trace a single-device model into its joint forward+backward graph, choose how every tensor is
 split across a device mesh by solving an ILP over per-op costs, and run the result on
-torch.distributed.
+torch.distributed. What a user needs is here:
+
+- ``parallelize(model, mesh, example_inputs=...)``: the model, planned and ready to train;
+- ``make_plan`` / ``plan_pipeline``: a plan without running anything; ``plan_table(plan)``
+  prints it; ``Plan.load`` / ``plan.save`` read and write it;
+- ``Mesh`` (abstract: axis names, sizes, a device profile) and ``get_profile``;
+- ``init_from_env()``: the process group from torchrun's variables;
+- the errors, all ``AutoparError``: ``CaptureError``, ``PlanError``, ``MeshError``,
+  ``LaunchError``.
 """
 
 from autopar.ir.devices import PROFILES, DeviceProfile, get_profile
-from autopar.ir.errors import AutoparError, CaptureError, MeshError, PlanError
+from autopar.ir.errors import AutoparError, CaptureError, LaunchError, MeshError, PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Partial, R, Replicate, S, Shard
+from autopar.ir.plan import Plan
+from autopar.report.table import plan_table
 
 __version__ = "0.1.0"
 
+# parallelize and init_from_env bring in the runtime (torch.distributed, DTensor: about a
+# second of imports) and the planners the solver; `autopar plan` and `autopar solve` load
+# only what they use, so these load on first use
+_LAZY = {
+    "parallelize": "autopar.api",
+    "make_plan": "autopar.planning.planner",
+    "plan_pipeline": "autopar.planning.pipeline",
+    "init_from_env": "autopar.runtime.launch",
+}
+
 __all__ = [
-    "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "Mesh", "MeshError",
-    "Partial", "PlanError", "R", "Replicate", "S", "Shard", "get_profile", "parallelize",
+    "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "LaunchError", "Mesh",
+    "MeshError", "Partial", "Plan", "PlanError", "R", "Replicate", "S", "Shard", "get_profile",
+    "plan_table", *_LAZY,
 ]
 
 
 def __getattr__(name: str) -> object:
-    # parallelize brings in the runtime (torch.distributed, DTensor: about a second of
-    # imports) that `autopar plan` and `autopar solve` never use; it loads on first use
-    if name == "parallelize":
-        from autopar.api import parallelize
+    if name in _LAZY:
+        import importlib
 
-        return parallelize
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")
