@@ -137,26 +137,26 @@ def test_a_compiled_gpt_trains_as_one_device(one_rank_group) -> None:
     assert all(r._compiled for p in programs for r in p.compiled_runs)
 
 
-@pytest.mark.parametrize("build", ["_gpt2", "_llama", "_mixtral"])
+@pytest.mark.parametrize("build", ["gpt2", "llama", "mixtral"])
 def test_hugging_face_models_compiled_train_as_one_device(build: str, one_rank_group) -> None:
-    """The Hugging Face causal LMs of ``test_hf`` (rotary embeddings, grouped-query attention,
+    """The Hugging Face causal LMs of ``harness.hf`` (rotary embeddings, grouped-query attention,
     the MoE's routing) through Inductor: no run falls back to eager, and three AdamW steps
     equal one device's."""
     pytest.importorskip("transformers")
     import warnings
 
-    import test_hf
+    from harness import hf
 
     torch.manual_seed(0)
-    model = getattr(test_hf, build)().train()
-    kw = test_hf._kw()
+    model = getattr(hf, build)().train()
+    kw = hf.inputs()
     ref = copy.deepcopy(model)
-    want = [loss.item() for loss in test_hf.train_steps(lambda: ref(**kw).loss, ref.parameters())]
+    want = [loss.item() for loss in hf.train_steps(lambda: ref(**kw).loss, ref.parameters())]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="Inductor could not compile")
         pm = autopar.parallelize(model, Mesh((1,), ("dp",), "cpu"), example_kwargs=kw,
                                  compile=True)
-        got = [loss.item() for loss in test_hf.train_steps(lambda: pm(**kw), pm.parameters())]
+        got = [loss.item() for loss in hf.train_steps(lambda: pm(**kw), pm.parameters())]
     assert got == pytest.approx(want, rel=1e-5)
     for (name, p), q in zip(pm.named_parameters(), ref.parameters()):
         assert rel_err(p.detach().full_tensor(), q.detach()) < 1e-5, name
