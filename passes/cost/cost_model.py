@@ -21,6 +21,7 @@ from functools import lru_cache
 from autopar.ir.graph import TensorMeta
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Partial, Replicate, Shard, Spec, num_shards
+from autopar.passes.cost.reshard_route import route
 
 # ops that only reinterpret storage: no kernel, no traffic
 VIEW_OPS = frozenset(
@@ -156,6 +157,14 @@ def reshard_collectives(
             for m in reshard_moves(meta, src, dst, mesh, merged)]
 
 
+def route_collectives(meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh,
+                      merged: tuple[tuple[int, ...], ...] | None = None) -> list[Collective]:
+    """The collectives :func:`autopar.passes.cost.reshard_route.route` issues:
+    :func:`reshard_collectives` prices every reshard by its route, so the two are one
+    function; ``merged`` as there."""
+    return reshard_collectives(meta, src, dst, mesh, merged=merged)
+
+
 def reshard_moves(
     meta: TensorMeta, src: Spec, dst: Spec, mesh: Mesh,
     merged: tuple[tuple[int, ...], ...] | None = None,
@@ -198,8 +207,6 @@ def _steps(meta: TensorMeta, src: Spec, dst: Spec, mesh_shape: tuple[int, ...]) 
     states = [tuple(dst[:k]) + tuple(src[k:]) for k in range(len(src) + 1)]
     if not any(_nested(s, len(meta.shape)) for s in states):
         return ascending
-    from autopar.passes.cost.reshard_route import route
-
     nd = len(meta.shape)
     src = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in src)
     dst = tuple(Shard(p.dim % nd) if isinstance(p, Shard) else p for p in dst)

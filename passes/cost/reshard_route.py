@@ -10,9 +10,10 @@ taken, which moves other byte counts over the axes than the plan predicted; when
 valid (``(R, S(0)) -> (S(0), S(0))``) the innermost shard is gathered first, an extra
 all-gather the plan did not price, recorded with reason ``"nested-shard fallback"``.
 
-:func:`route` gives the steps and the local block permutations; :func:`route_collectives`
-the collectives they issue, with the same kinds and byte definition as
-``cost_model.reshard_collectives`` (identical to it wherever the ascending order runs).
+:func:`route` gives the steps and the local block permutations;
+``cost_model.route_collectives`` the collectives they issue, with the same kinds and byte
+definition as ``cost_model.reshard_collectives`` (identical to it wherever the ascending order
+runs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import itertools
 import math
 from functools import lru_cache
-from typing import Any
 
 from autopar.ir.placements import Placement, Replicate, Shard, Spec
 
@@ -193,12 +193,3 @@ def _divides(spec: list[Placement], full: list[int], mesh_shape: tuple[int, ...]
         if isinstance(p, Shard):
             count[p.dim] *= n
     return all(f % c == 0 for f, c in zip(full, count))
-
-
-def route_collectives(meta: Any, src: Spec, dst: Spec, mesh: Any,
-                      merged: tuple[tuple[int, ...], ...] | None = None) -> list:
-    """The collectives :func:`route` issues (``cost_model.reshard_collectives`` prices every
-    reshard by its route, so the two are one function); ``merged`` as there."""
-    from autopar.passes.cost.cost_model import reshard_collectives
-
-    return reshard_collectives(meta, src, dst, mesh, merged=merged)

@@ -227,7 +227,8 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     from autopar.ir.placements import local_shape
     from autopar.passes.cost.buckets import bucket_collectives, sync_groups
     from autopar.passes.cost.cost_model import axes_label
-    from autopar.passes.cost.reshard_route import route, route_collectives
+    from autopar.passes.cost.cost_model import route_collectives
+    from autopar.passes.cost.reshard_route import route
 
     lowered = pm._active[1]
     mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")

@@ -21,7 +21,8 @@ from autopar.ir.graph import TensorMeta
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Partial, R, Shard, evenly_divides, local_shape
 from autopar.passes.cost import cost_model
-from autopar.passes.cost.reshard_route import route, route_collectives
+from autopar.passes.cost.cost_model import route_collectives
+from autopar.passes.cost.reshard_route import route
 from autopar.passes.strategies.simulate import coords, shard, unshard
 from autopar.runtime.redistribute import CollectiveCounter, Comm, redistribute
 
