@@ -246,8 +246,8 @@ virtual=v)` on `Mesh((pp, 1), ("pp", "dp"), "cpu")`; run by `build_pipeline` wit
 (autopar's own GPT-2 stages), pp=2 on 2 processes, pp=4 on 4. **Bubble**, both sides: idle
 time over (ranks x span), the span from the first stage action's start to the last one's end
 on any rank, the gradient sync after the schedule left out; predicted by the schedule replay
-(`passes/pipeline_schedule.simulate`), measured from the runtime's per-action timings
-(`runtime/pipeline_events`) on the clock the processes share (a test checks the two
+(`passes/pipeline/schedule.simulate`), measured from the runtime's per-action timings
+(`runtime/pipeline/events`) on the clock the processes share (a test checks the two
 definitions agree on the model's own timelines). The textbook (p-1)/(v·m) is idle over ideal
 time; "textbook share" is it as a share of the step, x/(1+x). Busy: compute time per rank.
 

@@ -15,7 +15,7 @@ COMPUTE_KINDS = ("F", "B", "I", "W")  # a stage's actions; "sync" (the gradient 
 def schedule_bubble(events: Sequence[tuple], ranks: int) -> tuple[float, float]:
     """(bubble, span) of one step from ``(rank, kind, start, end, ...)`` actions on a common
     clock: idle over ``ranks x span``, the span from the first compute action's start to the
-    last one's end on any rank, as ``passes/pipeline_schedule.simulate`` defines its
+    last one's end on any rank, as ``passes/pipeline/schedule.simulate`` defines its
     ``bubble_fraction`` (a ``kind`` not in F/B/I/W, such as the gradient sync, is left out).
     A rank with no action counts as idle throughout."""
     acts = [e for e in events if e[1] in COMPUTE_KINDS]

@@ -391,7 +391,7 @@ def _sweep_body(parts: list[str]) -> str:
 
 
 _EXPLAIN = """Predicted: `plan.cost.mem_bytes`, the planner's peak bytes per device over the
-step (`passes/cost/scoring.py` with `passes/memory.step_usage`: every node's output from its op to
+step (`passes/cost/scoring.py` with `passes/memory/peak.step_usage`: every node's output from its op to
 its last reader, and the buffers two layouts make: reshard copies, a layer's gathered
 parameters until its last reader or the views that keep them, gradient-bucket copies).
 Measured: the peak of bytes held by live tensors on each rank during one training step

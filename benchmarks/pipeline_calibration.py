@@ -7,7 +7,7 @@ a. **Per action** (``pipeline_action_s``): every multi-stage schedule with all i
    one process (p=1, v=2, so nothing is sent), stages of one 16x16 Linear, m=32: the step
    over the actions it runs.
 b. **Per send or receive posted** (``p2p_post_s``): every schedule on 2 processes, the same
-   stages, m=8 and m=32; the schedule replay (``passes/pipeline_schedule.simulate``: each
+   stages, m=8 and m=32; the schedule replay (``passes/pipeline/schedule.simulate``: each
    action ``pipeline_action_s`` plus ``post_s`` per send or receive it posts to the other
    rank, each boundary the profile's point-to-point latency) is fitted to all of them by one
    ``post_s`` (least squares of the log ratio over a grid).
@@ -225,7 +225,7 @@ def main() -> None:
                 "process; medians over "
                 f"{ROUNDS} rounds after {WARMUP} warm-up rounds.\n\n"
                 "What torch's pipeline runtime costs beside the stages' work, which the "
-                "`cpu` profile charges in the schedule replay (`passes/pipeline_cost."
+                "`cpu` profile charges in the schedule replay (`passes/pipeline/cost."
                 "Overheads`); GPU profiles leave these 0 (the host queues ahead of the "
                 "device). The profile's figures were set from a run of this script.\n\n"
                 + summary + "\n\n**Per action**: multi-stage schedules with every stage on "

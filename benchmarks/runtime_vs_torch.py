@@ -672,7 +672,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]],
   backward, then the rest); autopar issues {n("autopar DP")} ({kinds("autopar DP")}). On the
   `cpu` profile the planner fills one bucket: gloo reduces on the cores the model computes
   on (a 1 MiB all-reduce costs about 2 ms of CPU per rank, the whole 4 MiB hardly more), so
-  an early bucket hides nothing and costs a collective (`passes/buckets.first_bucket_bytes`;
+  an early bucket hides nothing and costs a collective (`passes/cost/buckets.first_bucket_bytes`;
   GPU profiles keep DDP's early bucket). The other collective is the loss, which autopar
   returns whole on every rank where DDP returns each rank's own: {loss_cost}. Its all-reduce
   is issued at the end of the forward and waited for only when read

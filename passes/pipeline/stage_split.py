@@ -15,7 +15,7 @@ stage, then one slowest stage per further microbatch. With ``v`` chunks per rank
 share of one microbatch is ``v`` chunks, and the fill is ``(p-1)`` chunks, not stages: for
 equal chunks ``T = (m*v + p - 1) * t``, the interleaved schedule's textbook step. It ranks
 splits; with unequal chunks a schedule's real step differs, so ``refine=k`` replays the ``k``
-best in the schedule model (``passes/pipeline_schedule``) and keeps the fastest.
+best in the schedule model (``passes/pipeline/schedule``) and keeps the fastest.
 
 Method (Alpa's): the objective is monotone in both the sum and the max, so for each candidate
 bound ``t`` on the max (the distinct chunk times, ascending, from the smallest feasible one)

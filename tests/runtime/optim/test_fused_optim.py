@@ -1,4 +1,4 @@
-"""torch's fused optimizer kernels on DTensors run on the local pieces (``runtime/fused_optim``).
+"""torch's fused optimizer kernels on DTensors run on the local pieces (``runtime/optim/fused``).
 
 The fast path must give bit for bit what DTensor's own dispatch gives, take the local call
 only where every gradient and state is placed as its parameter, and hand every other call to
