@@ -19,9 +19,9 @@ Definitions, the same on both sides:
 
 * **bubble**: over the pipeline's ranks, idle time over ``ranks x span``, where the span runs
   from the first stage action's start to the last one's end on any rank (the schedule alone:
-  the gradient sync after it is left out). Predicted: ``passes/pipeline_schedule.simulate``'s
+  the gradient sync after it is left out). Predicted: ``passes/pipeline/schedule.simulate``'s
   ``bubble_fraction`` (its replay starts at the first forward). Measured: from the runtime's
-  per-action timings (``runtime/pipeline_events``: forward, backward, input- and weight-
+  per-action timings (``runtime/pipeline/events``: forward, backward, input- and weight-
   backward of each stage and microbatch), on the monotonic clock the processes share.
 * **textbook**: ``(p-1)/(v*m)`` is idle over *ideal* time; as a share of the step it is
   ``x/(1+x)``, the column comparable with the other two.
@@ -73,11 +73,9 @@ from _pipeline_stats import (  # noqa: E402
 
 from autopar.ir.mesh import Mesh  # noqa: E402
 
-# torch's schedule names (the planner's) -> build_pipeline's keys, and stages per rank
-SCHEDULES = {"GPipe": ("gpipe", 1), "1F1B": ("1f1b", 1),
-             "Interleaved1F1B": ("interleaved_1f1b", 2),
-             "InterleavedZeroBubble": ("interleaved_zb", 2), "LoopedBFS": ("looped_bfs", 2),
-             "ZBVZeroBubble": ("zbv", 2), "DualPipeV": ("dualpipev", 2)}
+from autopar.ir.schedules import SCHEDULES  # noqa: E402
+from autopar.ir.schedules import schedule as schedule_info  # noqa: E402
+
 PRESET = "gpt2-tiny"
 MODEL = (("n_layer", 8), ("d_model", 128))  # 8 blocks, vocabulary 256
 HEAVY = MODEL + (("vocab_size", 8192),)  # the head (and embedding) about 5 blocks' work
@@ -109,7 +107,8 @@ def pipeline_job(name: str, fields: tuple, pp: int, dp: int, schedule: str, m: i
 
     model, inputs = _model(fields)
     mesh = Mesh((pp, dp), ("pp", "dp"), "cpu")
-    key, v = SCHEDULES[schedule]
+    info = schedule_info(schedule)  # build_pipeline's key, and 2 stages per rank where any
+    key, v = info.key, info.stages_per_rank or 2
     refs = applicable_plans(model, (dp,), ("dp",), "gpt2", batch_size=BATCH // m) if dp > 1 \
         else None
     planned = plan_pipeline(model, mesh, inputs, schedule=schedule, microbatches=m, virtual=v,

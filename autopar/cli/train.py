@@ -233,14 +233,13 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
     """A mesh with a ``pp`` axis: what can be checked before any process starts (the stages
     against the model's blocks, the micro-batches against the batch, the options pipelines
     do not run), with the planner's own messages where it has them."""
-    from autopar.passes.pipeline.schedule import canonical_name
+    from autopar.ir.schedules import canonical_name, splits_backward
     from autopar.planning.pipeline import (
         microbatch_counts,
         pipeline_axis,
         stage_mesh,
     )
-    from autopar.runtime.pipeline.module import check_mesh, runtime_schedule
-    from autopar.runtime.pipeline.runner import SPLIT_BACKWARD
+    from autopar.runtime.pipeline.module import check_mesh
 
     axis = pipeline_axis(mesh)
     if axis is None:
@@ -269,7 +268,7 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
                               "of axes pp and dp")
     if args.schedule:
         schedule = canonical_name(args.schedule)  # an unknown name: one line naming them
-        if args.recompute == "selective" and runtime_schedule(schedule) in SPLIT_BACKWARD:
+        if args.recompute == "selective" and splits_backward(schedule):
             raise TrainUsageError(f"--recompute selective: schedule {schedule} runs two "
                                   "backward passes over every block (input, then weight "
                                   "gradients) and selective checkpointing keeps each saved "

@@ -55,30 +55,19 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from autopar.ir.errors import PlanError
-
-# torch.distributed.pipelining.schedules.get_schedule_class names, so the runtime can build the
-# same schedule from ``PipelineSchedule.name``
-SINGLE_STAGE = ("GPipe", "1F1B")
-LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
-_ALIASES = {"zbv": "ZBVZeroBubble", "zbvzerobubble": "ZBVZeroBubble",
-            "dualpipev": "DualPipeV", "interleaved": "Interleaved1F1B"}
+from autopar.ir.schedules import (  # noqa: F401  (the planner's names for the one table's)
+    LOOPED,
+    SCHEDULES,
+    SINGLE_STAGE,
+    V_SHAPED,
+    canonical_name,
+)
+from autopar.ir.schedules import schedule as schedule_info
+from autopar.ir.schedules import stage_rank as _stage_rank
 
 FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
 KIND = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward_input",
         BACKWARD_WEIGHT: "backward_weight"}
-
-
-def canonical_name(name: str) -> str:
-    """The schedule's torch name, whatever its case (``"zbv"`` -> ``"ZBVZeroBubble"``)."""
-    key = name.lower().replace("_", "").replace("-", "")
-    for known in SCHEDULES:
-        if key == known.lower():
-            return known
-    if key in _ALIASES:
-        return _ALIASES[key]
-    raise PlanError(f"unknown pipeline schedule {name!r}: use one of {', '.join(SCHEDULES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +96,10 @@ class PipelineSchedule:
     @property
     def splits_backward(self) -> bool:
         """Whether the schedule runs backward-for-input and -for-weights as separate actions."""
-        return self.name in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+        return schedule_info(self.name).splits_backward
 
     def stage_rank(self, stage: int) -> int:
-        if self.name in V_SHAPED:
-            return stage if stage < self.p else 2 * self.p - 1 - stage
-        return stage % self.p
+        return _stage_rank(self.name, self.p, stage)
 
     def rank_stages(self, rank: int) -> tuple[int, ...]:
         return tuple(s for s in range(self.num_stages) if self.stage_rank(s) == rank)
@@ -125,13 +112,12 @@ def _validate(name: str, p: int, v: int, m: int) -> None:
     if name in V_SHAPED and v != 2:
         raise PlanError(f"{name} needs exactly 2 stages per rank (a V), got v={v}: use v=2, or "
                         "Interleaved1F1B for another count")
-    if name == "1F1B" and m < p:
-        raise PlanError(f"1F1B needs at least as many microbatches as stages: m={m} < p={p}; "
-                        f"use m >= {p}, or GPipe")
-    if name == "DualPipeV" and m < 2 * p:
-        raise PlanError(f"DualPipeV needs at least as many microbatches as stages: m={m} < "
-                        f"2p={2 * p}; use m >= {2 * p}, or ZBVZeroBubble")
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+    info = schedule_info(name)
+    if info.fills_every_stage and m < p * v:
+        count = "p" if v == 1 else f"{v}p"
+        raise PlanError(f"{name} needs at least as many microbatches as stages: m={m} < "
+                        f"{count}={p * v}; use m >= {p * v}, or {info.fewer_microbatches}")
+    if info.rounds_of_p:
         rounds = max(1, m // p)
         if m % rounds:
             ok = [k for k in range(1, 4 * m + p) if k % max(1, k // p) == 0]
@@ -250,10 +236,8 @@ def _single_stage_order(name: str, p: int, m: int) -> tuple[tuple[Action, ...], 
 def _built(name: str, p: int, v: int, m: int):
     """torch's schedule object for ``p`` ranks, built from stand-in stages (the attributes
     the schedules' constructors read; ``submod=None`` skips their torch.compile check)."""
-    from torch.distributed.pipelining import schedules as torch_schedules
-
     n = p * v
-    cls = torch_schedules.get_schedule_class(name)
+    cls = schedule_info(name).torch_class()
     local = (0, n - 1) if name in V_SHAPED else tuple(k * p for k in range(v))
     stages = [SimpleNamespace(num_stages=n, group_size=p, group_rank=0, stage_index=s,
                               submod=None, stage_index_to_group_rank=None) for s in local]

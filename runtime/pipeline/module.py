@@ -36,35 +36,11 @@ from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import R
 from autopar.ir.plan import Plan, ScheduleOption
+from autopar.ir.schedules import canonical_name, splits_backward
+from autopar.ir.schedules import schedule as schedule_info
+from autopar.ir.schedules import stage_placement
 from autopar.runtime.pipeline import stages as ps
-from autopar.runtime.pipeline.runner import (
-    AXES,
-    SCHEDULES,
-    SPLIT_BACKWARD,
-    PipelineRunner,
-    build_pipeline,
-    stage_placement,
-)
-
-# the plan's schedule names (torch's class names less "Schedule") -> the runtime's keys
-RUNTIME_SCHEDULE = {
-    "GPipe": "gpipe",
-    "1F1B": "1f1b",
-    "Interleaved1F1B": "interleaved_1f1b",
-    "LoopedBFS": "looped_bfs",
-    "InterleavedZeroBubble": "interleaved_zb",
-    "ZBVZeroBubble": "zbv",
-    "DualPipeV": "dualpipev",
-}
-
-
-def runtime_schedule(name: str) -> str:
-    """The runtime's key (:data:`autopar.runtime.pipeline.runner.SCHEDULES`) of a plan's schedule."""
-    key = RUNTIME_SCHEDULE.get(name)
-    if key is None:
-        raise PlanError(f"the plan's pipeline schedule {name!r} has no runtime schedule: make "
-                        f"the plan with one of {', '.join(RUNTIME_SCHEDULE)}")
-    return key
+from autopar.runtime.pipeline.runner import AXES, PipelineRunner, build_pipeline
 
 
 class _WholeStep(torch.autograd.Function):
@@ -238,9 +214,8 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
         raise PlanError(f"the plan computes in {prec.name}, whose dynamic loss scaling pipeline "
                         "stages do not do yet: plan it with precision='bf16' (--precision "
                         "bf16) or 'fp32'")
-    key = runtime_schedule(pipe.schedule)
     if not runs_programs(plan):
-        if mode == "selective" and key in SPLIT_BACKWARD:
+        if mode == "selective" and splits_backward(pipe.schedule):
             raise PlanError(f"the plan recomputes selectively under {pipe.schedule}, whose "
                             "backward runs twice over every block (input, then weight "
                             "gradients) where selective checkpointing keeps each result for "
@@ -278,10 +253,10 @@ def runnable_option(plan: Plan) -> ScheduleOption | None:
     its choice runs."""
     pipe = plan.pipeline
     assert pipe is not None
-    if plan.recompute.mode != "selective" or runtime_schedule(pipe.schedule) not in SPLIT_BACKWARD:
+    if plan.recompute.mode != "selective" or not splits_backward(pipe.schedule):
         return None
     fit = [o for o in pipe.options if math.isfinite(o.step_s)
-           and runtime_schedule(o.schedule) not in SPLIT_BACKWARD]
+           and not splits_backward(o.schedule)]
     return min(fit, key=lambda o: o.step_s, default=None)
 
 
@@ -335,8 +310,8 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
     tokens, targets = inputs.split(args, kwargs or {})
     pipe = plan.pipeline
     assert pipe is not None
-    key = runtime_schedule(pipe.schedule)
-    placement = stage_placement(pipe.size, len(pipe.stages), SCHEDULES[key][1])
+    info = schedule_info(pipe.schedule)
+    placement = stage_placement(pipe.size, len(pipe.stages), info.placement)
     for st in pipe.stages:  # torch's schedules fix where each stage runs: the plan must agree
         if placement[st.index] != st.rank:
             raise PlanError(f"the plan puts stage {st.index} on pipeline rank {st.rank}, where "
@@ -364,7 +339,7 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
             options["frontend"] = "module"
     runner = build_pipeline(model, (tokens, targets), device_mesh,
                             split=[(st.first_block, st.end_block) for st in pipe.stages],
-                            schedule=key, n_microbatches=pipe.microbatches,
+                            schedule=info.key, n_microbatches=pipe.microbatches,
                             virtual=pipe.virtual, **options)
     return PipelineModule(runner, plan, inputs)
 
@@ -392,8 +367,6 @@ def _pinned_stage_plans(plan: Plan, time_limit_s: float) -> Any:
 
 def _same(key: str, value: Any) -> Any:
     if key == "schedule":
-        from autopar.passes.pipeline.schedule import canonical_name
-
         return canonical_name(value)
     return value
 

@@ -40,6 +40,8 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.precision import Precision
 from autopar.ir.precision import resolve as resolve_precision
+from autopar.ir.schedules import schedule as schedule_info
+from autopar.ir.schedules import stage_placement
 from autopar.runtime import _compat
 from autopar.runtime.pipeline import stages as ps
 from autopar.runtime.pipeline.events import StageEvent, bubble_fraction, chrome_trace, instrument
@@ -54,43 +56,7 @@ from autopar.runtime.pipeline.planned_stage import (
 if TYPE_CHECKING:
     from autopar.runtime.pipeline.stage_program import StagePlans
 
-__all__ = ["PipelineRunner", "SCHEDULES", "StageEvent", "bubble_fraction", "build_pipeline",
-           "chrome_trace", "stage_placement"]
-
-# schedule name -> (torch class name, stage placement, stages per rank it needs: None = any)
-SCHEDULES: dict[str, tuple[str, str, int | None]] = {
-    "gpipe": ("ScheduleGPipe", "loop", 1),
-    "1f1b": ("Schedule1F1B", "loop", 1),
-    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop", None),
-    "looped_bfs": ("ScheduleLoopedBFS", "loop", None),
-    "interleaved_zb": ("ScheduleInterleavedZeroBubble", "loop", None),
-    "zbv": ("ScheduleZBVZeroBubble", "v", 2),
-    "dualpipev": ("ScheduleDualPipeV", "v", 2),
-}
-
-
-def stage_placement(pp: int, n_stages: int, style: str) -> dict[int, int]:
-    """Stage index -> pp rank, as torch's schedules place them: ``loop`` puts stage ``s`` on
-    rank ``s % pp``; ``v`` runs down the ranks and back up (rank ``r`` holds stages ``r`` and
-    ``2 pp - 1 - r``). Written here, not imported from torch's private ``_utils``; a test
-    checks it against torch's."""
-    if style == "loop":
-        return {s: s % pp for s in range(n_stages)}
-    if n_stages % pp:
-        raise PlanError(f"{n_stages} stages do not fold evenly onto {pp} ranks for a V-shaped "
-                        "schedule: use a multiple of pp stages")
-    return {s: (s % pp if (s // pp) % 2 == 0 else pp - 1 - s % pp) for s in range(n_stages)}
-
-
-def _schedule_entry(name: str) -> tuple[type, str, int | None]:
-    import torch.distributed.pipelining.schedules as sched
-
-    key = name.lower().replace("-", "_")
-    entry = SCHEDULES.get(key)
-    if entry is None or not hasattr(sched, entry[0]):
-        known = [k for k, v in SCHEDULES.items() if hasattr(sched, v[0])]
-        raise PlanError(f"unknown pipeline schedule {name!r}: use one of {', '.join(known)}")
-    return getattr(sched, entry[0]), entry[1], entry[2]
+__all__ = ["PipelineRunner", "StageEvent", "bubble_fraction", "build_pipeline", "chrome_trace"]
 
 
 def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
@@ -113,9 +79,6 @@ def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
 
 
 AXES = ("pp", "dp", "tp")  # a pipeline's mesh axes: stages, data and tensor parallelism
-# schedules whose backward splits into input and weight parts through autograd's graph of the
-# stage, which a stage program's backward (one lowered program) does not expose
-SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 
 
 def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
@@ -157,10 +120,10 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     ``"module"``, which ``"auto"`` then picks). Stages that run a plan each run fp32 without
     recomputation.
     """
-    cls, style, per_rank = _schedule_entry(schedule)
-    key = schedule.lower().replace("-", "_")
+    info = schedule_info(schedule)
+    cls, style, per_rank = info.torch_class(), info.placement, info.stages_per_rank
     prec = resolve_precision(precision or "fp32", None)
-    check_modes(prec, recompute, schedule if key in SPLIT_BACKWARD else None)
+    check_modes(prec, recompute, schedule if info.splits_backward else None)
     modes = prec.mixed or recompute != "none"  # the stages run under planned_stage
     virtual = virtual if virtual is not None else (per_rank or 1)
     if per_rank is not None and virtual != per_rank:
@@ -225,7 +188,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     holders = ps.tied_names(_all_stage_names(mods, groups["pp"]), aliases)
     tied = _tied_groups(holders, placement, dmesh)
     runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
-                            (tied, aliases, holders), frontend, schedule, programs)
+                            (tied, aliases, holders), frontend, info.key, programs)
     # gradients summed across replicas in another dtype than their own, as the SPMD runtime
     # sums a plan's (runtime.lower): cast before the all-reduce, back after
     runner.reduce_dtype = prec.reduce_dtype if prec.mixed and prec.reduce != "fp32" else None

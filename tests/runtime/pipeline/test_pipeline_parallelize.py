@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.ir.errors import MeshError, PlanError
 from autopar.models import get_preset
-from autopar.runtime.pipeline.module import PipelineModule, runtime_schedule
+from autopar.ir.schedules import schedule as schedule_info
+from autopar.runtime.pipeline.module import PipelineModule
 
 WORLD = 4
 TOL = 1e-5
@@ -179,12 +180,12 @@ def test_parallelize_pipelines_equal_one_device(tmp_path) -> None:
     reports = launch(_worker, WORLD, (plan_path,), timeout_s=240)
     for rep in reports:
         g = rep["gpt2"]
-        assert g["runtime"] == runtime_schedule(g["schedule"])
+        assert g["runtime"] == schedule_info(g["schedule"]).key
         assert g["ranges"] == g["plan_ranges"]
         assert rep["tp"]["programs"] and rep["tp"]["stage_plans"] == rep["tp"]["stages"]
         # stage programs run whatever schedule the planner chose (a split backward whole
         # in its input action): the runtime's schedule is the plan's
-        assert rep["tp"]["runtime"] == runtime_schedule(rep["tp"]["schedule"])
+        assert rep["tp"]["runtime"] == schedule_info(rep["tp"]["schedule"]).key
         # autopar's stages for Hugging Face Llama, with the schedule and micro-batches asked
         assert rep["hf"] == {"frontend": "module", "runtime": "1f1b", "microbatches": 4}
         shape, _ = rep["devices"]["mesh"]
@@ -195,17 +196,6 @@ def test_parallelize_pipelines_equal_one_device(tmp_path) -> None:
 
 
 # --- no processes ---------------------------------------------------------------------------
-
-
-def test_plan_schedule_names_map_to_the_runtime() -> None:
-    """Every schedule the planner chooses has a runtime key naming the same torch class."""
-    from autopar.passes.pipeline.schedule import SCHEDULES as PLANNED
-    from autopar.runtime.pipeline.runner import SCHEDULES
-
-    for name in PLANNED:
-        assert SCHEDULES[runtime_schedule(name)][0] == f"Schedule{name}"
-    with pytest.raises(PlanError, match="'PipeDream' has no runtime schedule.*one of GPipe"):
-        runtime_schedule("PipeDream")
 
 
 @pytest.mark.parametrize("kind, extra", [("Llama", {}), ("Qwen2", {}), ("Qwen3", {}),

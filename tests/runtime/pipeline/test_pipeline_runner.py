@@ -37,7 +37,6 @@ from autopar.runtime.pipeline.runner import (
     bubble_fraction,
     build_pipeline,
     chrome_trace,
-    stage_placement,
 )
 
 WORLD = 4
@@ -318,16 +317,3 @@ def test_bubble_fraction_and_trace() -> None:
     trace = chrome_trace(events)["traceEvents"]
     assert [(e["name"], e["pid"], e["tid"], e["dur"]) for e in trace[:3]] == [
         ("F0", 1, 1, 1e6), ("B0", 1, 1, 1e6), ("sync", 1, 0, 6e6)]
-
-
-def test_stage_placement_is_torchs() -> None:
-    """Our placement must be the one torch's schedules assume (theirs is private: if torch
-    changes it, this fails before a pipeline hangs on a message to the wrong rank)."""
-    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
-
-    for pp in (1, 2, 3, 4):
-        for virtual in (1, 2, 3):
-            for style in ("loop", "v"):
-                assert stage_placement(pp, pp * virtual, style) == \
-                    generate_stage_to_rank_mapping(pp, pp * virtual, style=style)
-    assert stage_placement(2, 4, "v") == {0: 0, 1: 1, 2: 1, 3: 0}
