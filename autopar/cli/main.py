@@ -233,9 +233,11 @@ def add_memory_options(p: argparse.ArgumentParser) -> None:
 
 def add_pipeline_options(p: argparse.ArgumentParser) -> None:
     """The pipeline choices ``plan`` and ``train`` share (a mesh with a ``pp`` axis)."""
-    p.add_argument("--schedule", help="pipeline schedule: GPipe, 1F1B, Interleaved1F1B, "
-                   "InterleavedZeroBubble, LoopedBFS, ZBVZeroBubble, DualPipeV (default: the "
-                   "planner's choice)")
+    from autopar.ir.schedules import SCHEDULE_TABLE
+
+    p.add_argument("--schedule", help="pipeline schedule: "
+                   + ", ".join(f"{s.name} ({s.key})" for s in SCHEDULE_TABLE)
+                   + " (default: the planner's choice)")
     p.add_argument("--microbatches", type=int, metavar="M",
                    help="microbatches per step (default: the planner's choice)")
     p.add_argument("--virtual", type=int, metavar="V",
