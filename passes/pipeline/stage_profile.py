@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.ir.placements import R, local_shape
+from autopar.ir import stage_kind
+from autopar.ir.placements import local_shape
 from autopar.passes.cost import bucket_fill
 from autopar.passes.cost.cost_model import loss_collectives
 from autopar.passes.memory.peak import step_usage
@@ -78,15 +79,12 @@ class StageProfile:
 
 
 def runs_as_program(sp: ShardingProblem, choice: list[int]) -> bool:
-    """Whether a stage of this layout runs as a stage program (its intra-op plan lowered on
-    the stage submesh, ``runtime/pipeline/stage_program.py``) rather than as a plain module replicated
-    over ``dp``: a submesh axis other than ``dp`` of size > 1, a parameter split over an axis,
-    or ZeRO-1. The runtime's own test (``runtime.pipeline_module.runs_programs``) reads the
-    same off the plan."""
-    if any(a != "dp" and n > 1 for a, n in zip(sp.mesh.axes, sp.mesh.shape)) or sp.zero1:
-        return True
-    return any(any(p != R for p in sp.strategies[i][choice[i]].outs[0])
-               for i, n in enumerate(sp.nodes) if n.meta["autopar"].role == "param")
+    """Whether a stage of this layout runs as one lowered program rather than as a plain
+    module replicated over ``dp`` (:func:`autopar.ir.stage_kind.runs_as_program`, which the
+    runtime reads off the plan made)."""
+    specs = (sp.strategies[i][choice[i]].outs[0] for i, n in enumerate(sp.nodes)
+             if n.meta["autopar"].role == "param")
+    return stage_kind.runs_as_program(sp.mesh.axes, sp.mesh.shape, specs, sp.zero1)
 
 
 def part_of_nodes(sp: ShardingProblem) -> list[str]:

@@ -34,11 +34,11 @@ from torch import nn
 
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.mesh import Mesh
-from autopar.ir.placements import R
 from autopar.ir.plan import Plan, ScheduleOption
 from autopar.ir.schedules import canonical_name, splits_backward
 from autopar.ir.schedules import schedule as schedule_info
 from autopar.ir.schedules import stage_placement
+from autopar.ir.stage_kind import plan_runs_as_program
 from autopar.runtime.pipeline import stages as ps
 from autopar.runtime.pipeline.runner import AXES, PipelineRunner, build_pipeline
 
@@ -183,16 +183,6 @@ def check_mesh(mesh: Mesh) -> None:
                         "not one of them: name the mesh's axes from ('pp', 'dp', 'tp')")
 
 
-def runs_programs(plan: Plan) -> bool:
-    """Whether the plan's stages run as stage programs (their intra-op plan on the stage
-    submesh: :mod:`.stage_program`), not as plain modules replicated over ``dp``: where the
-    submesh has a ``tp`` axis of size > 1 or the stage layout splits a parameter (or its
-    optimizer state) over an axis."""
-    tp = any(a not in ("dp",) and n > 1 for a, n in zip(plan.mesh_axes, plan.mesh_shape))
-    split = any(p != R for spec in plan.params.values() for p in spec)
-    return tp or split or plan.param_state.zero1
-
-
 def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
     """Refuse, naming what differs and the fix, a pipeline plan whose stages the runtime would
     run otherwise than written. Plain stages (replicated over ``dp``) run fp32 or bf16 and
@@ -214,7 +204,7 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
         raise PlanError(f"the plan computes in {prec.name}, whose dynamic loss scaling pipeline "
                         "stages do not do yet: plan it with precision='bf16' (--precision "
                         "bf16) or 'fp32'")
-    if not runs_programs(plan):
+    if not plan_runs_as_program(plan):
         if mode == "selective" and splits_backward(pipe.schedule):
             raise PlanError(f"the plan recomputes selectively under {pipe.schedule}, whose "
                             "backward runs twice over every block (input, then weight "
@@ -301,10 +291,10 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
               time_limit_s: float = 30.0) -> PipelineModule:
     """``model`` as the pipeline ``plan`` describes, on ``device_mesh``: its stages' block
     ranges, schedule, stages per rank and micro-batches; each stage a plain module replicated
-    over ``dp``, or, where :func:`runs_programs`, a stage program whose parameters are placed
-    as the plan places them (its activations planned on the stage's own graph, rank 0,
-    ``time_limit_s``). Every rank builds its own stages from its copy of the model; the model
-    itself is left as it was."""
+    over ``dp``, or, where :func:`~autopar.ir.stage_kind.plan_runs_as_program`, a stage
+    program whose parameters are placed as the plan places them (its activations planned on
+    the stage's own graph, rank 0, ``time_limit_s``). Every rank builds its own stages from
+    its copy of the model; the model itself is left as it was."""
     check_runnable(plan, model)
     inputs = PipelineInputs.of(args, kwargs)
     tokens, targets = inputs.split(args, kwargs or {})
@@ -326,7 +316,7 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
             f"(with their own next-token loss), not {type(model).__name__}: run it on a mesh "
             "without a 'pp' axis")
     options: dict[str, Any] = {"frontend": "auto"}
-    if runs_programs(plan):
+    if plan_runs_as_program(plan):
         options = {"frontend": "module", "stage_plans": _pinned_stage_plans(plan, time_limit_s),
                    "plan_time_limit_s": time_limit_s}
     else:

@@ -65,3 +65,4 @@ def test_stage_placement_is_torchs() -> None:
                 assert [stage_rank(name, pp, s) for s in range(pp * virtual)] == \
                     [stage_placement(pp, pp * virtual, style)[s] for s in range(pp * virtual)]
     assert stage_placement(2, 4, "v") == {0: 0, 1: 1, 2: 1, 3: 0}
+

@@ -92,7 +92,7 @@ def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
 @pytest.mark.parametrize("axes,shape", [(("pp", "dp"), (2, 2)), (("pp", "tp"), (2, 2))])
 def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes, shape):
     from autopar.planning.pipeline import proxy_blocks, stage_mesh
-    from autopar.runtime.pipeline.module import runs_programs
+    from autopar.ir.stage_kind import plan_runs_as_program
 
     model, inputs = gpt(n_layer=4)
     mesh = Mesh(shape, axes, "cpu")
@@ -100,8 +100,8 @@ def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes,
     pipe = planned.plan.pipeline
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          stage_mesh(mesh, 0).data_parallel_size)
-    # the planner's test and the runtime's agree on the plan made
-    assert prof.splits_backward == (not runs_programs(planned.plan))
+    # the stage kind the planner priced is the one the runtime reads off the plan made
+    assert prof.splits_backward == (not plan_runs_as_program(planned.plan))
     if prof.splits_backward:
         assert pipe.weight_share > 0 and all(st.split_s > 0 for st in pipe.stages)
     else:

@@ -1,0 +1,37 @@
+"""What a pipeline stage runs as: one lowered program, or a plain module.
+
+A stage whose layout splits something runs its intra-op plan as one program lowered on the
+stage submesh (``runtime/pipeline/stage_program.py``): its backward is one piece, so a
+schedule that splits the backward runs it whole in the input action and the weight action
+has nothing left. A stage that keeps every parameter and its optimizer state whole on a
+``dp``-only submesh runs as a plain module replicated over ``dp``. The pipeline planner
+prices the one (:mod:`autopar.passes.pipeline.stage_profile`) and the runtime builds it
+(:mod:`autopar.runtime.pipeline.module`) from this one definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from autopar.ir.placements import R, Spec
+
+if TYPE_CHECKING:
+    from autopar.ir.plan import Plan
+
+
+def runs_as_program(mesh_axes: Sequence[str], mesh_shape: Sequence[int],
+                    param_specs: Iterable[Spec], zero1: bool) -> bool:
+    """Whether a stage of this layout runs as one lowered program: a submesh axis other than
+    ``dp`` of size > 1 (tensor parallelism), a parameter split over an axis, or ZeRO-1
+    (optimizer state split over ``dp``)."""
+    if zero1 or any(a != "dp" and n > 1 for a, n in zip(mesh_axes, mesh_shape)):
+        return True
+    return any(p != R for spec in param_specs for p in spec)
+
+
+def plan_runs_as_program(plan: Plan) -> bool:
+    """:func:`runs_as_program` of a pipeline plan's stages (every stage runs the layout the
+    plan's placements give on the stage submesh)."""
+    return runs_as_program(plan.mesh_axes, plan.mesh_shape, plan.params.values(),
+                           plan.param_state.zero1)
