@@ -32,6 +32,7 @@ given plan that has one, naming the node.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph, TensorMeta
+from autopar.ir.mesh import Mesh
 from autopar.ir.placements import (
     Partial,
     Replicate,
@@ -52,8 +54,8 @@ from autopar.ir.placements import (
     spec_str,
 )
 from autopar.ir.plan import Plan
-from autopar.passes.cost.buckets import GradSync
-from autopar.passes.cost.cost_model import sum_axes
+from autopar.passes.cost.buckets import GradSync, bucket_collectives, sync_groups
+from autopar.passes.cost.cost_model import axes_label, reshard_collectives, sum_axes
 from autopar.passes.cost.edge_costs import gather_unit
 from autopar.passes.memory.zero import grad_target
 from autopar.passes.problem.stage_boundary import REASON as BOUNDARY
@@ -76,7 +78,6 @@ from autopar.runtime.deferred_loss import LossValue
 from autopar.runtime.grad_sync import GradSyncSchedule
 from autopar.runtime.observe import profiling
 from autopar.runtime.param_gather import GatherGroup, group_gathers
-from autopar.runtime.plan_check import grad_sync_mode
 from autopar.runtime.redistribute import Comm, redistribute
 from autopar.runtime.step_code import Program, compile_steps
 
@@ -543,7 +544,7 @@ def _seed_node(bwd: list[fx.Node], loss: str) -> str | None:
     return None
 
 
-# --- validation -------------------------------------------------------------------------------
+# --- validation: was the plan made for this graph, and how did it price gradient syncs ---------
 
 
 def validate(pg: PlanGraph, plan: Plan) -> None:
@@ -608,3 +609,60 @@ def validate(pg: PlanGraph, plan: Plan) -> None:
 
 def _input_nodes(n: fx.Node) -> list[fx.Node]:
     return [n.args[0]] if n.target is operator.getitem else tensor_inputs(n)
+
+
+# Does the plan fit this program? Tensor sizes enter the byte counts, so re-deriving
+# :attr:`Plan.collectives` from the graph's tensors catches a plan made for other parameter or
+# activation shapes (a plan records node names and specs, not every shape). It also tells how
+# the plan priced gradient syncs: one collective per gradient, or DDP-style buckets
+# (:mod:`autopar.passes.cost.buckets`), which the runtime then issues the same way.
+
+Totals = dict[tuple[str, str, str], list]
+
+
+def grad_sync_mode(lowered: LoweredGraph) -> bool:
+    """``True`` if the plan lists gradient syncs bucketed, ``False`` if one per gradient;
+    :class:`PlanError` if its collectives fit this graph neither way."""
+    listed = {(c.kind, c.axis, c.reason): [c.count, c.bytes] for c in lowered.plan.collectives}
+    for bucketed in (False, True):
+        if _same(predicted(lowered, bucketed), listed):
+            return bucketed
+    raise PlanError(
+        "the plan's collectives do not match this model's tensors (it was made for other "
+        "parameter or activation shapes, by an older autopar that batched collectives "
+        "differently, or edited by hand); make a new plan for this model and these inputs "
+        "(parallelize(..., plan=None))")
+
+
+def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
+    """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
+    mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    merged = lowered.plan.merged_axes()  # as the plan was priced, whatever this mesh's links
+    out: Totals = {}
+
+    def add(kind: str, axis: str, reason: str, nbytes: float) -> None:
+        slot = out.setdefault((kind, axis, reason), [0, 0.0])
+        slot[0] += 1
+        slot[1] += nbytes
+
+    for meta, src, dst, reason in lowered.edges():
+        if src != dst and meta is not None:
+            for c in reshard_collectives(meta, src, dst, mesh, merged=merged):
+                add(c.kind, c.axis, reason, c.bytes)
+    for ax, nbytes in lowered.gather_collectives():
+        add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
+    for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed,
+                                   lowered.plan.first_bucket_bytes):
+        if kind is not None:
+            for ckind, axes, nbytes in bucket_collectives(group, mesh.shape, merged):
+                add(ckind, axes_label(mesh.axes, axes), "gradient sync", nbytes)
+        else:
+            for c in reshard_collectives(group[0].meta, group[0].src, group[0].dst, mesh,
+                                         merged=merged):
+                add(c.kind, c.axis, "gradient sync", c.bytes)
+    return out
+
+
+def _same(a: Totals, b: Totals) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k][0] == b[k][0] and math.isclose(a[k][1], b[k][1], rel_tol=1e-9) for k in a)

@@ -14,6 +14,7 @@ from harness.spmd import assert_same_training, fake_world, mesh_for, train_paral
 import autopar
 from autopar.capture.joint import capture
 from autopar.ir.errors import MeshError, PlanError
+from autopar.ir.options import Options
 from autopar.models import get_preset
 from autopar.planning.planner import make_plan
 
@@ -63,8 +64,8 @@ def test_one_device_needs_no_launcher() -> None:
 def test_plan_for_another_model_or_mesh(tmp_path) -> None:
     model, inputs = _mlp()
     other, other_inputs = _mlp(hidden=(24, 24, 24))
-    foreign = make_plan(other, mesh_for((2,)), other_inputs, time_limit_s=1.0).plan
-    own = make_plan(model, mesh_for((2,)), inputs, time_limit_s=1.0).plan
+    foreign = make_plan(other, mesh_for((2,)), other_inputs, options=Options.of(time_limit_s=1.0)).plan
+    own = make_plan(model, mesh_for((2,)), inputs, options=Options.of(time_limit_s=1.0)).plan
     path = tmp_path / "plan.json"
     own.save(path)
     with fake_world(2):
@@ -94,7 +95,7 @@ def test_inputs_of_another_shape_replan_keeping_param_layouts() -> None:
 
 def test_inputs_of_another_shape_with_a_given_plan() -> None:
     model, inputs = _mlp()
-    plan = make_plan(model, mesh_for((2,)), inputs, time_limit_s=1.0).plan
+    plan = make_plan(model, mesh_for((2,)), inputs, options=Options.of(time_limit_s=1.0)).plan
     with fake_world(2):
         pm = autopar.parallelize(model, mesh_for((2,)), inputs, plan=plan)
         with pytest.raises(PlanError, match=r"float32\[4, 16\].*plan=None"):
@@ -204,7 +205,8 @@ def test_gradients_reach_autograd_grad_hooks_and_chosen_inputs() -> None:
 def test_graph_and_plan_agree_on_every_node() -> None:
     model, inputs = _mlp()
     graph = capture(model, inputs)
-    plan = make_plan(model, mesh_for((2,)), inputs, time_limit_s=1.0, graph=graph).plan
+    plan = make_plan(model, mesh_for((2,)), inputs, graph=graph,
+                     options=Options.of(time_limit_s=1.0)).plan
     from autopar.runtime.lower import LoweredGraph
 
     lowered = LoweredGraph(graph, plan)
@@ -220,7 +222,8 @@ def test_plan_with_an_uneven_shard_is_refused() -> None:
     model, inputs = _mlp()
     inputs = (inputs[0][:6], inputs[1][:6])  # a batch of 6 does not split over 4
     graph = capture(model, inputs)
-    plan = make_plan(model, mesh_for((4,)), inputs, time_limit_s=1.0, graph=graph).plan
+    plan = make_plan(model, mesh_for((4,)), inputs, graph=graph,
+                     options=Options.of(time_limit_s=1.0)).plan
     x = next(n.name for n in graph.graph.nodes if n.op == "placeholder"
              and n.meta["autopar"].role == "input")
     nodes = dict(plan.nodes)
@@ -257,8 +260,7 @@ def test_bucketed_gradient_syncs_run_as_the_plan_lists_them() -> None:
     from harness.spmd import check_collectives, reference_plan
 
     from autopar.ir.plan import CollectiveUse
-    from autopar.runtime.lower import LoweredGraph
-    from autopar.runtime.plan_check import predicted
+    from autopar.runtime.lower import LoweredGraph, predicted
 
     model, inputs = _mlp()
     plan = reference_plan(model, "mlp", "data_parallel", mesh_for((2,)), inputs)
