@@ -15,17 +15,23 @@ from autopar.ir.units import fmt_time
 from autopar.solver.problem import evaluate
 
 if TYPE_CHECKING:
-    from autopar.planning.planner import Planned
+    from collections.abc import Sequence
+
+    from autopar.ir.depth import DepthProxy
+    from autopar.passes.problem.sharding_problem import ShardingProblem
 
 
-def explain_node(planned: Planned, node: str, top: int = 5) -> str:
-    sp = planned.problem
+def explain_node(sp: ShardingProblem, proxy: DepthProxy | None, assignment: Sequence[int],
+                 node_choice: list[int], node: str, top: int = 5) -> str:
+    """``node`` (or a parameter's name) in the solved problem ``sp``: the solver's
+    ``assignment`` (one strategy per variable) and its expansion ``node_choice`` (one per
+    node); ``proxy``: the depth proxy the graph was traced with, if any."""
     names = [n.name for n in sp.nodes]
     if node not in names:
         params = {n.meta["autopar"].param_name: n.name for n in sp.nodes
                   if n.meta["autopar"].param_name and n.op == "placeholder"}
-        if planned.graph.proxy is not None:  # a layer that was not traced: its stand-in
-            node = planned.graph.proxy.traced_name(node)
+        if proxy is not None:  # a layer that was not traced: its stand-in
+            node = proxy.traced_name(node)
         if node not in params:
             raise KeyError(f"no node or parameter named {node!r} in the plan's graph")
         node = params[node]
@@ -33,12 +39,12 @@ def explain_node(planned: Planned, node: str, top: int = 5) -> str:
     assert sp.var_of is not None and sp.group_of is not None and sp.problem is not None
     v = int(sp.var_of[i])
     root = int(sp.group_of[i])
-    base = np.asarray(planned.solution.assignment)
+    base = np.asarray(assignment)
     p = sp.problem
     base_cost = evaluate(p, base)[0]
     members = int(np.sum(sp.var_of == v))
     f = sp.nodes[i].meta["autopar"]
-    chosen = sp.strategies[i][planned.node_choice[i]]
+    chosen = sp.strategies[i][node_choice[i]]
     lines = [
         f"{node}{f' (parameter {f.param_name})' if f.param_name else ''}: {f.op} -> "
         f"{', '.join(repr(m) for m in f.outputs if m)}",

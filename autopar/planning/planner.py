@@ -37,6 +37,7 @@ from autopar.passes.problem import sharding_problem
 from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.parallel_map import forked_map
 from autopar.solver import Problem, Solution, evaluate, solve
@@ -66,9 +67,8 @@ class Planned:
     as_reference: Callable[[str], Planned] | None = None
 
     def explain(self, node: str, top: int = 5) -> str:
-        from autopar.planning.explain import explain_node
-
-        return explain_node(self, node, top)
+        return explain_node(self.problem, self.graph.proxy, self.solution.assignment,
+                            self.node_choice, node, top)
 
 
 def make_plan(
