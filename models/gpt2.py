@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.ir.blocks import PipelineBlocks
+
 
 @dataclass(frozen=True, slots=True)
 class GPT2Config:
@@ -134,6 +136,11 @@ class GPT2(nn.Module):
                     nn.init.zeros_(lin.bias)
         for ln in [b.ln1 for b in self.blocks] + [b.ln2 for b in self.blocks] + [self.ln_f]:
             ln.reset_parameters()
+
+    def pipeline_blocks(self) -> PipelineBlocks:
+        """Where a pipeline finds the pieces (:mod:`autopar.ir.blocks`): the embedding, tied
+        as the head, with learned positions; blocks of the hidden state alone."""
+        return PipelineBlocks("gpt2", "blocks", "wte", "ln_f", head=None, positions="wpe")
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None

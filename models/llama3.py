@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.ir.blocks import PipelineBlocks
+
 
 @dataclass(frozen=True, slots=True)
 class LlamaConfig:
@@ -207,6 +209,15 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=resid_std)
             else:
                 nn.init.normal_(p, std=std)
+
+    pipeline_family = "llama3"  # how a pipeline calls the blocks (autopar.ir.blocks)
+
+    def pipeline_blocks(self) -> PipelineBlocks:
+        """Where a pipeline finds the pieces (:mod:`autopar.ir.blocks`): blocks that read
+        the model's rotary tables; the head is the embedding's weight where tied."""
+        return PipelineBlocks(self.pipeline_family, "layers", "tok_embeddings", "norm",
+                              head=None if self.config.tie_embeddings else "output",
+                              rotary=True)
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight

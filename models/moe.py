@@ -126,6 +126,7 @@ class MoETransformer(Transformer):
     """
 
     block_cls = MoEBlock
+    pipeline_family = "moe"  # blocks return a balance loss beside the hidden state
     config: MoEConfig
 
     def forward(

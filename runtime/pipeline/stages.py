@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.ir.blocks import PipelineBlocks, pipeline_blocks
 from autopar.ir.errors import PlanError
 from autopar.runtime.pipeline.planned_stage import BlockCalls
 
@@ -49,7 +50,11 @@ Ranges = tuple[tuple[int, int], ...]
 def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The model's repeated blocks: its largest ``nn.ModuleList`` whose children share a type
     (``blocks`` in GPT-2, ``layers`` in Llama, ``transformer.h`` / ``model.layers`` in Hugging
-    Face models)."""
+    Face models); the one a model names itself where it implements the blocks protocol
+    (:mod:`autopar.ir.blocks`)."""
+    own = pipeline_blocks(model)
+    if own is not None:
+        return own.blocks, model.get_submodule(own.blocks)
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) and len({type(c) for c in mod}) == 1:
@@ -289,17 +294,15 @@ def _untie_local(mods: dict[int, nn.Module]) -> None:
 
 
 def module_family(model: nn.Module) -> str | None:
-    """``"gpt2"``, ``"llama3"`` or ``"moe"`` for autopar's own models, ``"hf"`` for the
-    Hugging Face decoders :mod:`.hf_stages` builds stages for, else ``None``."""
-    from autopar.models import GPT2, MoETransformer, Transformer
+    """The family of stage modules built for ``model``: its own (``"gpt2"``, ``"llama3"``,
+    ``"moe"``) where it implements the blocks protocol (:mod:`autopar.ir.blocks`, as
+    autopar's models do), ``"hf"`` for the Hugging Face decoders :mod:`.hf_stages` builds
+    stages for, else ``None``."""
     from autopar.runtime.pipeline.hf_stages import is_hf_decoder
 
-    if isinstance(model, MoETransformer):
-        return "moe"
-    if isinstance(model, Transformer):
-        return "llama3"
-    if isinstance(model, GPT2):
-        return "gpt2"
+    blocks = pipeline_blocks(model)
+    if blocks is not None:
+        return blocks.family
     return "hf" if is_hf_decoder(model) else None
 
 
@@ -313,66 +316,67 @@ class BlockStage(BlockCalls, nn.Module):
     summed balance loss for MoE). Blocks are called through ``call_block``, which a plan's
     recomputation wraps (:mod:`.planned_stage`)."""
 
-    def __init__(self, model: nn.Module, family: str, block_path: str, a: int, b: int,
+    def __init__(self, model: nn.Module, parts: PipelineBlocks, a: int, b: int,
                  first: bool, last: bool) -> None:
         super().__init__()
-        self.family, self.block_path, self.first, self.last = family, block_path, first, last
+        self.parts, self.family = parts, parts.family
+        self.block_path, self.first, self.last = parts.blocks, first, last
         self.cfg = model.config
-        blocks = model.get_submodule(block_path)
+        blocks = model.get_submodule(parts.blocks)
         holder = nn.ModuleDict({str(i): copy.deepcopy(blocks[i]) for i in range(a, b)})
-        self.add_module(block_path, holder)
+        self.add_module(parts.blocks, holder)
         self.order = [str(i) for i in range(a, b)]
-        embed = "wte" if family == "gpt2" else "tok_embeddings"
-        tied = family == "gpt2" or model.config.tie_embeddings
-        if first or (last and tied):
-            self.add_module(embed, copy.deepcopy(getattr(model, embed)))
-        if first and family == "gpt2":
-            self.wpe = copy.deepcopy(model.wpe)
+        if first or (last and parts.tied):
+            self.add_module(parts.embedding,
+                            copy.deepcopy(model.get_submodule(parts.embedding)))
+        if first and parts.positions is not None:
+            self.add_module(parts.positions, copy.deepcopy(model.get_submodule(parts.positions)))
         if last:
-            norm = "ln_f" if family == "gpt2" else "norm"
-            self.add_module(norm, copy.deepcopy(getattr(model, norm)))
-            if not tied:
-                self.output = copy.deepcopy(model.output)
-        if family != "gpt2":  # RoPE tables: every stage its own (not sent between stages)
+            self.add_module(parts.norm, copy.deepcopy(model.get_submodule(parts.norm)))
+            if not parts.tied:
+                self.add_module(parts.head, copy.deepcopy(model.get_submodule(parts.head)))
+        if parts.rotary:  # RoPE tables: every stage its own (not sent between stages)
             self.register_buffer("rope_cos", model.rope_cos.detach().clone(), persistent=False)
             self.register_buffer("rope_sin", model.rope_sin.detach().clone(), persistent=False)
 
     def forward(self, *args: torch.Tensor) -> Any:
+        moe = self.parts.balance_loss
         if self.first:
             (tokens,) = args
             x, aux = self._embed(tokens), None
-            if self.family == "moe":
+            if moe:
                 aux = x.new_zeros((), dtype=torch.float32)
         else:
-            x, aux = (args[0], args[1]) if self.family == "moe" else (args[0], None)
+            x, aux = (args[0], args[1]) if moe else (args[0], None)
         blocks = self.get_submodule(self.block_path)
-        if self.family == "gpt2":
+        if not self.parts.rotary:
             for i in self.order:
                 x = self.call_block(blocks[i], x)
         else:
             s = x.shape[1]
             cos, sin = self.rope_cos[:s], self.rope_sin[:s]
             for i in self.order:
-                if self.family == "moe":
+                if moe:
                     x, a = self.call_block(blocks[i], x, cos, sin)
                     aux = aux + a
                 else:
                     x = self.call_block(blocks[i], x, cos, sin)
         if self.last:
             x = self._head(x)
-        return (x, aux) if self.family == "moe" else x
+        return (x, aux) if moe else x
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.family == "gpt2":
-            x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
-            return F.dropout(x, self.cfg.dropout, self.training) if self.cfg.dropout > 0 else x
-        return self.tok_embeddings(tokens)
+        x = self.get_submodule(self.parts.embedding)(tokens)
+        if self.parts.positions is None:
+            return x
+        x = x + self.get_submodule(self.parts.positions).weight[: tokens.shape[1]]
+        dropout = getattr(self.cfg, "dropout", 0.0)
+        return F.dropout(x, dropout, self.training) if dropout > 0 else x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        if self.family == "gpt2":
-            return F.linear(self.ln_f(x), self.wte.weight)
-        w = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
-        return F.linear(self.norm(x), w)
+        head = self.parts.embedding if self.parts.tied else self.parts.head
+        return F.linear(self.get_submodule(self.parts.norm)(x),
+                        self.get_submodule(head).weight)
 
 
 def module_stages(model: nn.Module, block_path: str, ranges: Ranges,
@@ -388,6 +392,7 @@ def module_stages(model: nn.Module, block_path: str, ranges: Ranges,
             f"frontend='module' knows autopar's GPT-2, Llama-3 and MoE models and Hugging Face "
             f"Llama-style decoders, not {type(model).__name__}: use frontend='trace' (torch's "
             "splitter)")
+    parts = pipeline_blocks(model)
+    assert parts is not None  # module_family found it
     last = len(ranges) - 1
-    return {s: BlockStage(model, family, block_path, *ranges[s], s == 0, s == last)
-            for s in local}
+    return {s: BlockStage(model, parts, *ranges[s], s == 0, s == last) for s in local}
