@@ -7,7 +7,6 @@ not guaranteed to return the same optimum twice (every rank must run the same pr
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import warnings
@@ -22,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.capture.joint import capture
+from autopar.capture.skeleton import meta_skeleton
 from autopar.ir import errors
 from autopar.ir.devices import PROFILES
 from autopar.ir.errors import MeshError, PlanError
@@ -139,7 +139,7 @@ def parallelize(
     if (schedule, microbatches, virtual) != (None, None, None):
         raise PlanError("schedule=, microbatches= and virtual= choose a pipeline: give a mesh "
                         "with a 'pp' axis (e.g. pp=2,dp=2), or leave them out")
-    skeleton = _meta_skeleton(model)
+    skeleton = meta_skeleton(model)
     with _compat.outside_local_tensor_mode():
         if plan is None:
             prec = resolve_precision(precision, amesh.device, reduce_dtype)
@@ -198,7 +198,7 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
         pm.check_plan(plan, amesh, model, shapes, fixed)
     pm.check_mesh(amesh)  # before any planning: what the runtime cannot run at all
     if plan is None:
-        skeleton = _meta_skeleton(model)
+        skeleton = meta_skeleton(model)
         _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
 
         def make() -> Plan:
@@ -244,7 +244,7 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
     device = "cpu" if _device_type() == "cpu" else "h100"
 
     def make() -> Plan:
-        results = search_shapes(_meta_skeleton(model), n, args, kwargs, device,
+        results = search_shapes(meta_skeleton(model), n, args, kwargs, device,
                                 time_limit_s=min(time_limit_s, 5.0), max_layers=None,
                                 loss_fn=loss_fn, model_name=type(model).__name__, **options)
         refused = []
@@ -439,17 +439,6 @@ def _real_multi_process() -> bool:
         return False
     # a fake world (LocalTensorMode, planning tests) is one process: nothing to agree on
     return str(dist.get_backend()) != "fake"
-
-
-def _meta_skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every parameter and buffer on the meta device (no memory),
-    kept to retrace when the inputs change shape."""
-    memo: dict[int, Any] = {}
-    for t in list(model.parameters()) + list(model.buffers()):
-        m = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(
-            t, nn.Parameter) else m
-    return copy.deepcopy(model, memo)
 
 
 def _to_meta(x: Any) -> Any:

@@ -53,7 +53,7 @@ class _JointStep(torch.autograd.Function):
     """Forward nodes in ``forward``, backward nodes in ``backward``; params are the inputs."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, call: ProgramCall, *params: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         local, saved = call.run_forward()
         ctx.call = call
         ctx.saved_env = saved
@@ -64,17 +64,17 @@ class _JointStep(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple:  # type: ignore[override]
-        call: _Call = ctx.call
+        call: ProgramCall = ctx.call
         saved, ctx.saved_env = ctx.saved_env, None  # free activations as soon as we are done
         grads = call.run_backward(saved, grad_loss)
         if ctx.loss is not None:  # done by now; leave no collective unwaited
             ctx.loss.resolve()
         if call.pm._profile is not None:  # parallelize(profile=...): a profiled step ends
             call.pm._profile.backward_done(call.pm)
-        return (None, *_store_fresh_grads(ctx, call.pm._param_list, grads))
+        return (None, *store_fresh_grads(ctx, call.pm._param_list, grads))
 
 
-def _store_fresh_grads(ctx: Any, params: list[torch.Tensor], grads: list, skip: int = 0
+def store_fresh_grads(ctx: Any, params: list[torch.Tensor], grads: list, skip: int = 0
                        ) -> list:
     """Store each gradient in ``.grad`` here where autograd would only store it: the parameter
     has none yet, no hook watches it, this backward accumulates into it (not
@@ -108,7 +108,7 @@ def _engine_accumulates(node: Any) -> bool:
         return False
 
 
-class _Call:
+class ProgramCall:
     """One forward call: the program, this rank's placeholder values, where grads go."""
 
     def __init__(self, pm: ParallelModule, lowered: LoweredGraph, env: dict[str, Any]) -> None:
@@ -215,7 +215,7 @@ class ParallelModule(nn.Module):
             env = self._placeholders(lowered, leaves)
         if not torch.is_grad_enabled():
             return lowered.whole_loss(lowered.forward(env, self._comm)[0], self._comm)
-        return _JointStep.apply(_Call(self, lowered, env), *self._param_list)
+        return _JointStep.apply(ProgramCall(self, lowered, env), *self._param_list)
 
     def _placeholders(self, lowered: LoweredGraph, leaves: list[torch.Tensor],
                       pieces: bool = False) -> dict:

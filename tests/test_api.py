@@ -187,14 +187,14 @@ def test_gradients_reach_autograd_grad_hooks_and_chosen_inputs() -> None:
         assert all(p.grad is None for p in params[2:])
         pm.zero_grad(set_to_none=True)
         handed: list = []
-        store = parallel_module._store_fresh_grads
+        store = parallel_module.store_fresh_grads
 
         def spy(*args):
             handed.append(store(*args))
             return handed[-1]
 
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(parallel_module, "_store_fresh_grads", spy)
+            m.setattr(parallel_module, "store_fresh_grads", spy)
             pm(*inputs).backward()
         (returned,) = handed  # the two hooked parameters' gradients go through autograd
         assert [g is None for g in returned] == [False, False] + [True] * (len(params) - 2)

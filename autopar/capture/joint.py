@@ -59,7 +59,7 @@ def capture(
     precision = precision or Precision()
     all_names = [n for n, p in model.named_parameters() if p.requires_grad]
     with truncated(model, max_layers) as proxy, traceable_experts(model):
-        pg = _capture(model, example_inputs, example_kwargs, loss_fn, precision)
+        pg = trace_joint(model, example_inputs, example_kwargs, loss_fn, precision)
     pg.proxy = proxy
     pg.all_param_names = all_names
     pg.precision = precision
@@ -78,8 +78,11 @@ class StageMode:
     blocks: tuple[nn.Module, ...] = ()  # the stage's repeated blocks, tagged as layers
 
 
-def _capture(model, example_inputs, example_kwargs, loss_fn, precision,
-             stage: StageMode | None = None) -> PlanGraph:
+def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
+                stage: StageMode | None = None) -> PlanGraph:
+    """The joint forward+backward trace both captures share: a whole step's (:func:`capture`,
+    which adds the depth proxy and the names) or, with ``stage``, one pipeline stage's
+    (:func:`autopar.capture.stage.capture_stage`)."""
     example_kwargs = dict(example_kwargs or {})
     example_inputs = tuple(example_inputs)
     if loss_fn is not None and not example_inputs:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.capture.joint import StageMode, _capture
+from autopar.capture.joint import StageMode, trace_joint
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
@@ -66,7 +66,7 @@ def capture_stage(
                         "example_inputs=(x, targets)")
     mode = StageMode(input_grad=example_inputs[0].is_floating_point(),
                      seeded=loss_fn is None, blocks=tuple(blocks))
-    pg = _capture(stage, example_inputs, None, loss_fn, precision or Precision(), mode)
+    pg = trace_joint(stage, example_inputs, None, loss_fn, precision or Precision(), mode)
     pg.all_param_names = list(pg.param_names)
     pg.precision = precision or Precision()
     return pg

@@ -43,7 +43,7 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import local_shape, spec_str
 from autopar.ir.plan import Plan
-from autopar.runtime.parallel_module import ParallelModule, _Call, _store_fresh_grads
+from autopar.runtime.parallel_module import ParallelModule, ProgramCall, store_fresh_grads
 
 # a stage's plan: given (dict by stage index), or made by a callable from the stage's graph
 # (its boundary pinned) and submesh; None: autopar.planning.planner.make_plan
@@ -57,7 +57,7 @@ class _StageStep(torch.autograd.Function):
     received activation (or token ids) and the parameters are the inputs."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, x: torch.Tensor, *params: torch.Tensor
+    def forward(ctx: Any, call: ProgramCall, x: torch.Tensor, *params: torch.Tensor
                 ) -> torch.Tensor:  # type: ignore[override]
         out, saved = call.run_forward()
         ctx.call = call
@@ -69,11 +69,11 @@ class _StageStep(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
-        call: _Call = ctx.call
+        call: ProgramCall = ctx.call
         saved, ctx.saved_env = ctx.saved_env, None
         carry, sync = call.pm._grad_sync_turn()
         grads, dx = call.run_stage_backward(saved, grad_out.contiguous(), carry, sync)
-        return (None, dx, *_store_fresh_grads(ctx, call.pm._param_list, grads, skip=1))
+        return (None, dx, *store_fresh_grads(ctx, call.pm._param_list, grads, skip=1))
 
 
 class StageProgram(ParallelModule):
@@ -139,7 +139,7 @@ class StageProgram(ParallelModule):
         if not torch.is_grad_enabled():
             out = lowered.forward(env, self._comm)[0]
             return lowered.whole_loss(out, self._comm) if lowered.pg.has_loss else out
-        return _StageStep.apply(_Call(self, lowered, env), args[0], *self._param_list)
+        return _StageStep.apply(ProgramCall(self, lowered, env), args[0], *self._param_list)
 
 
 # --- planning ---------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
     every stage's plan. ``rows``: the global micro-batch's (every dp share's rows)."""
     from torch.distributed.pipelining import PipelineStage
 
-    from autopar.api import _meta_skeleton
+    from autopar.capture.skeleton import meta_skeleton
     from autopar.passes.memory.recompute import apply_recompute
     from autopar.runtime.pipeline import stages as ps
 
@@ -341,7 +341,7 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
         return StageInputs(((rows, *t.shape[1:]),), (str(t.dtype).removeprefix("torch."),))
 
     def make() -> tuple[list[Plan], list[StageInputs]]:
-        skeleton = _meta_skeleton(model)  # every stage, no weights: planning only
+        skeleton = meta_skeleton(model)  # every stage, no weights: planning only
         every = ps.module_stages(skeleton, block_path, ranges, range(n_stages))
         held = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
                 for s, m in every.items()}
