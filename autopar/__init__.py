@@ -7,6 +7,9 @@ torch.distributed. What a user needs is here:
 - ``parallelize(model, mesh, example_inputs=...)``: the model, planned and ready to train;
 - ``make_plan`` / ``plan_pipeline``: a plan without running anything; ``plan_table(plan)``
   prints it; ``Plan.load`` / ``plan.save`` read and write it;
+- ``Options`` (and its groups ``MemoryOptions``, ``PrecisionOptions``, ``SearchOptions``,
+  ``PipelineOptions``): what is asked of the planner, one frozen value
+  (``Options.of(memory_budget=..., recompute="full")``); ``Mode``: a planner mode;
 - ``Mesh`` (abstract: axis names, sizes, a device profile) and ``get_profile``;
 - ``init_from_env()``: the process group from torchrun's variables;
 - the errors, all ``AutoparError``: ``CaptureError``, ``PlanError``, ``MeshError``,
@@ -16,6 +19,13 @@ torch.distributed. What a user needs is here:
 from autopar.ir.devices import PROFILES, DeviceProfile, get_profile
 from autopar.ir.errors import AutoparError, CaptureError, LaunchError, MeshError, PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import (
+    MemoryOptions,
+    Options,
+    PipelineOptions,
+    PrecisionOptions,
+    SearchOptions,
+)
 from autopar.ir.placements import Partial, R, Replicate, S, Shard
 from autopar.ir.plan import Plan
 from autopar.report.table import plan_table
@@ -29,12 +39,14 @@ _LAZY = {
     "parallelize": "autopar.api",
     "make_plan": "autopar.planning.planner",
     "plan_pipeline": "autopar.planning.pipeline",
+    "Mode": "autopar.planning.modes",
     "init_from_env": "autopar.runtime.launch",
 }
 
 __all__ = [
-    "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "LaunchError", "Mesh",
-    "MeshError", "Partial", "Plan", "PlanError", "R", "Replicate", "S", "Shard", "get_profile",
+    "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "LaunchError", "MemoryOptions",
+    "Mesh", "MeshError", "Options", "Partial", "PipelineOptions", "Plan", "PlanError",
+    "PrecisionOptions", "R", "Replicate", "S", "SearchOptions", "Shard", "get_profile",
     "plan_table", *_LAZY,
 ]
 

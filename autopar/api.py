@@ -8,7 +8,6 @@ not guaranteed to return the same optimum twice (every rank must run the same pr
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,19 +26,18 @@ from autopar.ir.devices import PROFILES
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import Spec
 from autopar.ir.plan import Plan, SolverInfo
 from autopar.ir.precision import Precision
-from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.memory.recompute import apply_recompute
 from autopar.runtime import _compat
+from autopar.runtime.launch import device_type, ensure_process_group, resolve_mesh
 from autopar.runtime.parallel_module import ParallelModule
 
 if TYPE_CHECKING:
+    from autopar.planning.modes import Mode
     from autopar.runtime.pipeline.module import PipelineModule
-
-_BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda", "fake": "cpu", "threaded": "cpu"}
-
 
 def parallelize(
     model: nn.Module,
@@ -48,22 +46,41 @@ def parallelize(
     example_kwargs: dict | None = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
     plan: Plan | str | Path | None = None,
-    memory_budget: float | None = None,
-    time_limit_s: float = 30.0,
+    options: Options | None = None,
+    *,
     compile: bool = False,
-    precision: str | Precision | None = None,
-    reduce_dtype: str | None = None,
-    recompute: str = "auto",
-    zero: str | int = "auto",
-    offload: str = "auto",
     profile: str | Path | None = None,
-    schedule: str | None = None,
-    microbatches: int | None = None,
-    virtual: int | None = None,
+    **option_kwargs: Any,
 ) -> ParallelModule | PipelineModule:
     """``model`` made to train on ``mesh`` (an :class:`autopar.Mesh` or a torch DeviceMesh,
     or a number of devices: every ``pp x dp x tp`` shape of them is planned and the fastest
     that the runtime runs is taken, :mod:`autopar.planning.shapes`).
+
+    Args:
+        model: the module to train; its parameters are replaced in place by DTensors.
+        mesh: an :class:`autopar.Mesh`, a torch ``DeviceMesh``, or a number of devices.
+        example_inputs, example_kwargs: one step's inputs, as the model is called.
+        loss_fn: turns the model's output into the loss (None: the model returns it).
+        plan: a :class:`Plan` or a plan JSON path to run as given (None: plan here).
+        options: an :class:`autopar.Options` (None: every default).
+        compile: compile each rank's program with Inductor (below).
+        profile: a directory to write one profiled step's traces to (below).
+        **option_kwargs: any of :class:`autopar.Options`' flat keywords (``memory_budget``,
+            ``time_limit_s``, ``precision``, ``reduce_dtype``, ``recompute``, ``zero``,
+            ``offload``, ``schedule``, ``microbatches``, ``virtual``, ``min_gain``,
+            ``workers``, ``max_layers``), applied over ``options``; another keyword raises
+            TypeError naming the valid ones.
+
+    Returns:
+        A :class:`~autopar.runtime.parallel_module.ParallelModule`, or a
+        :class:`~autopar.runtime.pipeline.module.PipelineModule` on a mesh with a ``pp`` axis.
+
+    Example::
+
+        mesh = autopar.Mesh((2, 4), ("dp", "tp"), device="h100")
+        model = autopar.parallelize(model, mesh, example_inputs=(tokens, targets),
+                                    memory_budget=40 * 2**30, recompute="selective")
+        # the same, as a value: options=autopar.Options.of(memory_budget=..., recompute=...)
 
     ``plan=None`` solves a plan; a :class:`Plan` or a plan JSON path is used as given, after
     checking it was made for this model, these input shapes and this mesh. The model's
@@ -88,6 +105,7 @@ def parallelize(
     without; ``"none"``; ``"optimizer"``): build the optimizer with
     ``model.make_optimizer(torch.optim.AdamW, ...)`` so that it keeps that state on the host.
     A plan given runs with the precision, recomputation and parameter state it records.
+    ``time_limit_s``: the solver's limit; the other options are :class:`autopar.Options`'.
 
     ``profile``: a directory: the second training step's forward and backward (the first
     pays one-off costs) run under ``torch.profiler`` and each rank writes its trace to
@@ -109,16 +127,15 @@ def parallelize(
     the runtime cannot run as planned is refused with the fix. The model itself is left as it
     was: train the returned module's parameters.
     """
+    options = Options.of(options, **option_kwargs)
     if isinstance(mesh, int) and not isinstance(mesh, bool):
         if plan is not None:
             raise PlanError("plan= fixes the mesh it was made for: give that mesh, not a "
                             "device count")
         plan = _plan_for_devices(model, mesh, tuple(example_inputs), example_kwargs, loss_fn,
-                                 time_limit_s, dict(memory_budget=memory_budget,
-                                                    precision=precision, recompute=recompute,
-                                                    zero=zero, offload=offload))
+                                 options)
         shape, axes = plan.full_mesh
-        mesh = init_device_mesh(_device_type(), shape, mesh_dim_names=axes)
+        mesh = init_device_mesh(device_type(), shape, mesh_dim_names=axes)
     device_mesh, amesh = resolve_mesh(mesh)
     example_inputs = tuple(example_inputs)
     if plan is not None and not isinstance(plan, Plan):
@@ -129,26 +146,23 @@ def parallelize(
             raise PlanError(f"{what}= does not apply to pipelines yet (their loss is the "
                             "model's own, their stages run eagerly): leave it out, or use a "
                             "mesh without a 'pp' axis")
+        if options.precision.compute is None:  # pipelines compute in fp32 unless asked
+            options = options.replace(precision="fp32")
         piped = _pipeline(model, device_mesh, amesh, example_inputs, example_kwargs, plan,
-                          dict(memory_budget=memory_budget, time_limit_s=time_limit_s,
-                               precision=precision or "fp32", reduce_dtype=reduce_dtype,
-                               recompute=recompute, zero=zero, offload=offload),
-                          dict(schedule=schedule, microbatches=microbatches, virtual=virtual))
+                          options)
         piped.profile = profile  # the second call's step, measured beside the plan's
         return piped
-    if (schedule, microbatches, virtual) != (None, None, None):
+    if options.pipeline.fixed:
         raise PlanError("schedule=, microbatches= and virtual= choose a pipeline: give a mesh "
                         "with a 'pp' axis (e.g. pp=2,dp=2), or leave them out")
     skeleton = meta_skeleton(model)
     with _compat.outside_local_tensor_mode():
         if plan is None:
-            prec = resolve_precision(precision, amesh.device, reduce_dtype)
+            prec = options.resolved_precision(amesh.device)
             graph = capture(model, example_inputs, example_kwargs, loss_fn, precision=prec)
             _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
-            the_plan = _agree(lambda: _make_plan(model, amesh, graph, memory_budget,
-                                                 time_limit_s, recompute, zero, offload))
-            replan = _replanner(skeleton, amesh, loss_fn, memory_budget, time_limit_s, prec,
-                                plan_mode(the_plan))
+            the_plan = _agree(lambda: _make_plan(model, amesh, graph, options))
+            replan = _replanner(skeleton, amesh, loss_fn, options, prec, plan_mode(the_plan))
         else:
             the_plan = plan
             graph = capture(model, example_inputs, example_kwargs, loss_fn,
@@ -185,8 +199,7 @@ def _is_pipeline(mesh: Mesh, plan: Plan | None) -> bool:
 
 
 def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwargs: dict | None,
-              plan: Plan | None, options: dict[str, Any], fixed: dict[str, Any]
-              ) -> PipelineModule:
+              plan: Plan | None, options: Options) -> PipelineModule:
     """The pipeline branch of :func:`parallelize`: plan (rank 0, shared) or check the plan
     given, then build this rank's stages as the plan says."""
     from autopar.planning.pipeline import plan_pipeline
@@ -195,40 +208,43 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
     pm.PipelineInputs.of(args, kwargs)
     if plan is not None:
         shapes = [t.shape for t in [*args, *(kwargs or {}).values()]]
-        pm.check_plan(plan, amesh, model, shapes, fixed)
+        pm.check_plan(plan, amesh, model, shapes, _fixed(options))
     pm.check_mesh(amesh)  # before any planning: what the runtime cannot run at all
     if plan is None:
         skeleton = meta_skeleton(model)
         _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
 
         def make() -> Plan:
-            made = plan_pipeline(skeleton, amesh, args, kwargs, model_name=type(model).__name__,
-                                 **options, **fixed).plan
+            made = plan_pipeline(skeleton, amesh, args, kwargs, options=options,
+                                 model_name=type(model).__name__).plan
             runs = pm.runnable_option(made)
-            if runs is None or fixed["schedule"] is not None:
+            if runs is None or options.pipeline.schedule is not None:
                 return made  # runs as chosen, or as asked (then refused, with the fix)
             # stages that recompute selectively cannot split their backward: the fastest
             # option weighed that they run, planned with its choices fixed
-            return plan_pipeline(skeleton, amesh, args, kwargs, model_name=type(model).__name__,
-                                 **options, schedule=runs.schedule, virtual=runs.virtual,
-                                 microbatches=runs.microbatches).plan
+            return plan_pipeline(skeleton, amesh, args, kwargs,
+                                 options=options.replace(schedule=runs.schedule,
+                                                         virtual=runs.virtual,
+                                                         microbatches=runs.microbatches),
+                                 model_name=type(model).__name__).plan
 
         with _compat.outside_local_tensor_mode():
             plan = _agree(make)
-    return pm.from_plan(model, device_mesh, plan, args, kwargs, options["time_limit_s"])
+    return pm.from_plan(model, device_mesh, plan, args, kwargs, options.search.time_limit_s)
+
+
+def _fixed(options: Options) -> dict[str, Any]:
+    """The pipeline choices asked for, by their keywords (what a plan given is checked
+    against)."""
+    p = options.pipeline
+    return dict(schedule=p.schedule, microbatches=p.microbatches, virtual=p.virtual)
 
 
 # --- meshes -----------------------------------------------------------------------------------
 
 
-def _device_type() -> str:
-    backend = str(dist.get_backend())
-    return _BACKEND_DEVICE.get(backend, "cuda" if "nccl" in backend else "cpu")
-
-
 def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None,
-                      loss_fn: Callable | None, time_limit_s: float, options: dict[str, Any]
-                      ) -> Plan:
+                      loss_fn: Callable | None, options: Options) -> Plan:
     """The fastest plan over the ``pp x dp x tp`` shapes of ``n`` devices that the runtime
     runs as written (planned on rank 0, shared): a pipeline plan the runtime refuses
     (:func:`~autopar.runtime.pipeline.module.check_runnable`: stage programs in bf16 or
@@ -236,17 +252,19 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
     from autopar.planning.shapes import search_shapes
     from autopar.runtime.pipeline import module as pm
 
-    _ensure_process_group(Mesh((n,), ("dp",), "cpu"))
+    ensure_process_group(Mesh((n,), ("dp",), "cpu"))
     world = dist.get_world_size()
     if world != n:
         raise MeshError(f"{n} devices asked but the process group has {world} ranks: launch "
                         f"{n} processes (torchrun --nproc-per-node {n}) or ask for {world}")
-    device = "cpu" if _device_type() == "cpu" else "h100"
+    device = "cpu" if device_type() == "cpu" else "h100"
+    # each shape planned briefly and whole; the pipeline choices are the runtime's to check
+    each = options.replace(time_limit_s=min(options.search.time_limit_s, 5.0), max_layers=None,
+                           reduce_dtype=None, schedule=None, microbatches=None, virtual=None)
 
     def make() -> Plan:
-        results = search_shapes(meta_skeleton(model), n, args, kwargs, device,
-                                time_limit_s=min(time_limit_s, 5.0), max_layers=None,
-                                loss_fn=loss_fn, model_name=type(model).__name__, **options)
+        results = search_shapes(meta_skeleton(model), n, args, kwargs, device, each,
+                                loss_fn=loss_fn, model_name=type(model).__name__)
         refused = []
         for r in results:
             if r.plan is None:
@@ -267,24 +285,6 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
         return _agree(make)
 
 
-def resolve_mesh(mesh: Mesh | Any) -> tuple[Any, Mesh]:
-    """The torch DeviceMesh to run on and the abstract Mesh to plan for."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh, DeviceMesh):
-        return mesh, Mesh.from_device_mesh(mesh)
-    if not isinstance(mesh, Mesh):
-        raise MeshError(f"mesh must be an autopar.Mesh or a torch DeviceMesh, got {type(mesh)}")
-    _ensure_process_group(mesh)
-    world = dist.get_world_size()
-    if world != mesh.size:
-        raise MeshError(
-            f"mesh {mesh.describe()} has {mesh.size} devices but the process group has {world} "
-            f"ranks: launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or use "
-            f"a mesh of {world} devices")
-    return init_device_mesh(_device_type(), mesh.shape, mesh_dim_names=mesh.axes), mesh
-
-
 def _warn_if_priced_for_another_device(mesh: Mesh, device_type: str) -> None:
     """Planning for GPUs while the processes run on CPUs (or the other way round) prices the
     plan for the wrong speeds and gradient buckets: say so, with the fix."""
@@ -295,24 +295,6 @@ def _warn_if_priced_for_another_device(mesh: Mesh, device_type: str) -> None:
             f"the mesh plans for device {name!r} but the processes run on {device_type}: the "
             f"plan is priced for the wrong speeds and gradient buckets; pass device={fix} to "
             "autopar.Mesh (or a DeviceProfile of your own)", stacklevel=3)
-
-
-def _ensure_process_group(mesh: Mesh) -> None:
-    if dist.is_initialized():
-        return
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        from autopar.runtime.launch import init_from_env
-
-        # NCCL with one GPU per process (LOCAL_RANK's) where CUDA is there, else gloo;
-        # collectives time out after torch's default 10 minutes
-        init_from_env(collective_timeout_s=600.0)
-    elif mesh.size == 1:  # a single-device mesh needs no launcher
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        raise MeshError(
-            f"mesh {mesh.describe()} has {mesh.size} devices but no process group is running: "
-            f"launch with torchrun --nproc-per-node {mesh.size} (or call "
-            "torch.distributed.init_process_group first)")
 
 
 def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
@@ -326,58 +308,53 @@ def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
 # --- planning ---------------------------------------------------------------------------------
 
 
-def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, memory_budget: float | None,
-               time_limit_s: float, recompute: str, zero: str | int, offload: str) -> Plan:
+def _make_plan(model: nn.Module, mesh: Mesh, graph: PlanGraph, options: Options) -> Plan:
     from autopar.planning.planner import make_plan
 
-    return make_plan(model, mesh, graph=graph, memory_budget=memory_budget,
-                     time_limit_s=time_limit_s, model_name=type(model).__name__,
-                     recompute=recompute, zero=zero, offload=offload).plan
+    return make_plan(model, mesh, options=options, graph=graph,
+                     model_name=type(model).__name__).plan
 
 
-def plan_mode(plan: Plan) -> str:
-    """The planner's mode a plan was made in (:func:`autopar.planning.planner.mode_graph`): its
-    recomputation, with ``+zero3`` where it re-gathers parameters in the backward and
-    ``+offload`` where it offloads optimizer state."""
-    from autopar.planning.planner import OFFLOADED, REGATHER, WHOLE_GRADS
+def plan_mode(plan: Plan) -> Mode:
+    """The planner's mode a plan was made in (:class:`autopar.planning.modes.Mode`): its
+    recomputation, whether it re-gathers parameters in the backward, all-reduces whole
+    gradients, offloads optimizer state."""
+    from autopar.planning.modes import Mode
 
     ps = plan.param_state
-    return (plan.recompute.mode + (REGATHER if ps.regathered else "")
-            + (WHOLE_GRADS if ps.zero1 else "") + (OFFLOADED if ps.offloaded else ""))
+    return Mode(plan.recompute.mode, regather=bool(ps.regathered), whole_grads=bool(ps.zero1),
+                offload=bool(ps.offloaded))
 
 
 def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
-                  inputs: dict[int, Spec] | None = None, memory_budget: float | None = None,
-                  time_limit_s: float = 30.0, model_name: str = "",
-                  recompute: str = "none") -> Plan:
+                  inputs: dict[int, Spec] | None = None, options: Options | None = None, *,
+                  model_name: str = "", mode: Mode | str = "none") -> Plan:
     """A plan with the given parameter (and input, by position) specs pinned, the rest solved,
-    with ``recompute``'s mode applied (``graph`` as captured; the plan records what it
-    recomputes, and :func:`parallelize` applies it again to the graph it runs).
+    with ``mode``'s recomputation and re-gathering applied (a
+    :class:`~autopar.planning.modes.Mode` or its label; ``graph`` as captured; the plan
+    records what it recomputes, and :func:`parallelize` applies it again to the graph it
+    runs). Of ``options``, the memory budget and the solver's time limit apply.
 
     Used to replan for new input shapes with the parameters where they are, and to turn a
     hand-written reference layout into an executable plan."""
     from autopar.passes.problem import sharding_problem
     from autopar.planning.memory_fit import memory_limit
-    from autopar.planning.planner import (
-        OFFLOADED,
-        WHOLE_GRADS,
-        assemble_plan,
-        mode_graph,
-        recompute_record,
-        score_reference,
-    )
+    from autopar.planning.modes import Mode, mode_graph
+    from autopar.planning.planner import assemble_plan, recompute_record, score_reference
 
-    limit, source = memory_limit(memory_budget, mesh.device)
+    options = options if options is not None else Options()
+    mode = Mode.of(mode)
+    limit, source = memory_limit(options.memory.budget, mesh.device)
     captured = graph
-    graph = mode_graph(graph, recompute)
+    graph = mode_graph(graph, mode)
     names = graph.recomputed
-    offload = "auto" if OFFLOADED in recompute else "none"
+    offload = "auto" if mode.offload else "none"
     # no shared layer variables: pins may differ between layers that look alike (Megatron
     # pairs the MLP's equal-width layers 1 and 2 as row then column parallel)
     sp = sharding_problem.build(graph, mesh, limit, share_layers=False, offload=offload,
-                                zero1=WHOLE_GRADS in recompute)
+                                zero1=mode.whole_grads)
     ref = SimpleNamespace(params=params, inputs=inputs or {})
-    got = score_reference(sp, graph, ref, time_limit_s)
+    got = score_reference(sp, graph, ref, options.search.time_limit_s)
     if got is None:
         raise PlanError(
             "no plan keeps the given parameter/input layouts on this graph (a pinned spec is not "
@@ -385,17 +362,15 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
             "pin fewer layouts or let autopar plan freely (plan=None)")
     choice = got[1]  # (cost, per-node choice, ...)
     base = sp if not names else sharding_problem.build(
-        mode_graph(captured, "none" + recompute.removeprefix(recompute.split("+")[0])), mesh,
-        limit, share_layers=False, offload=offload, zero1=WHOLE_GRADS in recompute)
-    mode = recompute.split("+")[0]
-    rec = recompute_record(mode, mode, graph, sp, choice, base)
+        mode_graph(captured, mode.plain), mesh, limit, share_layers=False, offload=offload,
+        zero1=mode.whole_grads)
+    rec = recompute_record(mode.recompute, mode.recompute, graph, sp, choice, base)
     return assemble_plan(graph, sp, choice, model_name, mesh,
                          SolverInfo("pinned", 0.0, "pinned+solve"), {}, {}, limit, source, rec)
 
 
-def _replanner(skeleton: nn.Module, mesh: Mesh, loss_fn: Callable | None,
-               memory_budget: float | None, time_limit_s: float, precision: Precision,
-               recompute: str) -> Callable:
+def _replanner(skeleton: nn.Module, mesh: Mesh, loss_fn: Callable | None, options: Options,
+               precision: Precision, mode: Mode) -> Callable:
     """Replans for new input shapes keep the parameters' layouts, the precision and the
     recomputation mode."""
 
@@ -404,9 +379,8 @@ def _replanner(skeleton: nn.Module, mesh: Mesh, loss_fn: Callable | None,
             meta_args = tuple(_to_meta(a) for a in args)
             meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
             graph = capture(skeleton, meta_args, meta_kwargs, loss_fn, precision=precision)
-            plan = _agree(lambda: complete_plan(graph, mesh, param_specs,
-                                                memory_budget=memory_budget,
-                                                time_limit_s=time_limit_s, recompute=recompute))
+            plan = _agree(lambda: complete_plan(graph, mesh, param_specs, options=options,
+                                                mode=mode))
         return apply_recompute(graph, plan.recompute.nodes), plan
 
     return replan

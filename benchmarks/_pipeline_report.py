@@ -241,8 +241,8 @@ optimizer term).
 
 ### Bubble per schedule (m={c['m']})
 
-Split, schedule, m and v from `plan_pipeline(..., schedule=X, microbatches={c['m']},
-virtual=v)` on `Mesh((pp, 1), ("pp", "dp"), "cpu")`; run by `build_pipeline` with that split
+Split, schedule, m and v from `plan_pipeline(..., options=Options.of(schedule=X,
+microbatches={c['m']}, virtual=v))` on `Mesh((pp, 1), ("pp", "dp"), "cpu")`; run by `build_pipeline` with that split
 (autopar's own GPT-2 stages), pp=2 on 2 processes, pp=4 on 4. **Bubble**, both sides: idle
 time over (ranks x span), the span from the first stage action's start to the last one's end
 on any rank, the gradient sync after the schedule left out; predicted by the schedule replay

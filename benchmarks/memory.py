@@ -57,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import machine, table, update_results  # noqa: E402
 
 from autopar.ir.mesh import Mesh  # noqa: E402
+from autopar.ir.options import Options
 from autopar.runtime.launch import launch  # noqa: E402
 
 TOLERANCE = 0.10
@@ -161,8 +162,9 @@ def make_plan(c: Combo, memory_budget: float | None = None) -> str | None:
         raise SystemExit(f"{c.plan} does not apply to {c.model} on {c.mesh}")
     # complete_plan applies the recomputation itself, on the step traced in this precision
     graph = capture(model, inputs, precision=resolve(c.precision, mesh.device))
-    plan = complete_plan(graph, mesh, ref.params, ref.inputs, memory_budget=memory_budget,
-                         time_limit_s=10.0, recompute=c.recompute)
+    plan = complete_plan(graph, mesh, ref.params, ref.inputs,
+                         Options.of(memory_budget=memory_budget, time_limit_s=10.0),
+                         mode=c.recompute)
     return json.dumps(plan.to_json())
 
 
@@ -207,12 +209,13 @@ def _step(pm, opt, inputs) -> None:
 def per_node(c: Combo, plan_json: str) -> float:
     """The peak a per-node usage gives (each node's output from its op to its last reader,
     views as their base: what scoring reported before it counted the whole step's buffers
-    with ``passes.memory.step_usage``), on the graph the plan was made on."""
+    with ``passes.problem.step_memory.step_usage``), on the graph the plan was made on."""
     from autopar.capture.joint import capture
     from autopar.ir.plan import Plan
-    from autopar.passes.memory.peak import peak_memory, plan_choice
+    from autopar.passes.memory.peak import peak_memory
     from autopar.passes.memory.recompute import apply_recompute
     from autopar.passes.problem import sharding_problem
+    from autopar.passes.problem.step_memory import plan_choice
 
     _, model, inputs = build(c)
     plan = Plan.from_json(json.loads(plan_json))
@@ -284,9 +287,9 @@ def budget_sweep(mesh_text: str) -> dict:
     t0 = time.time()
     for gib in SWEEP_BUDGETS_GIB:
         try:
-            plan = make_plan(model, mesh, inputs, memory_budget=gib * GiB, graph=graph,
-                             max_layers=4, time_limit_s=SWEEP_TIME_LIMIT_S,
-                             references=refs).plan
+            plan = make_plan(model, mesh, inputs, graph=graph, references=refs,
+                             options=Options.of(memory_budget=gib * GiB, max_layers=4,
+                                                time_limit_s=SWEEP_TIME_LIMIT_S)).plan
         except PlanError as err:
             rows.append({"gib": gib, "plan": None, "error": str(err)})
             continue
@@ -350,8 +353,9 @@ def main() -> None:
         tab, notes = sweep_table(sw)
         sweep_out.append(
             f"{SWEEP_MODEL}, batch {SWEEP_BATCH}, seq {SWEEP_SEQ}, mesh {sw['mesh']} on the "
-            f"h100 profile, {sw['precision']}; `make_plan(..., memory_budget=B, "
-            f"max_layers=4, time_limit_s={SWEEP_TIME_LIMIT_S:g}, references=...)` per budget "
+            f"h100 profile, {sw['precision']}; `make_plan(..., options=Options.of("
+            f"memory_budget=B, max_layers=4, time_limit_s={SWEEP_TIME_LIMIT_S:g}), "
+            f"references=...)` per budget "
             f"({sw['s']:.0f} s for {len(sw['rows'])} budgets). Step times in ms; a reference "
             f"is shown where it fits (`mem_bytes` <= budget), `-` where it does not.\n\n"
             + tab + "\n\n" + "\n".join(f"- {n}" for n in notes))
@@ -391,7 +395,7 @@ def _sweep_body(parts: list[str]) -> str:
 
 
 _EXPLAIN = """Predicted: `plan.cost.mem_bytes`, the planner's peak bytes per device over the
-step (`passes/cost/scoring.py` with `passes/memory/peak.step_usage`: every node's output from its op to
+step (`passes/problem/scoring.py` with `passes/problem/step_memory.step_usage`: every node's output from its op to
 its last reader, and the buffers two layouts make: reshard copies, a layer's gathered
 parameters until its last reader or the views that keep them, gradient-bucket copies).
 Measured: the peak of bytes held by live tensors on each rank during one training step

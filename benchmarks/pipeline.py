@@ -6,7 +6,8 @@ Three parts, each planned here (planning needs no processes) and run on local gl
 
 a. **Bubble per schedule.** A GPT-2 of 8 blocks on pp=2 (2 processes) and pp=4 (4 processes),
    every schedule torch ships at a fixed microbatch count ``m``. ``plan_pipeline(...,
-   schedule=X, microbatches=m, virtual=v)`` chooses the split; ``build_pipeline`` runs it.
+   options=Options.of(schedule=X, microbatches=m,
+                      virtual=v))`` chooses the split; ``build_pipeline`` runs it.
 b. **Heavy head.** The same GPT-2 with a large vocabulary (its head costs several blocks): the
    planner's split against equal block counts, same schedule and ``m``, each predicted
    (``plan_pipeline`` / ``predict_split``) and measured.
@@ -72,7 +73,7 @@ from _pipeline_stats import (  # noqa: E402
 )
 
 from autopar.ir.mesh import Mesh  # noqa: E402
-
+from autopar.ir.options import Options
 from autopar.ir.schedules import SCHEDULES  # noqa: E402
 from autopar.ir.schedules import schedule as schedule_info  # noqa: E402
 
@@ -111,8 +112,9 @@ def pipeline_job(name: str, fields: tuple, pp: int, dp: int, schedule: str, m: i
     key, v = info.key, info.stages_per_rank or 2
     refs = applicable_plans(model, (dp,), ("dp",), "gpt2", batch_size=BATCH // m) if dp > 1 \
         else None
-    planned = plan_pipeline(model, mesh, inputs, schedule=schedule, microbatches=m, virtual=v,
-                            time_limit_s=TIME_LIMIT_S, references=refs)
+    planned = plan_pipeline(model, mesh, inputs, references=refs,
+                            options=Options.of(schedule=schedule, microbatches=m, virtual=v,
+                                               time_limit_s=TIME_LIMIT_S))
     pipe = planned.plan.pipeline
     split = tuple((s.first_block, s.end_block) for s in pipe.stages)
     pred = {"step_s": planned.plan.cost.step_s, "bubble": pipe.bubble, "sync_s": pipe.sync_s,
@@ -141,7 +143,8 @@ def spmd_jobs() -> list[tuple[Job, dict[str, Any]]]:
             axes = tuple(axes_text.split(","))
             mesh = Mesh(shape, axes, "cpu")
             refs = applicable_plans(model, shape, axes, "gpt2", batch_size=BATCH)
-            planned = make_plan(model, mesh, inputs, references=refs, time_limit_s=TIME_LIMIT_S)
+            planned = make_plan(model, mesh, inputs, references=refs,
+                                options=Options.of(time_limit_s=TIME_LIMIT_S))
             label = "x".join(f"{a}={n}" for a, n in zip(axes, shape))
             plans = [(f"{n} ({label})", planned.as_reference(n).plan) for n in names]
             if "kept" not in planned.plan.solver.method and axes != ("tp",):

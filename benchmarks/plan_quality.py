@@ -20,6 +20,7 @@ from _common import machine, table, update_results  # noqa: E402
 
 from autopar.capture.joint import capture  # noqa: E402
 from autopar.ir.mesh import Mesh  # noqa: E402
+from autopar.ir.options import Options
 from autopar.models import get_preset  # noqa: E402
 from autopar.models.reference_plans import REFERENCE_PLANS  # noqa: E402
 from autopar.planning.planner import make_plan  # noqa: E402
@@ -61,9 +62,9 @@ def main() -> None:
                         refs[rname] = ref
                 # no memory limit (math.inf; None would be the device's): plan quality
                 # compares layouts, including those that need more than one device holds
-                planned = make_plan(model, mesh, graph=graph, references=refs,
-                                    memory_budget=math.inf, time_limit_s=args.time_limit,
-                                    model_name=name)
+                planned = make_plan(model, mesh, graph=graph, references=refs, model_name=name,
+                                    options=Options.of(memory_budget=math.inf,
+                                                       time_limit_s=args.time_limit))
                 plan = planned.plan
                 best_name, best = min(plan.references.items(), key=lambda kv: kv[1].step_s)
                 gain = best.step_s / plan.cost.step_s

@@ -54,6 +54,7 @@ from _common import machine, table, update_results  # noqa: E402
 
 from autopar.ir.devices import get_profile  # noqa: E402
 from autopar.ir.mesh import Mesh  # noqa: E402
+from autopar.ir.options import Options
 from autopar.models import MLP, REFERENCE_PLANS, MLPConfig  # noqa: E402
 from autopar.report.table import plan_table
 from autopar.runtime.launch import launch  # noqa: E402
@@ -112,8 +113,8 @@ def make_plans(b: Bench, time_limit_s: float) -> tuple[dict[str, dict], dict[str
         refs = {ref: REFERENCE_PLANS[ref](model, mesh.shape, mesh.axes, "mlp", batch_size=b.batch)
                 for name, _, ref, ax in PAIRS if ax == axis}
         t0 = time.perf_counter()
-        planned = make_plan(model, mesh, inputs, time_limit_s=time_limit_s, references=refs,
-                            model_name="MLP")
+        planned = make_plan(model, mesh, inputs, references=refs, model_name="MLP",
+                            options=Options.of(time_limit_s=time_limit_s))
         info[f"planning {axis}"] = round(time.perf_counter() - t0, 2)
         if axis == "dp":
             plans["autopar solver"], axes["autopar solver"] = planned.plan.to_json(), axis
@@ -697,7 +698,7 @@ def notes(res: dict[str, Any], phases: dict[str, dict[str, float]],
   gradients come from the whole output gradient, with no collective, as in torch: priced as
   members of a full bucket, the solver would sum them over a sharded batch and all-reduce a
   2 KiB bucket; the planner finds that bucket nearly empty, prices it at its fill and solves
-  again (`passes/cost/bucket_fill.py`).
+  again (`passes/problem/bucket_fill.py`).
 - **FSDP** ({fsdp:.2f}x `fully_shard`'s step) issues {n("autopar FSDP")} collectives to
   fully_shard's {n("torch FSDP")}: {kinds("autopar FSDP")}. Parameter gathers go out one
   all-gather per layer, gradient reduce-scatters in buckets (on the `cpu` profile one, once

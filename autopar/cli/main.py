@@ -9,7 +9,6 @@ import argparse
 import importlib
 import inspect
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,26 +16,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autopar.cli.options import (
+    UsageError,
+    add_memory_options,
+    add_pipeline_options,
+    check_batch,
+    options_from_args,
+    parse_bytes,
+)
 from autopar.ir.errors import AutoparError
-from autopar.ir.mesh import DATA_PARALLEL_AXES, Mesh
-from autopar.report.table import plan_table
+from autopar.ir.mesh import Mesh
+from autopar.report.table import plan_table, text_table
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6,
-          "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12,
-          "tib": 2**40}
-
-
-class UsageError(AutoparError):
-    pass
-
-
-def parse_bytes(text: str) -> float:
-    if text.strip().lower() in ("none", "unlimited", "inf"):
-        return float("inf")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise UsageError(f"cannot read memory size {text!r}: write e.g. 80GiB, 40GB or 1.5e10")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+__all__ = ["UsageError", "build_parser", "load_model", "main", "parse_bytes"]
 
 
 @dataclass
@@ -95,16 +87,6 @@ def _is_hugging_face(model: nn.Module) -> bool:
     return any(type(m).__module__.startswith("transformers.") for m in model.modules())
 
 
-def check_batch(mesh: Mesh, batch: int) -> None:
-    dp = mesh.data_parallel_size
-    names = [f"{a}={n}" for a, n in zip(mesh.axes, mesh.shape) if a.lower() in DATA_PARALLEL_AXES]
-    if dp > 1 and batch % dp:
-        raise UsageError(
-            f"batch {batch} cannot be split over the data-parallel axes {'x'.join(names)} "
-            f"({dp} ways): use a batch that is a multiple of {dp}, or a smaller dp axis"
-        )
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.models.reference_plans import comparison_plans
     from autopar.planning.parallel_map import default_workers
@@ -118,7 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return plan_for_devices(args)
     mesh = Mesh.parse(args.mesh or "dp=8", args.device)
     check_batch(mesh, args.batch)
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    options = options_from_args(args, workers=default_workers())
     loaded = load_model(args.model, args.batch, args.seq)
     pp = pipeline_axis(mesh)
     if pp is None and (args.schedule or args.microbatches or args.virtual):
@@ -127,18 +109,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ref_mesh = mesh if pp is None else stage_mesh(mesh, pp)
     refs = comparison_plans(loaded.model, ref_mesh.shape, ref_mesh.axes, loaded.family,
                             batch_size=args.batch) if args.compare else {}
-    common = dict(memory_budget=budget, time_limit_s=args.time_limit, references=refs,
-                  model_name=loaded.name,
-                  max_layers=args.trace_layers if args.trace_layers > 0 else None,
-                  precision=args.precision, reduce_dtype=args.reduce_dtype,
-                  recompute=args.recompute, zero=args.zero, offload=args.offload,
-                  workers=default_workers())
-    if pp is None:
-        planned = make_plan(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common)
-    else:
-        planned = plan_pipeline(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common,
-                                schedule=args.schedule, microbatches=args.microbatches,
-                                virtual=args.virtual)
+    planner = make_plan if pp is None else plan_pipeline
+    planned = planner(loaded.model, mesh, loaded.inputs, loaded.kwargs, options=options,
+                      references=refs, model_name=loaded.name)
     return _report(planned, args)
 
 
@@ -149,32 +122,27 @@ def plan_for_devices(args: argparse.Namespace) -> int:
     from autopar.planning.parallel_map import default_workers
     from autopar.planning.pipeline import plan_pipeline
     from autopar.planning.planner import make_plan
-    from autopar.planning.shapes import search_shapes, shape_mesh
+    from autopar.planning.shapes import QUICK_S, search_shapes, shape_mesh
 
     if args.schedule or args.microbatches or args.virtual or args.compare:
         raise UsageError("--devices picks the mesh shape itself: drop --schedule, "
                          "--microbatches, --virtual and --compare, or give --mesh")
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    options = options_from_args(args, workers=1)
     loaded = load_model(args.model, args.batch, args.seq)
-    options = dict(memory_budget=budget, recompute=args.recompute, zero=args.zero,
-                   offload=args.offload)
+    # each shape with the search's short solver limit, the shapes over every core
     results = search_shapes(loaded.model, args.devices, loaded.inputs, loaded.kwargs,
-                            args.device, workers=default_workers(), model_name=loaded.name,
-                            max_layers=args.trace_layers if args.trace_layers > 0 else None,
-                            precision=args.precision, reduce_dtype=args.reduce_dtype,
-                            **options)
+                            args.device,
+                            options.replace(time_limit_s=QUICK_S, workers=default_workers()),
+                            model_name=loaded.name)
     fitting = [r for r in results if r.fits]
     print(f"mesh shapes of {args.devices} devices ({args.device}), {len(results)} planned; "
           f"{len(fitting)} fit:")
-    rows = [["pp x dp x tp", "step", "vs best", "memory", ""]]
-    for r in results[:args.top]:
-        rows.append([f"{r.shape.pp} x {r.shape.dp} x {r.shape.tp}",
-                     fmt_time(r.step_s) if r.fits else "-",
-                     f"{r.step_s / results[0].step_s:.2f}x" if r.fits else "-",
-                     fmt_bytes(r.mem_bytes) if r.fits else "-", r.note[:70]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    rows = [[f"{r.shape.pp} x {r.shape.dp} x {r.shape.tp}",
+             fmt_time(r.step_s) if r.fits else "-",
+             f"{r.step_s / results[0].step_s:.2f}x" if r.fits else "-",
+             fmt_bytes(r.mem_bytes) if r.fits else "-", r.note[:70]]
+            for r in results[:args.top]]
+    print("\n".join(text_table(["pp x dp x tp", "step", "vs best", "memory", "note"], rows)))
     if not fitting:
         raise UsageError(f"no mesh shape of {args.devices} devices fits: "
                          + (results[0].note if results else "no shape splits the batch"))
@@ -187,11 +155,9 @@ def plan_for_devices(args: argparse.Namespace) -> int:
             print(f"\nplan written to {args.json}")
         return 0
     mesh = shape_mesh(best.shape, args.device)  # planned again, whole, for its graph
-    common = dict(time_limit_s=args.time_limit, model_name=loaded.name, workers=1,
-                  max_layers=args.trace_layers if args.trace_layers > 0 else None,
-                  precision=args.precision, reduce_dtype=args.reduce_dtype, **options)
     planner = plan_pipeline if best.shape.pp > 1 else make_plan
-    return _report(planner(loaded.model, mesh, loaded.inputs, loaded.kwargs, **common), args)
+    return _report(planner(loaded.model, mesh, loaded.inputs, loaded.kwargs, options=options,
+                           model_name=loaded.name), args)
 
 
 def _report(planned, args: argparse.Namespace) -> int:
@@ -210,38 +176,6 @@ def _report(planned, args: argparse.Namespace) -> int:
         print(f"\npredicted timeline ({tl.step_s * 1e3:.3f} ms) written to {args.timeline}: "
               "open it in https://ui.perfetto.dev")
     return 0
-
-
-def add_memory_options(p: argparse.ArgumentParser) -> None:
-    """The precision and recomputation options ``plan`` and ``train`` share."""
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
-                   help="compute dtype (default: bf16 on GPU device profiles, fp32 on cpu); "
-                   "master weights and optimizer state stay fp32")
-    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"),
-                   help="dtype gradients are summed across ranks in (default fp32)")
-    p.add_argument("--recompute", default="auto", choices=("auto", "none", "selective", "full"),
-                   help="activation recomputation (default auto: only where the plan would "
-                   "not fit otherwise)")
-    p.add_argument("--zero", default="auto", choices=("auto", "1", "2", "3"),
-                   help="ZeRO stage of the parameters the plan stores split: 3 gathers them "
-                   "again in the backward, 2 keeps them gathered from the forward, 1 also "
-                   "all-reduces whole gradients (default auto: 2 or 3, the faster that fits)")
-    p.add_argument("--offload", default="auto", choices=("auto", "none", "optimizer"),
-                   help="optimizer state in host memory (default auto: only where no plan "
-                   "fits without; 'optimizer': every parameter's)")
-
-
-def add_pipeline_options(p: argparse.ArgumentParser) -> None:
-    """The pipeline choices ``plan`` and ``train`` share (a mesh with a ``pp`` axis)."""
-    from autopar.ir.schedules import SCHEDULE_TABLE
-
-    p.add_argument("--schedule", help="pipeline schedule: "
-                   + ", ".join(f"{s.name} ({s.key})" for s in SCHEDULE_TABLE)
-                   + " (default: the planner's choice)")
-    p.add_argument("--microbatches", type=int, metavar="M",
-                   help="microbatches per step (default: the planner's choice)")
-    p.add_argument("--virtual", type=int, metavar="V",
-                   help="pipeline stages per rank (default: the planner's choice)")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

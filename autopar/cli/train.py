@@ -21,9 +21,16 @@ import torch
 import torch.nn as nn
 
 from autopar.cli.corpus import VOCAB_SIZE, BatchSampler, decode
+from autopar.cli.options import (
+    add_memory_options,
+    add_pipeline_options,
+    check_batch,
+    options_from_args,
+)
 from autopar.cli.progress import Progress, format_rate, loss_report
 from autopar.ir.errors import AutoparError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.report.table import plan_table
 
 LM_FAMILIES = ("gpt2", "llama3", "moe")
@@ -51,20 +58,14 @@ class TrainConfig:
     baseline: bool
     tty: bool
     timeout_s: float | None
-    time_limit_s: float = DEFAULTS["time_limit"]
+    # parallelize's options: the solver's time limit, precision (None: the cpu profile's,
+    # fp32), recomputation, the memory budget per rank (None: the cpu profile's limit), ZeRO
+    # stage, offload, and a mesh with a pp axis: the pipeline's choices (None: planned)
+    options: Options = Options.of(time_limit_s=DEFAULTS["time_limit"])
     compile: bool = False  # parallelize(..., compile=True)
     grad_accum: int = 1  # micro-batches per optimizer step, their gradients summed
     clip: float | None = None  # clip_grad_norm_'s max_norm before each step; None: no clipping
-    precision: str | None = None  # parallelize(precision=...); None: the cpu profile's, fp32
-    reduce_dtype: str | None = None
-    recompute: str = "auto"
-    memory_budget: float | None = None  # bytes per rank; None: the cpu profile's limit
-    zero: str = "auto"  # ZeRO stage of parameters stored split (passes.zero)
-    offload: str = "auto"  # optimizer state in host memory
     profile: str | None = None  # a directory: one step's traces, measured and predicted
-    schedule: str | None = None  # a mesh with a pp axis: the pipeline's choices (None: planned)
-    microbatches: int | None = None
-    virtual: int | None = None
 
     @property
     def mesh_text(self) -> str:
@@ -121,8 +122,6 @@ def register(subparsers: Any) -> None:
                    help="profile one step (the second) with torch.profiler: each rank's trace "
                         "in DIR/trace_rank{r}.json, the plan's predicted one in "
                         "DIR/predicted.json, with the same event names (docs/timeline.md)")
-    from autopar.cli.main import add_memory_options, add_pipeline_options
-
     add_memory_options(p)
     add_pipeline_options(p)
     p.set_defaults(func=run)
@@ -165,7 +164,6 @@ def run(args: argparse.Namespace) -> int:
 
 def validate(args: argparse.Namespace) -> TrainConfig:
     """The run's config, or :class:`TrainUsageError` naming the bad option and the fix."""
-    from autopar.cli.main import check_batch, parse_bytes
     from autopar.models import get_preset
 
     preset = get_preset(args.model)  # UnknownPresetError is an AutoparError: one line
@@ -193,7 +191,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     check_batch(mesh, args.batch)
     _check_loop(mesh, args)
     _check_pipeline(mesh, args, preset)
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    options = options_from_args(args)
     if args.reduce_dtype not in (None, "fp32") and args.reduce_dtype != args.precision:
         raise TrainUsageError(
             f"--reduce-dtype {args.reduce_dtype} goes with --precision {args.reduce_dtype}: "
@@ -203,10 +201,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
               file=sys.stderr)
     return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
-                       args.timeout, args.time_limit, args.compile, args.grad_accum,
-                       args.clip, args.precision, args.reduce_dtype, args.recompute, budget,
-                       args.zero, args.offload, args.profile, args.schedule,
-                       args.microbatches, args.virtual)
+                       args.timeout, options, args.compile, args.grad_accum, args.clip,
+                       args.profile)
 
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
@@ -291,20 +287,22 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
 
 def _loop_text(cfg: TrainConfig) -> str:
     out = ""
-    if cfg.precision not in (None, "fp32"):
-        out += f", {cfg.precision} (the baseline runs fp32)"
-    if cfg.recompute != "auto":
-        out += f", recompute {cfg.recompute}"
-    if cfg.zero != "auto":
-        out += f", ZeRO-{cfg.zero}"
-    if cfg.offload != "auto":
-        out += f", offload {cfg.offload}"
+    mem, prec, pipe = cfg.options.memory, cfg.options.precision, cfg.options.pipeline
+    if prec.compute not in (None, "fp32"):
+        out += f", {prec.compute} (the baseline runs fp32)"
+    if mem.recompute != "auto":
+        out += f", recompute {mem.recompute}"
+    if mem.zero != "auto":
+        out += f", ZeRO-{mem.zero}"
+    if mem.offload != "auto":
+        out += f", offload {mem.offload}"
     if cfg.grad_accum > 1:
         out += f", {cfg.grad_accum} micro-batches of {cfg.batch // cfg.grad_accum} per step"
     if cfg.clip is not None:
         out += f", gradient norm clipped to {cfg.clip:g}"
-    asked = [f"{k} {v}" for k, v in (("schedule", cfg.schedule), ("microbatches", cfg.microbatches),
-                                     ("stages per rank", cfg.virtual)) if v is not None]
+    asked = [f"{k} {v}" for k, v in (("schedule", pipe.schedule),
+                                     ("microbatches", pipe.microbatches),
+                                     ("stages per rank", pipe.virtual)) if v is not None]
     if asked:
         out += ", pipeline " + ", ".join(asked)
     return out
@@ -343,13 +341,8 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     model = build_model(cfg)
     mesh = init_device_mesh("cpu", cfg.mesh_shape, mesh_dim_names=cfg.mesh_axes)
     example = _micro_batches(sampler.batch(0), cfg)[0]  # the shapes every call will have
-    pipeline = {k: v for k, v in (("schedule", cfg.schedule), ("microbatches", cfg.microbatches),
-                                  ("virtual", cfg.virtual)) if v is not None}
-    pm = autopar.parallelize(model, mesh, example_inputs=example,
-                             time_limit_s=cfg.time_limit_s, compile=cfg.compile,
-                             precision=cfg.precision, reduce_dtype=cfg.reduce_dtype,
-                             recompute=cfg.recompute, memory_budget=cfg.memory_budget,
-                             zero=cfg.zero, offload=cfg.offload, **pipeline)
+    pm = autopar.parallelize(model, mesh, example_inputs=example, options=cfg.options,
+                             compile=cfg.compile)
     if rank == 0:
         plan = getattr(pm, "plan", None)
         if plan is not None:

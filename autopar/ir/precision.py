@@ -64,11 +64,11 @@ def resolve(precision: str | Precision | None, device: Any, reduce_dtype: str | 
     if isinstance(precision, Precision):
         p = precision
     else:
-        p = Precision(_short(precision if precision is not None else device.default_precision))
-    return p if reduce_dtype is None else Precision(p.name, _short(reduce_dtype))
+        p = Precision(short_name(precision if precision is not None else device.default_precision))
+    return p if reduce_dtype is None else Precision(p.name, short_name(reduce_dtype))
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
     """``"bfloat16"`` -> ``"bf16"`` (torch's names taken too), lower case."""
     name = str(name).lower().removeprefix("torch.")
     return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)

@@ -13,6 +13,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from autopar.ir.devices import DeviceProfile
+from autopar.ir.options import check_budget
 from autopar.ir.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -26,13 +27,9 @@ def memory_limit(budget: float | None, device: DeviceProfile) -> tuple[float | N
     if budget is None:
         return device.memory_limit, (f"{device.name}'s {fmt_bytes(device.mem_capacity)} less "
                                      f"a {fmt_bytes(device.memory_reserve)} reserve")
-    budget = float(budget)
+    budget = check_budget(budget)
     if math.isinf(budget):
         return None, "unlimited"
-    if budget <= 0:
-        from autopar.ir.errors import PlanError
-
-        raise PlanError(f"memory budget {budget:g} bytes: give a positive size, e.g. 80GiB")
     return budget, "given"
 
 
@@ -48,18 +45,18 @@ def leanest(sp: ShardingProblem) -> tuple[float, float]:
 
 
 def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
-                   runs: dict[str, Any], time_limit_s: float) -> str:
+                   runs: dict[Any, Any], time_limit_s: float) -> str:
     """Why nothing fits: the leanest need (recomputing everything a layer makes, parameters
     gathered again in the backward, every tensor at its most sharded layout, the optimizer
     state offloaded where that was tried), and the option that helps most, sized."""
     from autopar.passes.problem import sharding_problem
-    from autopar.planning.planner import mode_graph
+    from autopar.planning.modes import Mode, mode_graph
 
     # the leanest of the modes tried that recompute everything (with the optimizer state
     # offloaded where that was tried too)
-    full = [r.sp for m, r in runs.items() if m.startswith("full")]
+    full = [r.sp for m, r in runs.items() if m.recompute == "full"]
     sp = min(full, key=lambda p: leanest(p)[0]) if full else sharding_problem.build(
-        mode_graph(pg, "full+zero3"), mesh, limit)
+        mode_graph(pg, Mode("full", regather=True)), mesh, limit)
     need, state = leanest(sp)
     acts = max(need - state, 0.0)
     lim = limit or float("inf")

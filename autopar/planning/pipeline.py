@@ -43,8 +43,9 @@ from autopar.capture.depth_proxy import longest_block_list, stage_representative
 from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.pipeline_mesh import pipeline_axis, stage_mesh
+from autopar.ir.options import Options
 from autopar.ir.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
-from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.pipeline.cost import (
     Option,
     Overheads,
@@ -71,56 +72,52 @@ __all__ = ["batch_size", "microbatch_counts", "pipeline_axis",
 MICROBATCH_CHOICES = 2  # microbatch counts planned when the user gives none (at most two)
 
 
-def pipeline_axis(mesh: Mesh) -> int | None:
-    """Index of the mesh's pipeline axis (named ``pp``), None where it has none of size > 1."""
-    i = mesh.axes.index("pp") if "pp" in mesh.axes else None
-    return i if i is not None and mesh.shape[i] > 1 else None
-
-
-def stage_mesh(mesh: Mesh, axis: int) -> Mesh:
-    """The mesh less its pipeline axis, each other axis with its own link."""
-    keep = [i for i in range(mesh.ndim) if i != axis]
-    if not keep:
-        return Mesh((1,), ("dp",), mesh.device)
-    return Mesh(tuple(mesh.shape[i] for i in keep), tuple(mesh.axes[i] for i in keep),
-                mesh.device, tuple(mesh.bandwidth[i] for i in keep),
-                tuple(mesh.latency[i] for i in keep))
-
-
 def plan_pipeline(
     model: nn.Module,
     mesh: Mesh,
     example_inputs: tuple = (),
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
-    memory_budget: float | None = None,
-    time_limit_s: float = 30.0,
-    model_name: str = "",
-    max_layers: int | None = None,
-    precision: Any = None,
-    reduce_dtype: str | None = None,
-    recompute: str = "auto",
-    zero: str | int = "auto",
-    offload: str = "auto",
-    workers: int = 1,
+    options: Options | None = None,
+    *,
     references: dict[str, Any] | None = None,
-    schedule: str | None = None,
-    microbatches: int | None = None,
-    virtual: int | None = None,
+    model_name: str = "",
     microbatch_choices: int = MICROBATCH_CHOICES,
     trace_cache: dict | None = None,
 ) -> Planned:
     """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
 
-    ``schedule`` (a torch schedule name), ``microbatches`` and ``virtual`` (stages per rank)
-    fix those choices; None leaves them to the planner, which plans up to
-    ``microbatch_choices`` microbatch counts (:func:`microbatch_counts`). ``trace_cache``: a
-    dict that keeps the traced stand-ins for later calls (a mesh-shape search plans the same
-    model many times). The other arguments are :func:`autopar.planning.planner.make_plan`'s, applied
-    to the stand-in stage; ``references`` are laid out on the stage submesh and weighed as
-    pipelines too, each with its best schedule (one is kept where it is faster). The
-    returned plan's placements are one stage's on the stage submesh; ``plan.pipeline`` holds
-    the stages and schedule."""
+    Args:
+        model: the module, with a list of repeated blocks to cut into stages.
+        mesh: a :class:`~autopar.ir.mesh.Mesh` with a ``pp`` axis of size > 1.
+        example_inputs, example_kwargs: the whole step's inputs (the batch is cut into
+            microbatches).
+        loss_fn: as :func:`autopar.planning.planner.make_plan`'s.
+        options: :class:`~autopar.ir.options.Options`; ``pipeline.schedule`` (a torch
+            schedule name), ``pipeline.microbatches`` and ``pipeline.virtual`` (stages per
+            rank) fix those choices, None leaves them to the planner. The other groups are
+            :func:`~autopar.planning.planner.make_plan`'s, applied to the stand-in stage.
+        references: laid out on the stage submesh and weighed as pipelines too, each with its
+            best schedule (one is kept where it is faster).
+        model_name: recorded in the plan.
+        microbatch_choices: how many microbatch counts are planned where none is fixed
+            (:func:`microbatch_counts`).
+        trace_cache: a dict that keeps the traced stand-ins for later calls (a mesh-shape
+            search plans the same model many times).
+
+    Returns:
+        A :class:`~autopar.planning.planner.Planned` whose plan's placements are one stage's
+        on the stage submesh; ``plan.pipeline`` holds the stages and schedule.
+
+    Example::
+
+        mesh = Mesh((2, 4), ("pp", "dp"), "h100")
+        planned = plan_pipeline(model, mesh, (tokens, targets),
+                                options=Options.of(schedule="1F1B", microbatches=8))
+        planned.plan.pipeline.stages
+    """
+    options = options if options is not None else Options()
+    fixed = options.pipeline
     t0 = time.perf_counter()
     axis = pipeline_axis(mesh)
     if axis is None:
@@ -138,19 +135,19 @@ def plan_pipeline(
                         f"pp <= {n_blocks} (and give the other devices to dp or tp)")
     batch = batch_size(example_inputs, example_kwargs)
     dp = sub.data_parallel_size
-    counts = microbatch_counts(batch, dp, p, microbatches)[:max(1, microbatch_choices)]
-    names = schedule_names(schedule)
-    limit, source = memory_limit(memory_budget, mesh.device)
-    prec = resolve_precision(precision, mesh.device, reduce_dtype)
+    counts = microbatch_counts(batch, dp, p, fixed.microbatches)[:max(1, microbatch_choices)]
+    names = schedule_names(fixed.schedule)
+    limit, source = memory_limit(options.memory.budget, mesh.device)
+    prec = options.resolved_precision(mesh.device)
 
     best: _Best | None = None
-    options: list[Option] = []  # the solver's layout's, for the table
+    weighed_all: list[Option] = []  # the solver's layout's, for the table
     ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
     failures: list[str] = []
     timings = {"trace_s": 0.0, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0,
                "pipeline_s": 0.0}
     for m in counts:
-        scheds = schedule_options(names, p, m, n_blocks, virtual)
+        scheds = schedule_options(names, p, m, n_blocks, fixed.virtual)
         if not scheds:
             failures.append(f"m={m}: no schedule of {', '.join(names)} runs {p} stages "
                             f"of {n_blocks} blocks")
@@ -158,14 +155,12 @@ def plan_pipeline(
         flight = stand_in_flight(scheds)
         t1 = time.perf_counter()
         pg = stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
-                            math.ceil(n_blocks / p), max_layers, flight, trace_cache)
+                            math.ceil(n_blocks / p), options.search.max_layers, flight,
+                            trace_cache)
         timings["trace_s"] += time.perf_counter() - t1
         try:
-            planned = make_plan(model, sub, graph=pg, memory_budget=memory_budget,
-                                time_limit_s=time_limit_s, model_name=model_name,
-                                references=references,
-                                recompute=recompute, zero=zero, offload=offload,
-                                workers=workers)
+            planned = make_plan(model, sub, options=options, graph=pg,
+                                model_name=model_name, references=references)
         except PlanError as e:
             failures.append(f"m={m}: {e}")
             continue
@@ -182,7 +177,7 @@ def plan_pipeline(
             over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
             weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
             if not name:
-                options += weighed
+                weighed_all += weighed
             fitting = [o for o in weighed if o.split is not None]
             if name:
                 # a layout that fits no split is shown split at its best with no limit
@@ -199,15 +194,15 @@ def plan_pipeline(
                     best = _Best(key, planned, name, opt, prof, over)
         timings["pipeline_s"] += time.perf_counter() - t2
     if best is None:
-        raise PlanError(_no_fit(failures, options, limit, p, n_blocks))
+        raise PlanError(_no_fit(failures, weighed_all, limit, p, n_blocks))
     planned = best.planned
     if best.reference:
         assert planned.as_reference is not None
         planned = planned.as_reference(best.reference)
         # the solver's layout's options do not describe the layout kept
-        options = [o for o in options if o.split is None] + [best.option]
+        weighed_all = [o for o in weighed_all if o.split is None] + [best.option]
     timings["total_s"] = time.perf_counter() - t0
-    pipe = _pipeline_record(mesh.axes[axis], best.option, best.profile, n_blocks, options,
+    pipe = _pipeline_record(mesh.axes[axis], best.option, best.profile, n_blocks, weighed_all,
                             best.overheads, kept=best.reference)
     plan = planned.plan
     plan = replace(plan, cost=_pipeline_cost(plan.cost, best.option), pipeline=pipe,

@@ -21,24 +21,24 @@ from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import Spec
 from autopar.ir.plan import NodePlacement, Plan, PlanCost, Recompute, SolverInfo
 from autopar.ir.precision import Precision
-from autopar.ir.precision import resolve as resolve_precision
-from autopar.passes.cost import bucket_fill
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.cost.buckets import first_bucket_bytes
-from autopar.passes.cost.edge_costs import edge_collectives
-from autopar.passes.cost.scoring import score_assignment
-from autopar.passes.memory import recompute as recompute_mode
 from autopar.passes.memory import zero as zero_mod
-from autopar.passes.memory.peak import peak_memory, step_usage
-from autopar.passes.problem import sharding_problem
+from autopar.passes.memory.peak import peak_memory
+from autopar.passes.problem import bucket_fill, sharding_problem, zero_stages
 from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
+from autopar.passes.problem.edge_costs import edge_collectives
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
+from autopar.passes.problem.scoring import score_assignment
 from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.passes.problem.step_memory import step_usage
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
+from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
 from autopar.planning.parallel_map import forked_map
 from autopar.solver import Problem, Solution, evaluate, solve
 
@@ -47,8 +47,6 @@ REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradien
 POLISH_S = 2.0
 # the local moves' budget in a reference completion's polish (they stop sooner when done)
 LOCAL_POLISH_S = 0.5
-# the solver's own plan must beat the best reference layout by this fraction to replace it
-MIN_GAIN = 0.01
 
 
 @dataclass
@@ -77,65 +75,82 @@ def make_plan(
     example_inputs: tuple = (),
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
-    memory_budget: float | None = None,
-    time_limit_s: float = 30.0,
+    options: Options | None = None,
+    *,
     references: dict[str, Any] | None = None,
     model_name: str = "",
     graph: PlanGraph | None = None,
-    max_layers: int | None = None,
-    min_gain: float = MIN_GAIN,
-    precision: str | Precision | None = None,
-    reduce_dtype: str | None = None,
-    recompute: str = "auto",
-    zero: str | int = "auto",
-    offload: str = "auto",
-    workers: int = 1,
 ) -> Planned:
-    """Plan ``model`` on ``mesh``. ``references`` maps names to ReferencePlans to score.
+    """Plan ``model`` on ``mesh``: trace the training step, solve its sharding together with
+    recomputation, the ZeRO stage and offload, and score reference layouts beside it.
 
-    ``memory_budget``: bytes per device; None holds the plan to the device's capacity less a
-    reserve (``DeviceProfile.memory_limit``), ``math.inf`` to nothing.
-    ``precision`` (``fp32``, ``bf16``, ``fp16``; None: the device profile's default) and
-    ``reduce_dtype`` (the gradients' reduction dtype): the step is traced under that policy
-    (:mod:`autopar.passes.memory.mixed_precision`); a ``graph`` given keeps the policy it was
-    traced under. ``recompute``: ``none``, ``selective``, ``full``, or ``auto`` (the default:
-    nothing is recomputed where the plan fits without it; otherwise the mode, solved with the
-    sharding, whose plan is predicted fastest within the limit; :mod:`autopar.passes.memory.recompute`).
-    ``max_layers``: trace a deeper model as a proxy of that many layers (planning time then
-    does not grow with depth; the plan's node placements cover the traced layers only).
-    ``min_gain``: the solver's own plan replaces the best reference layout (as the solver
-    completes it) only when predicted at least this fraction faster: the cost model errs by
-    more than a fraction of a percent, and the hand-written layouts are the proven ones.
+    Args:
+        model: the module to plan (its parameters may be on the meta device).
+        mesh: the :class:`~autopar.ir.mesh.Mesh` to plan for (no pipeline axis; see
+            :func:`autopar.planning.pipeline.plan_pipeline`).
+        example_inputs, example_kwargs: the step's inputs (shapes and dtypes are what count).
+        loss_fn: turns the model's output into the loss (None: the output is the loss).
+        options: what is asked (:class:`~autopar.ir.options.Options`; None: every default).
+            ``memory.budget``: bytes per device; None holds the plan to the device's capacity
+            less a reserve (``DeviceProfile.memory_limit``), ``math.inf`` to nothing.
+            ``precision``: the step is traced under that policy
+            (:mod:`autopar.passes.memory.mixed_precision`); a ``graph`` given keeps the
+            policy it was traced under. ``memory.recompute``: ``auto`` (the default: nothing
+            is recomputed where the plan fits without it; otherwise the mode, solved with the
+            sharding, whose plan is predicted fastest within the limit). ``memory.zero``: the
+            ZeRO stage of parameters the plan stores split (``auto``: stage 2 or 3, the
+            faster that fits, planned both ways where the plan does not fit at ease).
+            ``memory.offload``: ``auto`` offers the host for optimizer state only where no
+            plan fits without. ``search.max_layers``: trace a deeper model as a proxy of that
+            many layers (planning time then does not grow with depth; the plan's node
+            placements cover the traced layers only). ``search.min_gain``: the solver's own
+            plan replaces the best reference layout (as the solver completes it) only when
+            predicted at least this fraction faster: the cost model errs by more than a
+            fraction of a percent, and the hand-written layouts are the proven ones.
+            ``search.workers``: the reference layouts are completed on up to this many forked
+            processes (:mod:`autopar.planning.parallel_map`). Pipeline options do not apply.
+        references: names to ReferencePlans (their parameter and input placements), each
+            completed by the solver and scored by the same cost model.
+        model_name: recorded in the plan.
+        graph: a graph already traced (then ``model``'s inputs and the precision are not
+            used).
+
     Where the plan leaves gradient buckets nearly empty, they are priced at their real fill
-    and everything solved again (:mod:`autopar.passes.cost.bucket_fill`).
-    ``zero``: the ZeRO stage of parameters the plan stores split and gathers for use
-    (:mod:`autopar.passes.memory.zero`): ``"auto"`` (stage 2 or 3, the faster that fits: planned
-    both ways where the plan does not fit at ease), 1, 2 or 3. ``offload``: ``"auto"``
-    (optimizer state is offered to the solver for host memory only where no plan fits
-    without), ``"none"``, ``"optimizer"`` (every parameter's). ``workers``: the reference
-    layouts are completed on up to this many forked processes (:mod:`autopar.planning.parallel_map`)."""
-    recompute_mode.check_mode(recompute)
-    zero = zero_mod.check_stage(zero)
-    zero_mod.check_offload(offload)
-    limit, limit_source = memory_limit(memory_budget, mesh.device)
+    and everything solved again (:mod:`autopar.passes.problem.bucket_fill`).
+
+    Returns:
+        A :class:`Planned`: ``.plan`` (the :class:`~autopar.ir.plan.Plan`), the graph and
+        problem it was solved on, and the reference layouts as completed.
+
+    Example::
+
+        planned = make_plan(model, Mesh((8,), ("dp",), "h100"), (tokens, targets),
+                            options=Options.of(memory_budget=40 * 2**30, recompute="full"))
+        print(plan_table(planned.plan))
+    """
+    options = options if options is not None else Options()
+    mem, search = options.memory, options.search
+    time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
+    recompute, zero, offload = mem.recompute, mem.zero, mem.offload
+    limit, limit_source = memory_limit(mem.budget, mesh.device)
     t0 = time.perf_counter()
     if graph is None:
-        prec = resolve_precision(precision, mesh.device, reduce_dtype)
-        graph = capture(model, example_inputs, example_kwargs, loss_fn, max_layers=max_layers,
-                        precision=prec)
+        graph = capture(model, example_inputs, example_kwargs, loss_fn,
+                        max_layers=search.max_layers,
+                        precision=options.resolved_precision(mesh.device))
     pg = graph
     t_trace = time.perf_counter() - t0
-    refs_by_mode: dict[str, dict[str, Any]] = {}
+    refs_by_mode: dict[Mode, dict[str, Any]] = {}
     for name, ref in (references or {}).items():
-        refs_by_mode.setdefault(_reference_mode(getattr(ref, "recompute", "none")),
+        refs_by_mode.setdefault(reference_mode(getattr(ref, "recompute", "none")),
                                 {})[name] = ref
     timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
-    runs: dict[str, _ModeRun] = {}
+    runs: dict[Mode, _ModeRun] = {}
 
     seeds: list[_ModeRun] = []  # plans the recomputing modes start from
     stored = "none" if offload == "auto" else offload  # offload offered from the start?
 
-    def run(mode: str, own: bool) -> _ModeRun:
+    def run(mode: Mode, own: bool) -> _ModeRun:
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
                                 time_limit_s, min_gain, own, timings,
                                 seed=seeds[0] if seeds else None, offload=stored,
@@ -143,7 +158,7 @@ def make_plan(
                                 workers=workers)
         return runs[mode]
 
-    candidates = _candidate_modes(recompute, zero)
+    candidates = candidate_modes(recompute, zero)
     first = run(candidates[0], own=True)  # also the start of the other modes' searches
     if first.choice is not None:
         seeds.append(first)
@@ -164,11 +179,11 @@ def make_plan(
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
         for mode in candidates:
-            run(mode + OFFLOADED, own=True)
+            run(mode.offloaded(), own=True)
     for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
         if mode not in runs:
             run(mode, own=False)
-    asked = [r for m, r in runs.items() if _base(m) in candidates]
+    asked = [r for m, r in runs.items() if m.base in candidates]
     fitting = [r for r in asked if r.choice is not None and r.fits]
     if not fitting:
         raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs, time_limit_s))
@@ -184,7 +199,7 @@ def make_plan(
                    len(sp.nodes), sp.shared_layers,
                    float(evaluate(sp.problem, sol.assignment)[0])),
         timings, references_cost, limit, limit_source=limit_source,
-        recompute=recompute_record(recompute, _recompute_of(best.mode), best.pg, sp,
+        recompute=recompute_record(recompute, best.mode.recompute, best.pg, sp,
                                    best.choice, _unrecomputed(pg, mesh, best.mode, runs, stored)),
     )
     ref_runs = {name: r for r in runs.values() for name in r.refs.choices}
@@ -200,7 +215,7 @@ def make_plan(
             SolverInfo("feasible", 0.0, f"kept {name}", r.sp.problem.num_nodes,
                        len(r.sp.nodes), r.sp.shared_layers, c.step_s),
             timings, references_cost, limit, limit_source=limit_source,
-            recompute=recompute_record(recompute, _recompute_of(r.mode), r.pg, r.sp, choice,
+            recompute=recompute_record(recompute, r.mode.recompute, r.pg, r.sp, choice,
                                        _unrecomputed(pg, mesh, r.mode, runs, stored)))
         return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices)
 
@@ -219,7 +234,7 @@ class _ModeRun:
     """One recomputation mode planned: its graph, problem, the solver's plan (None when the
     mode was completed only for its reference layouts) and the references completed in it."""
 
-    mode: str
+    mode: Mode
     pg: PlanGraph
     sp: ShardingProblem
     refs: _References
@@ -231,72 +246,17 @@ class _ModeRun:
     fits: bool = False
 
 
-# a mode's suffixes: parameters gathered again in the backward (ZeRO-3), optimizer state
-# offered to the host
-REGATHER = "+zero3"
-WHOLE_GRADS = "+zero1"  # gradients of split parameters all-reduced whole (ZeRO-1)
-OFFLOADED = "+offload"
-
-
-def _candidate_modes(recompute: str, zero: str) -> list[str]:
-    """The modes the planner tries, first the one every other starts from: each recompute
-    mode asked for (``auto``: none, selective, full), with and without re-gathering where the
-    ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing), and
-    ZeRO-1 (whole gradients all-reduced) beside the first. ZeRO-1 moves the bytes ZeRO-2
-    does and holds whole gradients, so without gradient accumulation priced it does not win;
-    it is weighed, not assumed away."""
-    asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
-    out = []
-    for mode in asked:
-        if zero == "3" or (zero == "auto" and mode == "full"):
-            out.append(mode + REGATHER)
-        elif zero == "auto" and mode != "full":
-            out += [mode, mode + REGATHER] + ([mode + WHOLE_GRADS] if mode == asked[0] else [])
-        else:
-            out.append(mode + (WHOLE_GRADS if zero == "1" else ""))
-    return out
-
-
-def _base(mode: str) -> str:
-    """The mode without its offload suffix."""
-    return mode.removesuffix(OFFLOADED)
-
-
-def _recompute_of(mode: str) -> str:
-    return mode.split("+")[0]
-
-
-def _reference_mode(recompute: str) -> str:
-    """The mode a fixed policy's layout is completed in: full recomputation re-gathers (what
-    FSDP with per-block activation checkpointing does), the others keep what they gather."""
-    return recompute + REGATHER if recompute == "full" else recompute
-
-
-def _unrecomputed(pg: PlanGraph, mesh: Mesh, mode: str, runs: dict[str, _ModeRun],
+def _unrecomputed(pg: PlanGraph, mesh: Mesh, mode: Mode, runs: dict[Mode, _ModeRun],
                   offload: str) -> ShardingProblem:
     """The problem of the same graph without recomputation (re-gathering and offload as in
     ``mode``): what a recomputing plan's price is measured against."""
-    plain = "none" + mode.removeprefix(_recompute_of(mode))
-    if plain in runs:
-        return runs[plain].sp
-    return sharding_problem.build(mode_graph(pg, plain), mesh, offload=offload,
-                                  zero1=WHOLE_GRADS in mode)
+    if mode.plain in runs:
+        return runs[mode.plain].sp
+    return sharding_problem.build(mode_graph(pg, mode.plain), mesh, offload=offload,
+                                  zero1=mode.whole_grads)
 
 
-def mode_graph(pg: PlanGraph, mode: str) -> PlanGraph:
-    """``pg`` with a mode's recomputation and re-gathering applied (the nodes it copies into
-    the backward). Without re-gathering, a parameter's views are not recomputed even where
-    the mode recomputes the rest of the layer: the stage is ZeRO-2, the gathered copy kept."""
-    names = recompute_mode.recompute_nodes(pg, _recompute_of(mode))
-    chain = set(zero_mod.regather_nodes(pg))
-    if REGATHER in mode:
-        names = [n.name for n in pg.graph.nodes if n.name in chain or n.name in set(names)]
-    else:
-        names = [n for n in names if n not in chain]
-    return recompute_mode.apply_recompute(pg, names)
-
-
-def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
+def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
                timings: dict[str, float], seed: _ModeRun | None = None,
                offload: str = "none", prices_of: ShardingProblem | None = None,
@@ -308,7 +268,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: str, limit: float | None,
     (:func:`autopar.passes.problem.sharding_problem.build`)."""
     mpg = mode_graph(pg, mode)
     t1 = time.perf_counter()
-    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=WHOLE_GRADS in mode,
+    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=mode.whole_grads,
                                 prices_of=prices_of)
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
@@ -715,23 +675,25 @@ def assemble_plan(
                           for axes in cm.merged_sums(mesh)),
         precision=pg.precision or Precision(), memory_limit_source=limit_source,
         recompute=recompute or Recompute(),
-        param_state=zero_mod.param_state(pg, sp, choice),
+        param_state=zero_stages.param_state(pg, sp, choice),
     )
 
 
-def with_recompute(graph: PlanGraph, plan: Plan, mode: str, mesh: Mesh) -> Plan:
+def with_recompute(graph: PlanGraph, plan: Plan, mode: Mode | str, mesh: Mesh) -> Plan:
     """``plan`` (made without recomputation, on ``graph`` as captured) with ``mode``'s
     recomputation: every original node placed as in ``plan``, every copy as its original, the
     collectives and costs scored again. The same layout, recomputing: what the property tests
     compare bit for bit, and a way to ask what a mode costs a given plan. ``mode``: a
-    recompute mode, with ``+zero3`` to re-gather parameters in the backward too, ``+zero1``
-    to all-reduce the gradients of split parameters whole."""
+    :class:`~autopar.planning.modes.Mode` or its label (a recompute mode, with ``+zero3`` to
+    re-gather parameters in the backward too, ``+zero1`` to all-reduce the gradients of split
+    parameters whole)."""
     if plan.recompute.nodes:
         raise PlanError("with_recompute takes a plan that recomputes nothing")
+    mode = Mode.of(mode)
     mpg = mode_graph(graph, mode)
     offload = "auto" if plan.param_state.offloaded else "none"
     sp = sharding_problem.build(mpg, mesh, plan.memory_budget, share_layers=False,
-                                offload=offload, zero1=WHOLE_GRADS in mode)
+                                offload=offload, zero1=mode.whole_grads)
     choice = []
     for i, n in enumerate(sp.nodes):
         place = plan.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
@@ -743,8 +705,8 @@ def with_recompute(graph: PlanGraph, plan: Plan, mode: str, mesh: Mesh) -> Plan:
                             "was the plan made for this graph?")
         choice.append(ks[0])
     base = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False,
-                                  offload=offload, zero1=WHOLE_GRADS in mode)
-    rec = recompute_record(mode, _recompute_of(mode), mpg, sp, choice, base)
+                                  offload=offload, zero1=mode.whole_grads)
+    rec = recompute_record(mode.label, mode.recompute, mpg, sp, choice, base)
     return assemble_plan(mpg, sp, choice, plan.model, mesh, plan.solver, dict(plan.timings),
                          dict(plan.references), plan.memory_budget, plan.memory_limit_source,
                          rec)

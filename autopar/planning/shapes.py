@@ -32,14 +32,16 @@ from autopar.capture.depth_proxy import longest_block_list
 from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.plan import Plan
-from autopar.ir.precision import resolve as resolve_precision
 from autopar.planning.mesh_shapes import MeshShape, mesh_shapes
 from autopar.planning.parallel_map import forked_map
 from autopar.planning.pipeline import batch_size, microbatch_counts, plan_pipeline, stand_in_graph
 from autopar.planning.planner import make_plan
 
 QUICK_S = 1.0  # the solver's limit per shape during the search
+# what a search plans each shape with where no options are given
+SEARCH_OPTIONS = Options.of(time_limit_s=QUICK_S, max_layers=4)
 
 
 @dataclass(frozen=True)
@@ -94,23 +96,23 @@ def search_shapes(
     example_inputs: tuple = (),
     example_kwargs: dict | None = None,
     device: Any = "h100",
+    options: Options | None = None,
     *,
-    time_limit_s: float = QUICK_S,
-    workers: int = 1,
     devices_per_node: int | None = None,
-    max_layers: int | None = 4,
-    precision: Any = None,
-    reduce_dtype: str | None = None,
     loss_fn: Callable | None = None,
     model_name: str = "",
-    **options: Any,
 ) -> list[ShapeResult]:
     """Every candidate shape planned, fastest first (those with no plan last, with why).
-    ``options`` go to the planner as they are (``memory_budget``, ``recompute``, ...)."""
+    ``options`` go to the planners as they are; None: :data:`SEARCH_OPTIONS` (a short solver
+    limit, 4 traced layers). ``search.workers`` is the processes the shapes fan out to (each
+    shape's own planning then runs on one)."""
+    options = options if options is not None else SEARCH_OPTIONS
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
     cache: dict = {}
-    prec = resolve_precision(precision, Mesh((1,), ("dp",), device).device, reduce_dtype)
+    prec = options.resolved_precision(Mesh((1,), ("dp",), device).device)
+    max_layers = options.search.max_layers
+    each = options.replace(workers=1)
     found = longest_block_list(model)
     n_blocks = len(found[1]) if found is not None else 1
     # every trace made here, before the fan-out: the children share them
@@ -127,19 +129,18 @@ def search_shapes(
         mesh = shape_mesh(s, device)
         try:
             if s.pp == 1:
-                planned = make_plan(model, mesh, graph=cache["whole"], time_limit_s=time_limit_s,
-                                    model_name=model_name, **options)
+                planned = make_plan(model, mesh, options=each, graph=cache["whole"],
+                                    model_name=model_name)
             else:
                 planned = plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
-                                        time_limit_s=time_limit_s, model_name=model_name,
-                                        max_layers=max_layers, precision=prec,
-                                        microbatch_choices=1, trace_cache=cache, **options)
+                                        each.replace(precision=prec), model_name=model_name,
+                                        microbatch_choices=1, trace_cache=cache)
         except PlanError as e:
             return ShapeResult(s, math.inf, math.inf, None, str(e).split(";")[0])
         c = planned.plan.cost
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
-    results = forked_map(plan_one, shapes, workers)
+    results = forked_map(plan_one, shapes, options.search.workers)
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))
 

@@ -37,22 +37,15 @@ import torch.fx as fx
 
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import NodeFacts, PlanGraph
+from autopar.ir.options import check_recompute
 from autopar.passes.strategies.registry import mutated_inputs
 
-MODES = ("auto", "none", "selective", "full")
-FIXED_MODES = ("none", "selective", "full")
 SUFFIX = "_rc"  # a recomputed copy's name: the original's plus this
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise PlanError(f"unknown recompute mode {mode!r}: use one of {', '.join(MODES)}")
-    return mode
 
 
 def recompute_nodes(pg: PlanGraph, mode: str) -> list[str]:
     """The forward nodes ``mode`` recomputes, in graph order (the tagging half)."""
-    check_mode(mode)
+    check_recompute(mode)
     if mode in ("none", "auto"):
         return []
     out = []

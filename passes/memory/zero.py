@@ -38,8 +38,6 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from autopar.ir.errors import PlanError
-from autopar.ir.param_state import ParamState
 from autopar.ir.placements import Partial, Replicate, Shard
 from autopar.passes.cost.cost_model import ADAM_STATE_BYTES_PER_PARAM, VIEW_OPS, num_shards
 from autopar.passes.memory.recompute import needed_in_backward
@@ -48,30 +46,11 @@ if TYPE_CHECKING:
     from autopar.ir.graph import PlanGraph, TensorMeta
     from autopar.ir.mesh import Mesh
     from autopar.ir.placements import Spec
-    from autopar.passes.problem.sharding_problem import ShardingProblem
 
 OFFLOAD = "offload"  # the impl tag of a parameter strategy whose optimizer state is on the host
 # bytes the host's optimizer step reads and writes per element: Adam reads the fp32 parameter,
 # gradient and two moments and writes back the parameter and the moments
 HOST_STEP_BYTES_PER_ELEM = 28.0
-
-
-STAGES = ("auto", "1", "2", "3")
-OFFLOAD_MODES = ("auto", "none", "optimizer")
-
-
-def check_stage(stage: str | int) -> str:
-    text = str(stage)
-    if text not in STAGES:
-        raise PlanError(f"unknown ZeRO stage {stage!r}: use auto, 1, 2 or 3 (stage 0, data "
-                        "parallel, is a placement: the solver picks it where it is best)")
-    return text
-
-
-def check_offload(mode: str) -> str:
-    if mode not in OFFLOAD_MODES:
-        raise PlanError(f"unknown offload mode {mode!r}: use one of {', '.join(OFFLOAD_MODES)}")
-    return mode
 
 
 def regather_nodes(pg: PlanGraph) -> list[str]:
@@ -121,68 +100,7 @@ def offload_saving(meta: TensorMeta, spec: Spec, mesh: Mesh) -> float:
     return meta.numel * ADAM_STATE_BYTES_PER_PARAM / num_shards(spec, mesh.shape)
 
 
-def param_state(pg: PlanGraph, sp: ShardingProblem, choice: list[int]) -> ParamState:
-    """Each parameter's ZeRO stage in the plan ``choice`` on ``sp`` (the graph as planned,
-    re-gathering applied or not), and its offload. Untraced layers of a depth proxy take the
-    stage of the layer they stand for."""
-    mesh = sp.mesh
-    stages: dict[str, int] = {}
-    axes: dict[str, tuple[str, ...]] = {}
-    offloaded: list[str] = []
-    offload_s = offload_bytes = 0.0
-    w = sp.weight
-    # per parameter placeholder: the axes its readers gather it over, in the forward and in
-    # the backward (a backward op reading it afresh, or a re-gathering copy)
-    gathers: dict[fx.Node, tuple[set[int], set[int]]] = {}
-    for e in sp.edges:
-        if e.in_idx < 0:
-            continue
-        root = _param_root(sp.nodes[e.src])
-        if root is None:
-            continue
-        have = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
-        want = sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx]
-        moved = {ax for ax, (a, b) in enumerate(zip(have, want))
-                 if isinstance(a, Shard) and a != b}
-        if moved:
-            fwd, bwd = gathers.setdefault(root, (set(), set()))
-            (bwd if sp.nodes[e.dst].meta["autopar"].phase == "bwd" else fwd).update(moved)
-    for i, n in enumerate(sp.nodes):
-        f = n.meta["autopar"]
-        if f.role != "param":
-            continue
-        s = sp.strategies[i][choice[i]]
-        spec = s.outs[0]
-        if OFFLOAD in s.impls:
-            offloaded.append(f.param_name)
-            k = float(w[i]) if w is not None else 1.0
-            offload_s += offload_time(f.out, spec, mesh) * k
-            offload_bytes += offload_saving(f.out, spec, mesh) * k
-        fwd, bwd = gathers.get(n, (set(), set()))
-        repeated = {ax for ax, p in enumerate(spec)
-                    if isinstance(p, Replicate) and mesh.shape[ax] > 1}
-        if fwd or bwd:
-            stage = 3 if bwd else (1 if sp.zero1 else 2)
-            on = fwd | bwd
-        elif repeated:
-            stage, on = 0, repeated
-        else:
-            continue  # split on every axis and read split: tensor parallel, no ZeRO stage
-        stages[f.param_name] = stage
-        axes[f.param_name] = tuple(mesh.axes[ax] for ax in sorted(on))
-    if pg.proxy is not None:
-        stages = {p: stages[pg.proxy.traced_name(p)] for p in pg.all_param_names
-                  if pg.proxy.traced_name(p) in stages}
-        axes = {p: axes[pg.proxy.traced_name(p)] for p in stages}
-        traced = set(offloaded)
-        offloaded = [p for p in pg.all_param_names if pg.proxy.traced_name(p) in traced]
-    regathered = any("recomputes" in n.meta["autopar"].extra and is_param_view(n)
-                     for n in sp.nodes)
-    return ParamState(stages, axes, tuple(offloaded), offload_s, offload_bytes, regathered,
-                      sp.zero1)
-
-
-def _param_root(n: fx.Node) -> fx.Node | None:
+def param_root(n: fx.Node) -> fx.Node | None:
     """The parameter placeholder whose value ``n`` is (itself, or a cast or view chain of it
     made in the forward or re-made in the backward), else None."""
     while True:
@@ -201,4 +119,4 @@ def _param_root(n: fx.Node) -> fx.Node | None:
 
 def is_param_view(n: fx.Node) -> bool:
     """Whether ``n`` only casts or views a parameter (a re-gathering copy is one)."""
-    return n.meta["autopar"].role != "param" and _param_root(n) is not None
+    return n.meta["autopar"].role != "param" and param_root(n) is not None

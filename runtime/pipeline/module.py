@@ -34,10 +34,10 @@ from torch import nn
 
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.plan import Plan, ScheduleOption
-from autopar.ir.schedules import canonical_name, splits_backward
+from autopar.ir.schedules import canonical_name, splits_backward, stage_placement
 from autopar.ir.schedules import schedule as schedule_info
-from autopar.ir.schedules import stage_placement
 from autopar.ir.stage_kind import plan_runs_as_program
 from autopar.runtime.pipeline import stages as ps
 from autopar.runtime.pipeline.runner import AXES, PipelineRunner, build_pipeline
@@ -349,8 +349,9 @@ def _pinned_stage_plans(plan: Plan, time_limit_s: float) -> Any:
     def stage_plan(stage: int, graph: Any, mesh: Mesh) -> Plan:
         pins = {n: plan.params[n] for n in graph.param_names if n in plan.params}
         return make_plan(None, mesh, graph=pin_boundary(graph, mesh, pins),
-                         memory_budget=math.inf, time_limit_s=time_limit_s, workers=1,
-                         zero=zero, model_name=f"{plan.model} stage {stage}").plan
+                         model_name=f"{plan.model} stage {stage}",
+                         options=Options.of(memory_budget=math.inf, time_limit_s=time_limit_s,
+                                            workers=1, zero=zero)).plan
 
     return stage_plan
 

@@ -46,9 +46,10 @@ from torch.utils.checkpoint import (
 
 from autopar.capture.joint import module_tag
 from autopar.ir.errors import PlanError
+from autopar.ir.options import FIXED_RECOMPUTE_MODES
 from autopar.ir.precision import Precision
 from autopar.passes.memory import mixed_precision
-from autopar.passes.memory.recompute import FIXED_MODES, draws, selective
+from autopar.passes.memory.recompute import draws, selective
 
 BlockRunner = Callable[[nn.Module, tuple, dict], Any]
 
@@ -69,9 +70,9 @@ def check_modes(precision: Precision, recompute: str, split_backward: str | None
     """What plain stages run: fp32 or bf16, a fixed recompute mode, and selective
     recomputation only under schedules whose backward is one pass (``split_backward``: the
     name of a schedule that splits it into input and weight passes, else None)."""
-    if recompute not in FIXED_MODES:
+    if recompute not in FIXED_RECOMPUTE_MODES:
         raise PlanError(f"pipeline stages recompute in a fixed mode, one of "
-                        f"{', '.join(FIXED_MODES)}, not {recompute!r}: pass one ('auto' is the "
+                        f"{', '.join(FIXED_RECOMPUTE_MODES)}, not {recompute!r}: pass one ('auto' is the "
                         "planner's choice, made when planning)")
     if precision.loss_scaling:
         raise PlanError(f"{precision.name} needs dynamic loss scaling, which pipeline stages do "

@@ -18,18 +18,16 @@ The last stage computes the loss inside its program (its targets come as the key
 ``targets``, which torch's schedules hand every stage; the others ignore it), so the head's
 vocabulary-parallel matmul and the cross-entropy run as planned, not on gathered logits.
 
-Planning (:func:`plan_stages`) runs on rank 0 for every stage in order, so a weight two
-stages share (GPT-2's embedding and head) is pinned on the later stage to the layout the
-earlier chose (its gradient copies are then summed piece by piece over the pp ranks holding
-them), and the plans reach every rank as JSON (the solver is not deterministic under a time
-limit; every rank must run the same program).
+The plans come made (:class:`PlannedStages`): ``autopar.api`` plans every stage on rank 0
+(:func:`autopar.planning.stage_plans.plan_stages`, checked by :func:`check_stage_plan`) and
+hands every rank the same plans (:func:`agree`: the solver is not deterministic under a time
+limit; every rank must run the same program). The runtime runs them and makes none.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +36,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from autopar.capture.stage import StageInputs, output_meta, trace_stage
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import local_shape, spec_str
 from autopar.ir.plan import Plan
 from autopar.runtime.parallel_module import ParallelModule, ProgramCall, store_fresh_grads
-
-# a stage's plan: given (dict by stage index), or made by a callable from the stage's graph
-# (its boundary pinned) and submesh; None: autopar.planning.planner.make_plan
-StagePlans = Mapping[int, Plan] | Callable[[int, PlanGraph, Mesh], Plan] | None
 
 TARGETS = "targets"  # the keyword input the last stage reads its targets from
 
@@ -146,92 +141,59 @@ class StageProgram(ParallelModule):
 
 
 @dataclass(frozen=True, slots=True)
-class StageInputs:
-    """The global micro-batch a stage receives (every dp share), shapes and dtypes: its
-    example inputs for capture."""
+class PlannedStages:
+    """Every stage's plan, in stage order, and the inputs each stage's graph was traced with
+    (:func:`autopar.planning.stage_plans.plan_stages`): what stage programs run."""
 
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-
-    def examples(self) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(s, dtype=getattr(torch, d), device="meta")
-                     for s, d in zip(self.shapes, self.dtypes))
+    plans: tuple[Plan, ...]
+    inputs: tuple[StageInputs, ...]
 
 
-def trace_stage(stage: nn.Module, inputs: StageInputs, last: bool, loss_fn: Callable,
-                block_path: str) -> PlanGraph:
-    """The stage's joint graph (:func:`autopar.capture.stage.capture_stage`)."""
-    from autopar.capture.stage import capture_stage
+@dataclass(frozen=True, slots=True)
+class StagePlanningInputs:
+    """What planning every stage takes, as the runtime cuts the model: every stage module
+    (meta weights), their blocks' path, the first stage's token ids and the last stage's
+    targets (the global micro-batch), the loss, the stage submesh and the tied weights."""
 
-    holder = stage.get_submodule(block_path)
-    blocks = [holder[k] for k in getattr(stage, "order", list(holder.keys()))]
-    return capture_stage(stage, inputs.examples(), loss_fn if last else None, blocks)
-
-
-def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageInputs,
-                targets: StageInputs, loss_fn: Callable, mesh: Mesh,
-                tied: Mapping[str, Sequence[int]], stage_plans: StagePlans = None,
-                time_limit_s: float = 30.0) -> tuple[list[Plan], list[StageInputs]]:
-    """Every stage's plan on ``mesh`` (the submesh), in order, and the inputs each was traced
-    with. ``stages``: all of them (meta weights are enough); ``first``: the first stage's
-    token ids, ``targets`` the last stage's targets; ``tied``: weight name -> the stages
-    holding a copy. Each stage's inputs are pinned to the boundary layout, and a tied weight
-    on a later stage to the layout the first holder's plan gave it."""
-    from autopar.capture.stage import pin_boundary
-    from autopar.planning.planner import make_plan
-
-    n = len(stages)
-    plans: list[Plan] = []
-    inputs: list[StageInputs] = []
-    placed: dict[str, tuple] = {}  # a tied weight's layout, from its first holder's plan
-    x = first
-    prev: PlanGraph | None = None
-    for s in range(n):
-        last = s == n - 1
-        ins = StageInputs(x.shapes + targets.shapes, x.dtypes + targets.dtypes) if last else x
-        graph = trace_stage(stages[s], ins, last, loss_fn, block_path)
-        pins = {name: spec for name, spec in placed.items() if s in tied.get(name, ())}
-        pinned = pin_boundary(graph, mesh, pins)
-        if stage_plans is None:
-            plan = make_plan(stages[s], mesh, graph=pinned, memory_budget=math.inf, workers=1,
-                             time_limit_s=time_limit_s,
-                             model_name=f"{type(stages[s]).__name__} {s}").plan
-        elif callable(stage_plans):
-            plan = stage_plans(s, pinned, mesh)
-        else:
-            if s not in stage_plans:
-                raise PlanError(f"stage_plans has no plan for stage {s}: give one per stage "
-                                f"(0 to {n - 1}), or a callable (stage, graph, mesh) -> Plan")
-            plan = stage_plans[s]
-        check_stage_plan(s, pinned, plan, mesh, plans[-1] if plans else None, prev)
-        for name, spec in pinned.pins.items():  # a plan given may place them otherwise
-            if tuple(plan.nodes[name].outs[0]) != tuple(spec):
-                what = next(n for n in pinned.graph.nodes if n.name == name).meta["autopar"]
-                label = what.param_name or pinned.input_names[what.input_index]
-                raise PlanError(
-                    f"stage {s}'s plan places {label} as {spec_str(plan.nodes[name].outs[0])} "
-                    f"but the pipeline gives it as {spec_str(spec)}: make the stage's plan from "
-                    "the graph it is handed, whose boundary (and shared weights) are pinned")
-        for name in tied:
-            if s in tied[name] and name in plan.params:
-                want = placed.setdefault(name, tuple(plan.params[name]))
-                if tuple(plan.params[name]) != want:
-                    raise PlanError(
-                        f"stage {s}'s plan places the shared weight {name} as "
-                        f"{spec_str(plan.params[name])}, stage {tied[name][0]}'s as "
-                        f"{spec_str(want)}: the copies' gradients are summed piece by piece, "
-                        "so every stage holding it must place it alike; pin it so "
-                        "(autopar.capture.stage.pin_boundary(graph, mesh, params=...))")
-        plans.append(plan)
-        inputs.append(ins)
-        prev = pinned
-        meta = _node_meta(graph, graph.loss_node)
-        x = StageInputs((meta.shape,), (str(meta.dtype).removeprefix("torch."),))
-    return plans, inputs
+    stages: dict[int, nn.Module]
+    block_path: str
+    first: StageInputs
+    targets: StageInputs
+    loss_fn: Callable
+    mesh: Mesh
+    tied: dict[str, list[int]]
 
 
-def _node_meta(graph: PlanGraph, name: str) -> Any:
-    return next(n for n in graph.graph.nodes if n.name == name).meta["autopar"].out
+def stage_submesh(dmesh: Any) -> tuple[Any, Mesh]:
+    """The torch submesh of ``dmesh``'s axes other than ``pp``, on which each stage program
+    runs, and its :class:`Mesh`."""
+    names = tuple(dmesh.mesh_dim_names)
+    sub_axes = tuple(n for n in names if n != "pp")
+    if not sub_axes:
+        raise MeshError(f"stages that run a plan each run on the mesh's axes other than pp, and "
+                        f"mesh {names} has none: add a 'dp' or 'tp' axis (of size 1 is fine)")
+    submesh = dmesh[sub_axes] if len(sub_axes) > 1 else dmesh[sub_axes[0]]
+    return submesh, Mesh.from_device_mesh(submesh)
+
+
+def stage_planning_inputs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int, int]],
+                          tokens: torch.Tensor, targets: torch.Tensor, rows: int,
+                          loss_fn: Callable, dmesh: Any) -> StagePlanningInputs:
+    """:class:`StagePlanningInputs` of ``model`` cut at ``ranges``: the stages built on its
+    meta skeleton (no weights); ``rows``: the global micro-batch's (every dp share's)."""
+    from autopar.capture.skeleton import meta_skeleton
+    from autopar.runtime.pipeline import stages as ps
+
+    def example(t: torch.Tensor) -> StageInputs:
+        return StageInputs(((rows, *t.shape[1:]),), (str(t.dtype).removeprefix("torch."),))
+
+    skeleton = meta_skeleton(model)  # every stage, no weights: planning only
+    every = ps.module_stages(skeleton, block_path, ranges, range(len(ranges)))
+    held = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
+            for s, m in every.items()}
+    tied = ps.tied_names(held, ps.alias_names(model))
+    return StagePlanningInputs(every, block_path, example(tokens), example(targets), loss_fn,
+                               stage_submesh(dmesh)[1], tied)
 
 
 def check_stage_plan(s: int, graph: PlanGraph, plan: Plan, mesh: Mesh,
@@ -303,7 +265,7 @@ def local_output(program: StageProgram, device: torch.device) -> torch.Tensor:
     output torch's ``PipelineStage`` wants."""
     lowered = program._active[1]
     graph = lowered.pg
-    meta = _node_meta(graph, graph.loss_node)
+    meta = output_meta(graph)
     if graph.has_loss:
         return torch.zeros((), dtype=meta.dtype, device=device, requires_grad=True)
     spec = lowered.boundary[0][1]
@@ -315,41 +277,23 @@ def local_output(program: StageProgram, device: torch.device) -> torch.Tensor:
 
 
 def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int, int]],
-                   local: Sequence[int], dmesh: Any, pp_group: Any, tokens: torch.Tensor,
-                   targets: torch.Tensor, rows: int, loss_fn: Callable, device: torch.device,
-                   stage_plans: StagePlans = None, time_limit_s: float = 30.0
+                   local: Sequence[int], dmesh: Any, pp_group: Any, loss_fn: Callable,
+                   device: torch.device, planned: PlannedStages
                    ) -> tuple[dict[int, StageProgram], list, list[Plan]]:
     """This rank's stages as :class:`StageProgram` s on the submesh of ``dmesh``'s axes other
-    than ``pp``, torch's ``PipelineStage`` over each (static shapes: this rank's pieces), and
-    every stage's plan. ``rows``: the global micro-batch's (every dp share's rows)."""
+    than ``pp``, running the plans ``planned`` gives, torch's ``PipelineStage`` over each
+    (static shapes: this rank's pieces), and every stage's plan."""
     from torch.distributed.pipelining import PipelineStage
 
-    from autopar.capture.skeleton import meta_skeleton
     from autopar.passes.memory.recompute import apply_recompute
     from autopar.runtime.pipeline import stages as ps
 
-    names = tuple(dmesh.mesh_dim_names)
-    sub_axes = tuple(n for n in names if n != "pp")
-    if not sub_axes:
-        raise MeshError(f"stages that run a plan each run on the mesh's axes other than pp, and "
-                        f"mesh {names} has none: add a 'dp' or 'tp' axis (of size 1 is fine)")
-    submesh = dmesh[sub_axes] if len(sub_axes) > 1 else dmesh[sub_axes[0]]
-    amesh = Mesh.from_device_mesh(submesh)
+    submesh, _ = stage_submesh(dmesh)
     n_stages = len(ranges)
-
-    def example(t: torch.Tensor) -> StageInputs:
-        return StageInputs(((rows, *t.shape[1:]),), (str(t.dtype).removeprefix("torch."),))
-
-    def make() -> tuple[list[Plan], list[StageInputs]]:
-        skeleton = meta_skeleton(model)  # every stage, no weights: planning only
-        every = ps.module_stages(skeleton, block_path, ranges, range(n_stages))
-        held = {s: [n for n, _ in m.named_parameters(remove_duplicate=False)]
-                for s, m in every.items()}
-        tied = ps.tied_names(held, ps.alias_names(model))
-        return plan_stages(every, block_path, example(tokens), example(targets), loss_fn,
-                           amesh, tied, stage_plans, time_limit_s)
-
-    plans, inputs = agree(make)
+    if len(planned.plans) != n_stages or len(planned.inputs) != n_stages:
+        raise PlanError(f"{len(planned.plans)} stage plans for a pipeline of {n_stages} stages: "
+                        "give one plan per stage")
+    plans, inputs = list(planned.plans), list(planned.inputs)
     mods = ps.module_stages(model, block_path, ranges, local)
     programs: dict[int, StageProgram] = {}
     stages = []

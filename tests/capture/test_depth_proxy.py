@@ -4,9 +4,10 @@ import pytest
 from autopar.capture.joint import capture
 from autopar.ir.depth import DepthProxy
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.models import get_preset
-from autopar.passes.cost.scoring import score_assignment
 from autopar.passes.problem import sharding_problem
+from autopar.passes.problem.scoring import score_assignment
 from autopar.planning.planner import make_plan
 
 
@@ -53,5 +54,5 @@ def test_proxy_plan_lists_every_parameter():
     preset = get_preset("llama3-tiny").replace(n_layers=10)
     model = preset.build("meta")
     planned = make_plan(model, Mesh((2,), ("dp",)), preset.example_inputs(4, 32),
-                        time_limit_s=5, max_layers=4)
+                        options=Options.of(time_limit_s=5, max_layers=4))
     assert set(planned.plan.params) == {n for n, _ in model.named_parameters()}

@@ -241,7 +241,7 @@ def test_low_precision_training_tracks_fp32(precision: str) -> None:
     with fake_world(2), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LossScaleWarning)
         pm = autopar.parallelize(model, mesh_for((2,)), drawn[0], time_limit_s=2.0,
-                                 precision=cfg.precision)
+                                 precision=cfg.options.precision.compute)
         assert pm.plan.precision.name == precision
         par = tc._train(pm, tc._adamw(pm, cfg), drawn_sampler, cfg, None, 0.0)
     base, _ = tc._baseline(cfg)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 import autopar
 from autopar.capture.joint import capture
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.runtime._compat import reconcile
 
@@ -191,7 +192,8 @@ def reference_plan(model: nn.Module, family: str, name: str, mesh: Mesh, inputs:
         return None
     graph = capture(model, inputs, kwargs)
     try:
-        return complete_plan(graph, mesh, ref.params, ref.inputs, time_limit_s=time_limit_s)
+        return complete_plan(graph, mesh, ref.params, ref.inputs,
+                             Options.of(time_limit_s=time_limit_s))
     except PlanError:
         return None
 
@@ -226,8 +228,7 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     whether any reshard leaves the cost model's ascending axis order (nested shards)."""
     from autopar.ir.placements import local_shape
     from autopar.passes.cost.buckets import bucket_collectives, sync_groups
-    from autopar.passes.cost.cost_model import axes_label
-    from autopar.passes.cost.cost_model import route_collectives
+    from autopar.passes.cost.cost_model import axes_label, route_collectives
     from autopar.passes.cost.reshard_route import route
 
     lowered = pm._active[1]

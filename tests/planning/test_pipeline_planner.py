@@ -11,13 +11,14 @@ import pytest
 from autopar.cli.main import main
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
 from autopar.passes.pipeline.stage_profile import stage_profile
 from autopar.planning.mesh_shapes import MeshShape
 from autopar.planning.pipeline import microbatch_counts, plan_pipeline, predict_split
 from autopar.planning.planner import make_plan
-from autopar.planning.shapes import candidate_shapes, search_shapes, shape_mesh
+from autopar.planning.shapes import SEARCH_OPTIONS, candidate_shapes, search_shapes, shape_mesh
 from autopar.report.table import plan_table
 
 GiB = 2**30
@@ -77,12 +78,12 @@ def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
     assert gpu.speed is None and gpu.action_s == gpu.post_s == gpu.node_s == 0.0
     model, inputs = gpt(n_layer=4)
     mesh = Mesh((2,), ("pp",), "cpu")
-    zbv = plan_pipeline(model, mesh, inputs, schedule="ZBVZeroBubble").plan
+    zbv = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble")).plan
     pipe = zbv.pipeline
     assert (pipe.action_s, pipe.post_s) == (cpu.action_s, cpu.post_s)
     # one process per rank on 2 cores: a core each, no speed-up
     assert pipe.speed == () and all(st.split_s > 0 for st in pipe.stages)
-    one = plan_pipeline(model, mesh, inputs, schedule="1F1B").plan.pipeline
+    one = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="1F1B")).plan.pipeline
     assert all(st.split_s == 0 for st in one.stages)  # a whole backward: nothing to split
     # the timeline, redrawn from the plan alone, ends where the plan's replay did
     _, span = pipeline_timeline(zbv)
@@ -91,12 +92,12 @@ def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
 
 @pytest.mark.parametrize("axes,shape", [(("pp", "dp"), (2, 2)), (("pp", "tp"), (2, 2))])
 def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes, shape):
-    from autopar.planning.pipeline import proxy_blocks, stage_mesh
     from autopar.ir.stage_kind import plan_runs_as_program
+    from autopar.planning.pipeline import proxy_blocks, stage_mesh
 
     model, inputs = gpt(n_layer=4)
     mesh = Mesh(shape, axes, "cpu")
-    planned = plan_pipeline(model, mesh, inputs, schedule="ZBVZeroBubble")
+    planned = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble"))
     pipe = planned.plan.pipeline
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          stage_mesh(mesh, 0).data_parallel_size)
@@ -132,7 +133,7 @@ def test_a_tied_head_is_held_and_summed_by_both_end_stages():
     # GPT-2's head is its embedding's weight: the first and last stages each hold a copy
     model, inputs = gpt(n_layer=4, vocab=8192)
     mesh = Mesh((2,), ("pp",), "cpu")
-    one = plan_pipeline(model, mesh, inputs, schedule="1F1B")
+    one = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="1F1B"))
     prof = stage_profile(one.problem, one.node_choice, proxy_blocks(one), 1)
     table = 8192 * 64 * 4
     assert prof.tied_bytes == table
@@ -143,7 +144,7 @@ def test_a_tied_head_is_held_and_summed_by_both_end_stages():
     ends = one.plan.pipeline.stages
     assert ends[0].sync_s == ends[-1].sync_s > 0
     # a V keeps both ends on rank 0: nothing to sum across ranks
-    v = plan_pipeline(model, mesh, inputs, schedule="ZBVZeroBubble").plan.pipeline
+    v = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble")).plan.pipeline
     assert v.stages[0].rank == v.stages[-1].rank and v.stages[0].sync_s == 0
 
 
@@ -153,7 +154,7 @@ def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
     # replay lets an idle rank's core speed the other, and balance matters far less
     model, inputs = gpt(n_layer=8, vocab=16384)
     mesh = Mesh((2,), ("pp",), "cpu")
-    planned = plan_pipeline(model, mesh, inputs, schedule="1F1B")
+    planned = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="1F1B"))
     stages = planned.plan.pipeline.stages
     assert stages[-1].blocks < stages[0].blocks
     equal_step, _ = predict_split(planned, mesh, [(0, 4), (4, 8)])
@@ -164,7 +165,8 @@ def test_the_stage_profile_adds_up_to_its_plan():
     preset = get_preset("llama3-tiny").replace(n_layers=4)
     model, inputs = preset.build("meta"), preset.example_inputs(8, 32, "meta")
     planned = make_plan(model, Mesh((2, 2), ("dp", "tp"), "h100"), inputs,
-                        memory_budget=math.inf, recompute="none", time_limit_s=2.0)
+                        options=Options.of(memory_budget=math.inf, recompute="none",
+                                           time_limit_s=2.0))
     prof = stage_profile(planned.problem, planned.node_choice, 4, 2)
     parts = [(prof.pre, 1), (prof.block, 4), (prof.post, 1)]
     total = sum((c.time_s + c.sync_s) * k for c, k in parts)
@@ -176,8 +178,9 @@ def test_the_stage_profile_adds_up_to_its_plan():
 def test_fixed_choices_are_kept():
     model, inputs = gpt(n_layer=8)
     mesh = Mesh((2,), ("pp",), "cpu")
-    pipe = plan_pipeline(model, mesh, inputs, schedule="interleaved1f1b", microbatches=4,
-                         virtual=2).plan.pipeline
+    pipe = plan_pipeline(model, mesh, inputs,
+                         options=Options.of(schedule="interleaved1f1b", microbatches=4,
+                                            virtual=2)).plan.pipeline
     assert (pipe.schedule, pipe.virtual, pipe.microbatches) == ("Interleaved1F1B", 2, 4)
     assert [st.rank for st in pipe.stages] == [0, 1, 0, 1]
 
@@ -195,7 +198,8 @@ def test_bad_input_names_the_cause_and_the_fix():
         microbatch_counts(8, 4, 2, 4)
     with pytest.raises(PlanError, match=r"no pipeline plan of 2 blocks on 2 stages fits .*Try "
                                         r"more pipeline stages"):
-        plan_pipeline(model, Mesh((2,), ("pp",), "cpu"), inputs, memory_budget=64 * 2**10)
+        plan_pipeline(model, Mesh((2,), ("pp",), "cpu"), inputs,
+                      options=Options.of(memory_budget=64 * 2**10))
 
 
 def test_microbatch_counts_prefer_twice_the_stages():
@@ -206,7 +210,8 @@ def test_microbatch_counts_prefer_twice_the_stages():
 
 def test_the_shape_search_is_the_best_of_planning_each_shape_alone():
     model, inputs = gpt(n_layer=4, batch=8)
-    results = search_shapes(model, 4, inputs, device="cpu", time_limit_s=2.0)
+    results = search_shapes(model, 4, inputs, device="cpu",
+                            options=SEARCH_OPTIONS.replace(time_limit_s=2.0))
     shapes = candidate_shapes(model, 4, 8, "cpu")
     assert {r.shape for r in results} == set(shapes)
     assert MeshShape(2, 1, 2) in shapes and MeshShape(1, 4, 1) in shapes
@@ -215,10 +220,11 @@ def test_the_shape_search_is_the_best_of_planning_each_shape_alone():
         mesh = shape_mesh(s, "cpu")
         try:
             if s.pp == 1:
-                plan = make_plan(model, mesh, inputs, max_layers=4, time_limit_s=2.0).plan
+                plan = make_plan(model, mesh, inputs,
+                                 options=Options.of(max_layers=4, time_limit_s=2.0)).plan
             else:
-                plan = plan_pipeline(model, mesh, inputs, max_layers=4, time_limit_s=2.0,
-                                     microbatch_choices=1).plan
+                plan = plan_pipeline(model, mesh, inputs, microbatch_choices=1,
+                                     options=Options.of(max_layers=4, time_limit_s=2.0)).plan
             steps.append((plan.cost.step_s, s))
         except PlanError:
             steps.append((math.inf, s))
@@ -253,7 +259,7 @@ def test_llama3_405b_on_1024_gpus_gets_real_stages_that_fit():
     preset = get_preset("llama3-405b").replace(max_seq_len=8192)
     model, inputs = preset.build("meta"), preset.example_inputs(128, 8192, "meta")
     plan = plan_pipeline(model, Mesh((8, 16, 8), ("pp", "dp", "tp"), "h100"), inputs,
-                         max_layers=4, time_limit_s=5.0).plan
+                         options=Options.of(max_layers=4, time_limit_s=5.0)).plan
     pipe = plan.pipeline
     assert plan.precision.name == "bf16"
     assert len(pipe.stages) == 8 * pipe.virtual

@@ -8,6 +8,7 @@ import torch
 
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import R, S, Shard
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
@@ -21,8 +22,9 @@ def _plan(name, mesh, batch, seq, budget=None, precision=None, recompute="auto",
     changes.setdefault("n_positions" if preset.family == "gpt2" else "max_seq_len", seq)
     preset = preset.replace(**changes)
     return make_plan(preset.build("meta"), mesh, preset.example_inputs(batch, seq),
-                     memory_budget=budget, time_limit_s=20, model_name=name,
-                     precision=precision, recompute=recompute)
+                     model_name=name,
+                     options=Options.of(memory_budget=budget, time_limit_s=20, precision=precision,
+                                        recompute=recompute))
 
 
 GPT_COLUMN = ("attn.qkv.weight", "mlp.fc.weight")
@@ -106,7 +108,7 @@ def test_activations_over_the_limit_suggest_a_batch_that_fits():
     need, state = leanest(sharding_problem.build(full, mesh))
     budget = state + (need - state) / 2  # half the leanest activations: about half the batch
     with pytest.raises(PlanError, match=r"Most helpful: a batch of (\d+)") as err:
-        make_plan(model, mesh, inputs, memory_budget=budget, time_limit_s=5)
+        make_plan(model, mesh, inputs, options=Options.of(memory_budget=budget, time_limit_s=5))
     fit = int(re.search(r"a batch of (\d+)", str(err.value)).group(1))
     assert 16 <= fit <= 40, str(err.value)
 
@@ -191,8 +193,8 @@ def test_a_reference_that_places_repeated_layers_differently_is_still_scored():
     model = preset.build("meta")
     mesh = Mesh((2,), ("tp",))
     ref = REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp")
-    planned = make_plan(model, mesh, preset.example_inputs(8, 1), time_limit_s=5,
-                        references={"megatron_tp": ref})
+    planned = make_plan(model, mesh, preset.example_inputs(8, 1), references={"megatron_tp": ref},
+                        options=Options.of(time_limit_s=5))
     assert "megatron_tp" in planned.plan.references
     choice = planned.reference_choices["megatron_tp"]
     for name, spec in ref.params.items():
@@ -207,19 +209,21 @@ def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
     FSDP (FSDP gathers each weight, DP all-reduces its gradients in the same buckets). Under a
     margin for cost-model error larger than that gap the plan is FSDP, and says why; with no
     margin it is the solver's own. Either way it is never worse than the reference."""
+    from autopar.ir.options import MIN_GAIN
     from autopar.models import MLP, REFERENCE_PLANS, MLPConfig
-    from autopar.planning.planner import MIN_GAIN
 
     with torch.device("meta"):
         model = MLP(MLPConfig(in_dim=256, hidden=(1024, 256, 1024), out_dim=256))
     x = torch.empty(256, 256, device="meta")
     mesh = Mesh((4,), ("dp",), "cpu")
     refs = {"fsdp": REFERENCE_PLANS["fsdp"](model, mesh.shape, mesh.axes, "mlp", batch_size=256)}
-    own = make_plan(model, mesh, (x, x), references=refs, time_limit_s=5, min_gain=0.0)
+    own = make_plan(model, mesh, (x, x), references=refs,
+                    options=Options.of(time_limit_s=5, min_gain=0.0))
     ref_cost = own.plan.references["fsdp"].step_s
     gap = ref_cost / own.plan.cost.step_s - 1
     assert 0 < gap < 5 * MIN_GAIN  # close, so the margin decides
-    kept = make_plan(model, mesh, (x, x), references=refs, time_limit_s=5, min_gain=2 * gap)
+    kept = make_plan(model, mesh, (x, x), references=refs,
+                     options=Options.of(time_limit_s=5, min_gain=2 * gap))
     assert kept.plan.cost.step_s == pytest.approx(ref_cost)
     assert "kept fsdp" in kept.plan.solver.method
     assert kept.plan.params["layers.0.weight"] != (R,)
@@ -286,16 +290,17 @@ def test_references_completed_on_forked_processes_equal_the_sequential_ones():
     refs = comparison_plans(model, mesh.shape, mesh.axes, "llama3", batch_size=4)
     refs = {k: refs[k] for k in ("data_parallel", "fsdp", "megatron_tp")}
     inputs = preset.example_inputs(4, 32)
-    one = make_plan(model, mesh, inputs, references=refs, time_limit_s=2.0).plan
-    two = make_plan(model, mesh, inputs, references=refs, time_limit_s=2.0, workers=2).plan
+    one = make_plan(model, mesh, inputs, references=refs, options=Options.of(time_limit_s=2.0)).plan
+    two = make_plan(model, mesh, inputs, references=refs,
+                    options=Options.of(time_limit_s=2.0, workers=2)).plan
     assert one.references == two.references and one.cost == two.cost
     assert forked_map(lambda x: x * x, [1, 2, 3], 2) == [1, 4, 9]
 
 
 def test_zero_auto_weighs_zero1_beside_the_first_mode():
-    from autopar.planning.planner import _candidate_modes
+    from autopar.planning.modes import candidate_modes
 
-    modes = _candidate_modes("auto", "auto")
+    modes = [m.label for m in candidate_modes("auto", "auto")]
     assert modes[:3] == ["none", "none+zero3", "none+zero1"]
     assert "full+zero3" in modes and not any(m.endswith("+zero1") for m in modes[3:])
-    assert _candidate_modes("none", "1") == ["none+zero1"]
+    assert [m.label for m in candidate_modes("none", "1")] == ["none+zero1"]

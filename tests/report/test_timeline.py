@@ -13,6 +13,7 @@ import pytest
 
 import autopar
 from autopar.cli.main import main
+from autopar.ir.options import Options
 from autopar.models import get_preset
 from autopar.passes.pipeline import schedule as ps
 from autopar.planning.planner import make_plan
@@ -45,8 +46,9 @@ def planned():
             preset, shape, axes, device, recompute, layers = CASES[name]
             p = get_preset(preset)
             cache[name] = make_plan(p.build("meta"), autopar.Mesh(shape, axes, device),
-                                    p.example_inputs(4, 32, "meta"), time_limit_s=1.0,
-                                    recompute=recompute, max_layers=layers)
+                                    p.example_inputs(4, 32, "meta"),
+                                    options=Options.of(time_limit_s=1.0, recompute=recompute,
+                                                       max_layers=layers))
         return cache[name]
 
     return get
@@ -260,8 +262,8 @@ def test_a_pipeline_stage_without_the_loss_has_a_predicted_timeline():
     mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
     graph = trace_stage(first, StageInputs(((4, 8),), ("int64",)), False,
                         stages.loss_fn_for(model), path)
-    planned = make_plan(None, mesh, graph=pin_boundary(graph, mesh), memory_budget=math.inf,
-                        time_limit_s=1.0)
+    planned = make_plan(None, mesh, graph=pin_boundary(graph, mesh),
+                        options=Options.of(memory_budget=math.inf, time_limit_s=1.0))
     assert planned.problem.loss_index == -1
     events = predicted_timeline(planned).rank_events(0)
     assert events and not any(e.args.get("reason") == "loss" for e in events)

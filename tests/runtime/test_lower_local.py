@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import R, Shard
 from autopar.models import get_preset
 from autopar.models.mlp import MLP, MLPConfig
@@ -174,7 +175,7 @@ def test_batch_norm_running_stats_equal_single_device(mesh_shape, source: str) -
         batch = tuple(Shard(0) if i == 0 else R for i in range(len(mesh_shape)))
         plan = complete_plan(capture(model, inputs), mesh_for(mesh_shape),
                              {n: spec for n, _ in model.named_parameters()},
-                             {0: batch, 1: batch}, time_limit_s=2.0)
+                             {0: batch, 1: batch}, Options.of(time_limit_s=2.0))
     got, want, pm = run_case(model, inputs, mesh_shape, plan, time_limit_s=2.0)
     assert_same_training(got, want, what=f"conv+batchnorm on {mesh_shape} with {source}")
     assert set(got["buffers"]) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}

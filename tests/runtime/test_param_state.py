@@ -25,6 +25,7 @@ from harness.spmd import (
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
 from autopar.planning.planner import make_plan, with_recompute
@@ -46,8 +47,9 @@ def _case():
 
 
 def _plan(model, inputs, offload: str):
-    return make_plan(model, mesh_for((WORLD,)), inputs, memory_budget=float("inf"),
-                     time_limit_s=5.0, offload=offload).plan
+    return make_plan(model, mesh_for((WORLD,)), inputs,
+                     options=Options.of(memory_budget=float("inf"), time_limit_s=5.0,
+                                        offload=offload)).plan
 
 
 def test_offloaded_state_lives_off_the_parameters_and_trains_as_one_device():

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.ir.options import Options
 from autopar.models import get_preset
 from autopar.passes.memory.recompute import SUFFIX, apply_recompute, recompute_nodes
 from autopar.planning.planner import make_plan, with_recompute
@@ -69,7 +70,8 @@ def test_recompute_is_bitwise_the_same_training(name, mesh_shape, source, mode):
     mesh = mesh_for(mesh_shape)
     graph = capture(model, inputs)
     if source == "solver":
-        base = make_plan(model, mesh, graph=graph, recompute="none", time_limit_s=2.0).plan
+        base = make_plan(model, mesh, graph=graph,
+                         options=Options.of(recompute="none", time_limit_s=2.0)).plan
     else:
         base = reference_plan(model, family, source, mesh, inputs, time_limit_s=2.0)
         if base is None:
@@ -123,7 +125,8 @@ def test_recompute_saves_memory_at_a_price():
     inputs = preset.example_inputs(8, 64, "cpu")
     mesh = autopar.Mesh((2,), ("dp",), "h100")
     graph = capture(model, inputs)
-    base = make_plan(model, mesh, graph=graph, recompute="none", time_limit_s=2.0).plan
+    base = make_plan(model, mesh, graph=graph,
+                     options=Options.of(recompute="none", time_limit_s=2.0)).plan
     full = with_recompute(graph, base, "full", mesh)
     assert full.cost.mem_bytes < base.cost.mem_bytes
     assert full.recompute.saved_bytes == pytest.approx(base.cost.mem_bytes - full.cost.mem_bytes,
@@ -138,7 +141,7 @@ def test_auto_recomputes_only_when_the_limit_binds():
     model, _, preset = _model("llama3-tiny")
     inputs = preset.example_inputs(8, 64, "cpu")
     mesh = autopar.Mesh((2,), ("dp",), "h100")
-    free = make_plan(model, mesh, inputs, time_limit_s=2.0).plan
+    free = make_plan(model, mesh, inputs, options=Options.of(time_limit_s=2.0)).plan
     assert free.recompute.mode == "none" and free.recompute.asked == "auto"
     graph = capture(model, inputs, precision=free.precision)
 
@@ -149,6 +152,7 @@ def test_auto_recomputes_only_when_the_limit_binds():
     # a limit no layout meets without recomputation, and the leanest recomputing one does
     budget = (lean("none") + lean("full")) / 2
     assert lean("full") < budget
-    tight = make_plan(model, mesh, inputs, time_limit_s=2.0, memory_budget=budget).plan
+    tight = make_plan(model, mesh, inputs,
+                      options=Options.of(time_limit_s=2.0, memory_budget=budget)).plan
     assert tight.recompute.mode in ("selective", "full") and tight.recompute.asked == "auto"
     assert tight.cost.mem_bytes <= budget and tight.recompute.saved_bytes > 0

@@ -11,9 +11,10 @@ import torch
 
 from autopar.ir.devices import GBps, get_profile
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.models import MLP, REFERENCE_PLANS, MLPConfig
-from autopar.passes.cost import bucket_fill
-from autopar.passes.cost.scoring import score_assignment
+from autopar.passes.problem import bucket_fill
+from autopar.passes.problem.scoring import score_assignment
 from autopar.planning import planner
 from autopar.planning.planner import make_plan
 from autopar.solver import evaluate
@@ -33,7 +34,8 @@ def _mlp_plan(axis: str, reference: str, **kw):
     mesh = Mesh((4,), (axis,), TP_WINS)
     refs = {reference: REFERENCE_PLANS[reference](model, mesh.shape, mesh.axes, "mlp",
                                                   batch_size=256)}
-    return make_plan(model, mesh, (x, x), references=refs, time_limit_s=5, **kw)
+    return make_plan(model, mesh, (x, x), references=refs, **kw,
+                     options=Options.of(time_limit_s=5))
 
 
 def _kinds(planned) -> list[tuple[str, str, int]]:
@@ -81,10 +83,11 @@ def test_one_plans_fill_does_not_overcharge_a_reference_whose_buckets_fill() -> 
     def ref(name: str):
         return REFERENCE_PLANS[name](model, mesh.shape, mesh.axes, "mlp", batch_size=256)
 
-    alone = make_plan(model, mesh, (x, x), time_limit_s=5,
-                      references={"data_parallel": ref("data_parallel")})
-    both = make_plan(model, mesh, (x, x), time_limit_s=5,
-                     references={n: ref(n) for n in ("data_parallel", "megatron_tp")})
+    alone = make_plan(model, mesh, (x, x), references={"data_parallel": ref("data_parallel")},
+                      options=Options.of(time_limit_s=5))
+    both = make_plan(model, mesh, (x, x),
+                     references={n: ref(n) for n in ("data_parallel", "megatron_tp")},
+                     options=Options.of(time_limit_s=5))
     assert both.problem.bucket_fill  # repriced for the TP plan
     assert both.plan.references["data_parallel"].step_s == pytest.approx(
         alone.plan.references["data_parallel"].step_s, rel=1e-9)
@@ -102,7 +105,8 @@ def test_a_reference_completion_is_repriced_when_another_plan_wins() -> None:
     x = torch.empty(256, 256, device="meta")
     mesh = Mesh((4,), ("tp",), "cpu")
     ref = REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp", batch_size=256)
-    planned = make_plan(model, mesh, (x, x), references={"megatron_tp": ref}, time_limit_s=5)
+    planned = make_plan(model, mesh, (x, x), references={"megatron_tp": ref},
+                        options=Options.of(time_limit_s=5))
     assert "megatron_tp" not in planned.plan.solver.method  # the solver's own plan won
     completion = assemble_plan(planned.graph, planned.problem,
                                planned.reference_choices["megatron_tp"], "MLP", mesh,

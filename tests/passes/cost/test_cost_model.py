@@ -3,6 +3,7 @@ import torch
 
 from autopar.ir.graph import TensorMeta
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import Partial, R, S
 from autopar.passes.cost import cost_model as cm
 
@@ -103,8 +104,8 @@ def test_solver_keeps_the_loss_partial_rather_than_gather_mid_step_on_cpu():
     with torch.device("meta"):
         model = MLP(MLPConfig(in_dim=256, hidden=(1024, 256, 1024), out_dim=256))
     x = torch.empty(256, 256, device="meta")
-    plan = make_plan(model, Mesh((4,), ("dp",), "cpu"), (x, torch.empty_like(x)),
-                     time_limit_s=10, model_name="MLP").plan
+    plan = make_plan(model, Mesh((4,), ("dp",), "cpu"), (x, torch.empty_like(x)), model_name="MLP",
+                     options=Options.of(time_limit_s=10)).plan
     reasons = sorted((c.kind, c.reason) for c in plan.collectives)
     assert reasons == [("all_reduce", "gradient sync"), ("all_reduce", "loss")]
 

@@ -11,6 +11,7 @@ import json
 import torch
 
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.runtime.launch import launch
 from autopar.runtime.observe.live_memory import LiveBytes
 
@@ -37,17 +38,18 @@ def _plan(case: tuple[str, str, str]) -> tuple[str, float, float]:
     from autopar.capture.joint import capture
     from autopar.ir.precision import Precision
     from autopar.models.reference_plans import REFERENCE_PLANS
-    from autopar.passes.memory.peak import peak_memory, plan_choice, step_usage
+    from autopar.passes.memory.peak import peak_memory
     from autopar.passes.memory.recompute import apply_recompute
     from autopar.passes.problem import sharding_problem
+    from autopar.passes.problem.step_memory import plan_choice, step_usage
 
     name, precision, recompute = case
     preset, model, inputs = _build()
     mesh = Mesh((WORLD,), ("dp",), "cpu")
     ref = REFERENCE_PLANS[name](model, mesh.shape, mesh.axes, preset.family, batch_size=8)
     graph = capture(model, inputs, precision=Precision(precision))
-    plan = complete_plan(graph, mesh, ref.params, ref.inputs, time_limit_s=10.0,
-                         recompute=recompute)
+    plan = complete_plan(graph, mesh, ref.params, ref.inputs, Options.of(time_limit_s=10.0),
+                         mode=recompute)
     sp = sharding_problem.build(apply_recompute(graph, plan.recompute.nodes), mesh)
     full = peak_memory(*step_usage(sp, plan_choice(sp, plan.nodes)))[0]
     return json.dumps(plan.to_json()), plan.cost.mem_bytes, full
@@ -100,7 +102,7 @@ def test_predicted_peak_within_10_percent_of_measured() -> None:
     for k, case in enumerate(PLANS):
         measured = max(r[k] for r in ranks)
         _, predicted, full = made[case]
-        # the plan's figure is the whole step's (passes.memory.step_usage: gathered weights
+        # the plan's figure is the whole step's (passes.problem.step_memory.step_usage: gathered weights
         # kept by views, reshard copies, gradient buckets), as scoring computes it
         assert abs(predicted - full) <= 1e-9 * full, (case, predicted, full)
         assert abs(measured / predicted - 1) <= TOLERANCE, (case, measured, predicted)

@@ -8,6 +8,7 @@ import pytest
 from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import Replicate
 from autopar.ir.plan import Plan
 from autopar.ir.precision import resolve
@@ -32,8 +33,8 @@ def _fsdp(model, inputs, graph, **kw):
     ref = fsdp(model, MESH.shape, MESH.axes, "llama3", batch_size=8)
     from autopar.api import complete_plan
 
-    return complete_plan(graph, MESH, ref.params, ref.inputs, memory_budget=float("inf"),
-                         time_limit_s=2.0, **kw)
+    return complete_plan(graph, MESH, ref.params, ref.inputs,
+                         Options.of(memory_budget=float("inf"), time_limit_s=2.0), **kw)
 
 
 def test_regather_copies_only_parameter_views_the_backward_reads(tiny):
@@ -56,7 +57,7 @@ def test_zero3_gathers_again_in_the_backward_and_holds_less(tiny):
     (ZeRO-2) against gathered again there (ZeRO-3): more bytes gathered (one all-gather per layer and phase), less
     memory, and the plan says which."""
     model, inputs, graph = tiny
-    held = _fsdp(model, inputs, graph, recompute="none")
+    held = _fsdp(model, inputs, graph, mode="none")
     again = with_recompute(graph, held, "none+zero3", MESH)
     stages_held = set(held.param_state.stages.values())
     assert 2 in stages_held and not held.param_state.regathered
@@ -79,30 +80,34 @@ def test_data_parallel_parameters_are_stage_0(tiny):
     from autopar.api import complete_plan
 
     ddp = complete_plan(graph, MESH, {n: (Replicate(),) for n, _ in model.named_parameters()},
-                        memory_budget=float("inf"), time_limit_s=2.0)
+                        options=Options.of(memory_budget=float("inf"), time_limit_s=2.0))
     assert set(ddp.param_state.stages.values()) == {0}
     assert "replicated (DDP) over dp" in plan_table(ddp)
 
 
 def test_auto_picks_the_faster_stage_that_fits(tiny):
     model, inputs, graph = tiny
-    free = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0)
-    forced3 = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0,
-                        zero=3, recompute="none")
+    free = make_plan(model, MESH, graph=graph,
+                     options=Options.of(memory_budget=float("inf"), time_limit_s=2.0))
+    forced3 = make_plan(model, MESH, graph=graph,
+                        options=Options.of(memory_budget=float("inf"), time_limit_s=2.0, zero=3,
+                                           recompute="none"))
     assert free.plan.cost.step_s <= forced3.plan.cost.step_s * (1 + 1e-9)
     # under a limit the ZeRO-2 plan misses, the planner weighs re-gathering too
     limit = forced3.plan.cost.mem_bytes * 1.01
-    tight = make_plan(model, MESH, graph=graph, memory_budget=limit, time_limit_s=2.0,
-                      recompute="none")
+    tight = make_plan(model, MESH, graph=graph,
+                      options=Options.of(memory_budget=limit, time_limit_s=2.0, recompute="none"))
     assert tight.plan.cost.mem_bytes <= limit
 
 
 def test_offload_moves_the_optimizer_state_and_pays_the_host_link(tiny):
     model, inputs, graph = tiny
-    kept = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0,
-                     recompute="none", offload="none").plan
-    moved = make_plan(model, MESH, graph=graph, memory_budget=float("inf"), time_limit_s=2.0,
-                      recompute="none", offload="optimizer").plan
+    kept = make_plan(model, MESH, graph=graph,
+                     options=Options.of(memory_budget=float("inf"), time_limit_s=2.0,
+                                        recompute="none", offload="none")).plan
+    moved = make_plan(model, MESH, graph=graph,
+                      options=Options.of(memory_budget=float("inf"), time_limit_s=2.0,
+                                         recompute="none", offload="optimizer")).plan
     ps = moved.param_state
     assert set(ps.offloaded) == set(moved.params) and not kept.param_state.offloaded
     assert ps.offload_s > 0 and ps.offload_bytes > 0
@@ -128,14 +133,15 @@ def test_offload_is_chosen_only_where_nothing_fits_without(tiny):
     on_device = leanest(sharding_problem.build(lean, MESH))[0]
     on_host = leanest(sharding_problem.build(lean, MESH, offload="optimizer"))[0]
     assert on_host < on_device
-    roomy = make_plan(model, MESH, graph=graph, time_limit_s=5.0).plan
+    roomy = make_plan(model, MESH, graph=graph, options=Options.of(time_limit_s=5.0)).plan
     assert not roomy.param_state.offloaded  # 74 GiB: nothing to offload
     limit = on_device * 0.99  # below any plan with all the state on the device
     assert limit > on_host
     with pytest.raises(PlanError):
-        make_plan(model, MESH, graph=graph, memory_budget=limit, time_limit_s=5.0,
-                  offload="none")
-    planned = make_plan(model, MESH, graph=graph, memory_budget=limit, time_limit_s=5.0).plan
+        make_plan(model, MESH, graph=graph,
+                  options=Options.of(memory_budget=limit, time_limit_s=5.0, offload="none"))
+    planned = make_plan(model, MESH, graph=graph,
+                        options=Options.of(memory_budget=limit, time_limit_s=5.0)).plan
     assert planned.param_state.offloaded and planned.cost.mem_bytes <= limit
     # it costs time, so only some of the state goes: as much as the limit needs
     assert len(planned.param_state.offloaded) < len(planned.params)
@@ -144,7 +150,7 @@ def test_offload_is_chosen_only_where_nothing_fits_without(tiny):
 def test_bad_stage_and_offload_names_say_what_to_use(tiny):
     model, inputs, graph = tiny
     with pytest.raises(PlanError, match="auto, 1, 2 or 3"):
-        make_plan(model, MESH, graph=graph, zero="4")
+        make_plan(model, MESH, graph=graph, options=Options.of(zero="4"))
     with pytest.raises(PlanError, match="auto, none, optimizer"):
-        make_plan(model, MESH, graph=graph, offload="cpu")
+        make_plan(model, MESH, graph=graph, options=Options.of(offload="cpu"))
 

@@ -3,9 +3,10 @@ import pytest
 
 from autopar.capture.joint import capture
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.models import get_preset
-from autopar.passes.cost.scoring import score_assignment
 from autopar.passes.problem import sharding_problem
+from autopar.passes.problem.scoring import score_assignment
 from autopar.solver import evaluate
 
 
@@ -130,7 +131,7 @@ def test_refining_followers_sees_past_the_follower_to_its_consumers():
     refs = {"megatron_tp": REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp",
                                                           batch_size=256)}
     planned = make_plan(model, mesh, (x, torch.empty_like(x)), references=refs,
-                        time_limit_s=2.0)
+                        options=Options.of(time_limit_s=2.0))
     from autopar.passes.problem import sharding_problem as spm
     from autopar.passes.problem.reduction import refine_followers
 
@@ -176,7 +177,7 @@ def test_edge_matrices_price_each_move_as_the_cost_model_does(shape):
     does not matter, per tensor shape where a nested route may), equal every move priced on
     its own by ``cost_model.reshard_time``, bucket shares included."""
     from autopar.passes.cost import cost_model as cm
-    from autopar.passes.cost.edge_costs import (
+    from autopar.passes.problem.edge_costs import (
         _batch_price,
         _kind,
         edge_matrix,
@@ -203,7 +204,7 @@ def test_inputs_written_in_place_are_never_resharded():
     the op as it is; in eval mode nothing is written."""
     import torch
 
-    from autopar.passes.cost.edge_costs import edge_matrix, edge_specs
+    from autopar.passes.problem.edge_costs import edge_matrix, edge_specs
     from autopar.passes.strategies.registry import mutated_inputs, tensor_inputs
     from autopar.solver.reduce import FORBIDDEN
 

@@ -22,6 +22,7 @@ from harness.spmd import (
 
 import autopar
 from autopar.capture.joint import capture
+from autopar.ir.options import Options
 from autopar.ir.precision import Precision
 from autopar.models import get_preset
 from autopar.planning.planner import make_plan
@@ -64,14 +65,15 @@ def test_bf16_plan_prices_the_real_dtypes():
     model = preset.build("meta")
     inputs = preset.example_inputs(8, 256)
     mesh = autopar.Mesh((2,), ("dp",), "h100")
-    fp32 = make_plan(model, mesh, inputs, precision="fp32", recompute="none",
-                     time_limit_s=2.0).plan
-    bf16 = make_plan(model, mesh, inputs, precision="bf16", recompute="none",
-                     time_limit_s=2.0).plan
+    fp32 = make_plan(model, mesh, inputs,
+                     options=Options.of(precision="fp32", recompute="none", time_limit_s=2.0)).plan
+    bf16 = make_plan(model, mesh, inputs,
+                     options=Options.of(precision="bf16", recompute="none", time_limit_s=2.0)).plan
     assert bf16.precision == Precision("bf16") and fp32.precision == Precision("fp32")
     assert bf16.cost.compute_s < fp32.cost.compute_s  # bf16 matmul rates, half the bytes
-    reduced = make_plan(model, mesh, inputs, precision="bf16", reduce_dtype="bf16",
-                        recompute="none", time_limit_s=2.0).plan
+    reduced = make_plan(model, mesh, inputs,
+                        options=Options.of(precision="bf16", reduce_dtype="bf16", recompute="none",
+                                           time_limit_s=2.0)).plan
 
     def sync_bytes(p):
         return sum(c.bytes for c in p.collectives if c.reason == "gradient sync")

@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.ir.errors import MeshError, PlanError
-from autopar.models import get_preset
+from autopar.ir.options import Options
 from autopar.ir.schedules import schedule as schedule_info
+from autopar.models import get_preset
 from autopar.runtime.pipeline.module import PipelineModule
 
 WORLD = 4
@@ -302,7 +303,7 @@ def test_a_given_plan_must_match(tmp_path) -> None:
 
     model, inputs = _gpt2(2)
     planned = plan_pipeline(model, autopar.Mesh((2, 2), ("pp", "dp"), "cpu"), inputs,
-                            time_limit_s=2.0, schedule="1F1B").plan
+                            options=Options.of(time_limit_s=2.0, schedule="1F1B")).plan
     _refused(PlanError, r"made for mesh pp=2,dp=2 but runs on pp=4", (4,), ("pp",),
              plan=planned)
     _refused(PlanError, r"schedule='GPipe' was asked but the given plan has schedule='1F1B'",
@@ -310,5 +311,5 @@ def test_a_given_plan_must_match(tmp_path) -> None:
     _refused(PlanError, r"made for another model .*2 blocks; this one has 4", (2, 2),
              layers=4, plan=planned)
     flat = make_plan(model, autopar.Mesh((4,), ("dp",), "cpu"), inputs,
-                                     time_limit_s=2.0).plan
+                     options=Options.of(time_limit_s=2.0)).plan
     _refused(PlanError, r"the plan has no pipeline section", (2, 2), plan=flat)

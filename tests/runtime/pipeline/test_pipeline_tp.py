@@ -32,6 +32,7 @@ from harness.spmd import EPS, LR, fake_group, four_block_model, rel_err
 
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
 from autopar.ir.placements import R, Replicate, S
 from autopar.models import get_preset
 from autopar.runtime.pipeline import stages as ps
@@ -95,8 +96,8 @@ def _megatron(model, family: str):
     def plan(stage: int, graph, mesh):
         ref = megatron_tp(model, mesh.shape, mesh.axes, family)
         pinned = pin_boundary(graph, mesh, {n: ref.params[n] for n in graph.param_names})
-        return make_plan(None, mesh, graph=pinned, memory_budget=math.inf,
-                         time_limit_s=PLAN_S).plan
+        return make_plan(None, mesh, graph=pinned,
+                         options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S)).plan
     return plan
 
 
@@ -244,8 +245,8 @@ def test_stage_plan_keeps_its_pins_and_prices_the_boundary() -> None:
 
     mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
     mods, g0, _ = _stage_graphs("gpt2-tiny", mesh)
-    plan = make_plan(mods[0], mesh, graph=g0, memory_budget=math.inf,
-                     time_limit_s=PLAN_S).plan
+    plan = make_plan(mods[0], mesh, graph=g0,
+                     options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S)).plan
     for name, spec in g0.pins.items():
         assert plan.nodes[name].outs[0] == spec
     y_spec = plan.nodes[g0.loss_node].outs[0]
@@ -254,7 +255,7 @@ def test_stage_plan_keeps_its_pins_and_prices_the_boundary() -> None:
     assert not any(c.reason == "loss" for c in plan.collectives)  # no loss on this stage
     with pytest.raises(PlanError, match="not pinned.*pin_boundary"):
         make_plan(mods[0], mesh, graph=dataclasses.replace(g0, pins={}),
-                  memory_budget=math.inf, time_limit_s=PLAN_S)
+                  options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S))
 
 
 def test_neighbours_must_agree_on_the_boundary() -> None:
@@ -265,10 +266,11 @@ def test_neighbours_must_agree_on_the_boundary() -> None:
 
     mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
     mods, g0, g1 = _stage_graphs("llama3-tiny", mesh)
-    p0 = make_plan(mods[0], mesh, graph=g0, memory_budget=math.inf, time_limit_s=PLAN_S).plan
+    p0 = make_plan(mods[0], mesh, graph=g0,
+                   options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S)).plan
     whole = dataclasses.replace(g1, pins={k: (R, R) for k in g1.pins})  # another boundary
-    p1 = make_plan(mods[1], mesh, graph=whole, memory_budget=math.inf,
-                   time_limit_s=PLAN_S).plan
+    p1 = make_plan(mods[1], mesh, graph=whole,
+                   options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S)).plan
     with pytest.raises(PlanError, match=r"stage 1's plan receives its input as \(R, R\) but "
                                         r"stage 0's plan sends its output as \(S\(0\), R\)"):
         check_stage_plan(1, g1, p1, mesh, p0, g0)
@@ -308,8 +310,8 @@ def test_a_shared_weight_must_be_placed_alike_on_its_stages() -> None:
     def plans(stage: int, graph, mesh):
         # the embedding whole on the first stage, the head's copy split over tp on the last
         graph = pin_boundary(graph, mesh, {"wte.weight": (R, S(0)) if stage else (R, R)})
-        return make_plan(None, mesh, graph=graph, memory_budget=math.inf,
-                         time_limit_s=PLAN_S).plan
+        return make_plan(None, mesh, graph=graph,
+                         options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S)).plan
 
     with pytest.raises(PlanError, match=r"stage 1's plan places wte.weight as \(R, S\(0\)\) "
                                         r"but the pipeline gives it as \(R, R\)"):

@@ -1,0 +1,120 @@
+"""The planner's modes: what is done to the traced graph, and offered to the solver, before it
+places anything. A :class:`Mode` is a value: the activations recomputed, whether parameters
+are gathered again in the backward (ZeRO-3) or their gradients all-reduced whole (ZeRO-1),
+and whether optimizer state may live on the host. ``Mode.label`` is how it reads
+(``"none+zero3"``, ``"full+zero3+offload"``); :meth:`Mode.parse` reads it back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.ir.errors import PlanError
+from autopar.ir.graph import PlanGraph
+from autopar.ir.options import FIXED_RECOMPUTE_MODES
+from autopar.passes.memory import recompute as recompute_mode
+from autopar.passes.memory import zero as zero_mod
+
+# the label's suffixes, in the order they are written
+REGATHER = "+zero3"  # parameters gathered again in the backward (ZeRO-3)
+WHOLE_GRADS = "+zero1"  # gradients of split parameters all-reduced whole (ZeRO-1)
+OFFLOADED = "+offload"  # optimizer state offered to the host
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """``recompute``: the activations recomputed (``none``, ``selective``, ``full``);
+    ``regather``: parameters gathered again in the backward (ZeRO-3); ``whole_grads``: the
+    gradients of split parameters all-reduced whole (ZeRO-1); ``offload``: optimizer state
+    offered to the solver for host memory."""
+
+    recompute: str = "none"
+    regather: bool = False
+    whole_grads: bool = False
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute not in FIXED_RECOMPUTE_MODES:
+            raise PlanError(f"unknown recompute mode {self.recompute!r} in a planner mode: use "
+                            f"one of {', '.join(FIXED_RECOMPUTE_MODES)}")
+
+    @property
+    def label(self) -> str:
+        """How the mode reads: the recompute mode, then ``+zero3``, ``+zero1``, ``+offload``."""
+        return (self.recompute + (REGATHER if self.regather else "")
+                + (WHOLE_GRADS if self.whole_grads else "") + (OFFLOADED if self.offload else ""))
+
+    def __str__(self) -> str:
+        return self.label
+
+    @classmethod
+    def parse(cls, label: str) -> Mode:
+        """The mode a label names (``"full+zero3"``); an unknown part is refused by name."""
+        head, *rest = label.split("+")
+        known = {REGATHER[1:]: "regather", WHOLE_GRADS[1:]: "whole_grads",
+                 OFFLOADED[1:]: "offload"}
+        flags = {}
+        for part in rest:
+            if part not in known:
+                raise PlanError(f"unknown part {part!r} of planner mode {label!r}: a mode is a "
+                                f"recompute mode with any of "
+                                f"{', '.join('+' + k for k in known)}")
+            flags[known[part]] = True
+        return cls(head, **flags)
+
+    @classmethod
+    def of(cls, mode: Mode | str) -> Mode:
+        return mode if isinstance(mode, Mode) else cls.parse(mode)
+
+    @property
+    def base(self) -> Mode:
+        """The mode without offload."""
+        return replace(self, offload=False)
+
+    @property
+    def plain(self) -> Mode:
+        """The mode without recomputation (re-gathering and offload as they are)."""
+        return replace(self, recompute="none")
+
+    def offloaded(self) -> Mode:
+        return replace(self, offload=True)
+
+
+def candidate_modes(recompute: str, zero: str) -> list[Mode]:
+    """The modes the planner tries, first the one every other starts from: each recompute
+    mode asked for (``auto``: none, selective, full), with and without re-gathering where the
+    ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing), and
+    ZeRO-1 (whole gradients all-reduced) beside the first. ZeRO-1 moves the bytes ZeRO-2
+    does and holds whole gradients, so without gradient accumulation priced it does not win;
+    it is weighed, not assumed away."""
+    asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
+    out = []
+    for mode in asked:
+        if zero == "3" or (zero == "auto" and mode == "full"):
+            out.append(Mode(mode, regather=True))
+        elif zero == "auto" and mode != "full":
+            out += [Mode(mode), Mode(mode, regather=True)] + (
+                [Mode(mode, whole_grads=True)] if mode == asked[0] else [])
+        else:
+            out.append(Mode(mode, whole_grads=zero == "1"))
+    return out
+
+
+def reference_mode(recompute: str) -> Mode:
+    """The mode a fixed policy's layout is completed in: full recomputation re-gathers (what
+    FSDP with per-block activation checkpointing does), the others keep what they gather."""
+    return Mode(recompute, regather=recompute == "full")
+
+
+def mode_graph(pg: PlanGraph, mode: Mode | str) -> PlanGraph:
+    """``pg`` with a mode's recomputation and re-gathering applied (the nodes it copies into
+    the backward). Without re-gathering, a parameter's views are not recomputed even where
+    the mode recomputes the rest of the layer: the stage is ZeRO-2, the gathered copy kept."""
+    mode = Mode.of(mode)
+    names = recompute_mode.recompute_nodes(pg, mode.recompute)
+    chain = set(zero_mod.regather_nodes(pg))
+    if mode.regather:
+        names = [n.name for n in pg.graph.nodes if n.name in chain or n.name in set(names)]
+    else:
+        names = [n for n in names if n not in chain]
+    return recompute_mode.apply_recompute(pg, names)
