@@ -1,84 +1,79 @@
-"""Text output for training runs: a one-line progress bar, sparklines and a loss comparison.
-
-No third-party progress library: the package declares only torch and the solver's needs, and a
-bar that redraws one line with ``\\r`` is a dozen lines.
+"""Text output for training runs: a one-line progress bar (``tqdm``), sparklines and a loss
+comparison (its table laid out by :func:`autopar.report.table.text_table`, ``rich``).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from autopar.report.table import text_table
 
 _BLOCKS = "▁▂▃▄▅▆▇█"
 _ASCII_LEVELS = "_.-~=*#@"
 
 
+class _Bar(tqdm):
+    """tqdm with two more fields for ``bar_format``: the last step's ``loss`` (``-`` before the
+    first) and ``tok_s``, tqdm's smoothed rate in tokens per second."""
+
+    monitor_interval = 0  # no monitor thread in a training process
+
+    def __init__(self, *args: Any, tokens_per_step: int, **kwargs: Any) -> None:
+        self.loss: float | None = None
+        self.tokens_per_step = tokens_per_step
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        d = super().format_dict
+        rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else 0.0)
+        loss = "-" if self.loss is None else f"{self.loss:.4f}"
+        return {**d, "loss": loss, "tok_s": format_rate(rate * self.tokens_per_step)}
+
+
 class Progress:
     """``update(step, loss)`` after each step; ``close()`` at the end.
 
-    On a terminal the bar is redrawn in place (at most ~10 times a second, so drawing never
-    costs a step's time); elsewhere (a log file, CI, a pipe) one line is printed every
-    ``every`` steps, so logs stay readable.
+    On a terminal tqdm redraws the bar in place (at most ~10 times a second, so drawing never
+    costs a step's time); elsewhere (a log file, CI, a pipe) the same line is printed every
+    ``every`` steps, with no carriage returns, so logs stay readable.
     """
 
     def __init__(self, total: int, tokens_per_step: int, label: str = "train",
                  stream: TextIO | None = None, tty: bool | None = None,
                  every: int | None = None, width: int = 24) -> None:
         self.total = total
-        self.tokens_per_step = tokens_per_step
-        self.label = label
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
         self.every = every or max(1, total // 10)
-        self.width = width
-        self._t0 = time.perf_counter()
-        self._last_draw = 0.0
-        self._win_t = self._t0
-        self._win_steps = 0
-        self._rate = 0.0
-        self._line_len = 0
+        fmt = (f"{{desc}} [{{bar:{width}}}] {{n_fmt:>{len(str(total))}}}/{{total_fmt}} "
+               "loss {loss}  {tok_s} tok/s  {elapsed_s:5.1f}s")
+        # off a terminal tqdm never draws (delay=inf): it keeps the count and the clock, and
+        # update() prints its line (the rate then is the mean since the start, tqdm's
+        # smoothed one being updated only as it draws)
+        self._bar = _Bar(total=total, desc=label, file=self.stream, bar_format=fmt, ascii=".#",
+                         mininterval=0.1, leave=True, dynamic_ncols=self.tty,
+                         delay=0 if self.tty else math.inf, tokens_per_step=tokens_per_step)
 
     def update(self, step: int, loss: float) -> None:
         """``step`` counts from 1; ``loss`` is that step's loss."""
-        now = time.perf_counter()
-        self._win_steps += 1
-        if now - self._win_t >= 0.5 or step == self.total or self._rate == 0.0:
-            self._rate = self._win_steps * self.tokens_per_step / max(now - self._win_t, 1e-9)
-            self._win_t, self._win_steps = now, 0
-        if self.tty:
-            if now - self._last_draw >= 0.1 or step == self.total:
-                self._last_draw = now
-                self._draw(self.line(step, loss, self._rate, now - self._t0))
-        elif step % self.every == 0 or step == self.total or step == 1:
-            print(self.line(step, loss, self._rate, now - self._t0), file=self.stream,
-                  flush=True)
-
-    def line(self, step: int, loss: float, tok_s: float, elapsed: float) -> str:
-        done = round(self.width * step / max(self.total, 1))
-        bar = "#" * done + "." * (self.width - done)
-        return (f"{self.label} [{bar}] {step:>{len(str(self.total))}}/{self.total} "
-                f"loss {loss:.4f}  {format_rate(tok_s)} tok/s  {elapsed:5.1f}s")
-
-    def _draw(self, text: str) -> None:
-        pad = max(0, self._line_len - len(text))
-        self.stream.write("\r" + text + " " * pad)
-        self.stream.flush()
-        self._line_len = len(text)
+        self._bar.loss = loss
+        self._bar.update(step - self._bar.n)
+        if not self.tty and (step % self.every == 0 or step == self.total or step == 1):
+            print(str(self._bar), file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.tty and self._line_len:
-            self.stream.write("\n")
-            self.stream.flush()
+        self._bar.close()
 
 
 def format_rate(x: float) -> str:
-    for unit, scale in (("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.1f}{unit}"
-    return f"{x:.0f}"
+    """``x`` with an SI prefix, three significant digits (``41.2k``)."""
+    return tqdm.format_sizeof(x)
 
 
 def sparkline(values: Sequence[float], width: int = 60, lo: float | None = None,
@@ -134,10 +129,7 @@ def loss_report(curves: dict[str, Sequence[float]], points: int = 6, width: int 
         if len(names) > 1:
             row.append(f"{max(abs(curves[k][s] - curves[names[0]][s]) for k in names[1:]):.2e}")
         rows.append(row)
-    widths = [max(len(head[i]), *(len(r[i]) for r in rows)) for i in range(len(head))]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines = text_table(head, rows, justify="right", indent="")
     if len(names) > 1:
         for k in names[1:]:
             diffs = [abs(a - b) for a, b in zip(curves[names[0]][:n], curves[k][:n])]

@@ -24,13 +24,30 @@ def _grouped_params(plan: Plan) -> list[tuple[str, str, int]]:
     return [(name, spec, n) for (name, spec), n in groups.items()]
 
 
-def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
-    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
-    out = ["  " + line, "  " + "-" * len(line)]
-    out += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return out
+def text_table(headers: list[str], rows: list[list[str]], justify: str = "left",
+               indent: str = "  ") -> list[str]:
+    """``rows`` under ``headers`` as plain text lines, laid out by ``rich``: columns two spaces
+    apart, a rule of dashes under the header, no colour or control codes (the lines go to logs
+    and to tests as they go to a terminal), cells taken literally (no markup), never wrapped.
+    ``justify``: ``"left"`` or ``"right"``, for every column."""
+    import io
+
+    from rich.box import Box
+    from rich.console import Console
+    from rich.table import Table
+
+    # rich's box drawing, reduced to one line of "-" under the header (ASCII: any stream takes it)
+    rule = Box("    \n    \n -- \n    \n    \n    \n    \n    \n", ascii=True)
+    table = Table(box=rule, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0),
+                  header_style="", highlight=False)
+    for h in headers:
+        table.add_column(h, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(*r)
+    buf = io.StringIO()
+    Console(file=buf, width=100_000, color_system=None, force_terminal=False, markup=False,
+            emoji=False, highlight=False, legacy_windows=False).print(table)
+    return [indent + line.rstrip() for line in buf.getvalue().splitlines()]
 
 
 def plan_table(plan: Plan, max_params: int = 40) -> str:
@@ -57,20 +74,20 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
     if plan.pipeline is not None:
         lines += [""] + pipeline_lines(plan)
     lines += ["", "inputs:"]
-    lines += _table(["input", "shape", "placement"],
-                    [[k, str(plan.input_shapes.get(k, "")), spec_str(v)]
-                     for k, v in plan.inputs.items()])
+    lines += text_table(["input", "shape", "placement"],
+                        [[k, str(plan.input_shapes.get(k, "")), spec_str(v)]
+                         for k, v in plan.inputs.items()])
     grouped = _grouped_params(plan)
     lines += ["", f"parameters ({len(plan.params)}; layers folded as *):"]
     rows = [[name + (f"  (x{n})" if n > 1 else ""), spec] for name, spec, n in grouped[:max_params]]
     axes = "per stage-mesh axis" if plan.pipeline is not None else "per mesh axis"
-    lines += _table(["parameter", f"placement {axes}"], rows)
+    lines += text_table(["parameter", f"placement {axes}"], rows)
     if len(grouped) > max_params:
         lines.append(f"  ... {len(grouped) - max_params} more")
     lines += ["", "collectives per step" + (" of one stage, one microbatch (gradient syncs once "
                                              "per step):" if plan.pipeline is not None else ":")]
     if plan.collectives:
-        lines += _table(
+        lines += text_table(
             ["collective", "axis", "count", "bytes/device", "time", "why"],
             [[x.kind, x.axis, str(x.count), fmt_bytes(x.bytes), fmt_time(x.time_s), x.reason]
              for x in plan.collectives],
@@ -103,8 +120,8 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
                          fmt_bytes(rc.mem_bytes), fits(rc.mem_bytes), f"{ratio:.2f}x"])
         rows.insert(0, ["autopar", fmt_time(c.step_s), fmt_time(c.compute_s), fmt_time(c.comm_s),
                         fmt_bytes(c.mem_bytes), fits(c.mem_bytes), "1.00x"])
-        lines += _table(["plan", "step", "compute", "comm", "memory", "fits", "step vs autopar"],
-                        rows)
+        lines += text_table(
+            ["plan", "step", "compute", "comm", "memory", "fits", "step vs autopar"], rows)
     return "\n".join(lines)
 
 
@@ -195,7 +212,7 @@ def plan_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
     rows += [[name + (f"  (x{n})" if n > 1 else ""), sa, sb] for (name, sa, sb), n in folded.items()]
     if not rows:
         return "\n".join(lines + ["the plans place every parameter and input alike"])
-    return "\n".join(lines + [""] + _table(["tensor", name_a, name_b], rows))
+    return "\n".join(lines + [""] + text_table(["tensor", name_a, name_b], rows))
 
 
 def pipeline_lines(plan: Plan) -> list[str]:
@@ -222,17 +239,17 @@ def pipeline_lines(plan: Plan) -> list[str]:
             what.append("head")
         rows.append([str(st.index), str(st.rank), " + ".join(what), fmt_time(st.time_s),
                      str(st.in_flight), fmt_bytes(st.memory_bytes)])
-    lines += _table(["stage", "rank", "holds", "time/microbatch", "in flight", "memory"], rows)
+    lines += text_table(["stage", "rank", "holds", "time/microbatch", "in flight", "memory"], rows)
     per_rank = ", ".join(fmt_bytes(b) for b in pp.rank_memory_bytes)
     lines.append(f"  memory per pipeline rank: {per_rank}")
     finite = [o for o in pp.options if math.isfinite(o.step_s)]
     shown = finite[:6]
     if len(pp.options) > 1:
         lines.append("  schedules weighed (fastest first):")
-        lines += ["  " + r for r in _table(
+        lines += text_table(
             ["schedule", "v", "m", "step", "bubble", "memory"],
             [[o.schedule, str(o.virtual), str(o.microbatches), fmt_time(o.step_s),
-              f"{o.bubble:.1%}", fmt_bytes(o.mem_bytes)] for o in shown])]
+              f"{o.bubble:.1%}", fmt_bytes(o.mem_bytes)] for o in shown], indent="    ")
         if len(finite) > len(shown):
             lines.append(f"    ... {len(finite) - len(shown)} slower ones that fit")
         failed = len(pp.options) - len(finite)
