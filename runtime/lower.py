@@ -56,8 +56,8 @@ from autopar.ir.placements import (
 from autopar.ir.plan import Plan
 from autopar.passes.cost.buckets import GradSync, bucket_collectives, sync_groups
 from autopar.passes.cost.cost_model import axes_label, reshard_collectives, sum_axes
-from autopar.passes.cost.edge_costs import gather_unit
 from autopar.passes.memory.zero import grad_target
+from autopar.passes.problem.edge_costs import gather_unit
 from autopar.passes.problem.stage_boundary import REASON as BOUNDARY
 from autopar.passes.strategies.localize import (
     LocalContext,

@@ -75,6 +75,18 @@ class NodeFacts:
         return self.role == "param" or "param_cast" in self.extra
 
 
+def node_layer(n: fx.Node) -> int | None:
+    """The repeated block node ``n`` belongs to (``NodeFacts.layer``); a parameter, which
+    capture tags with none, belongs to the layer of the ops that use it (if only one)."""
+    ly = n.meta["autopar"].layer
+    if ly is None and n.op == "placeholder":
+        # a parameter belongs to the layer of the ops that use it
+        layers = {u.meta["autopar"].layer for u in n.users if "autopar" in u.meta} - {None}
+        if len(layers) == 1:
+            return layers.pop()
+    return ly
+
+
 @dataclass(frozen=True, slots=True)
 class StageIO:
     """What one pipeline stage's step exchanges with its neighbours besides its parameters

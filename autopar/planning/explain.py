@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from autopar.ir.depth import DepthProxy
-    from autopar.passes.problem.sharding_problem import ShardingProblem
+    from autopar.passes.problem.types import ShardingProblem
 
 
 def explain_node(sp: ShardingProblem, proxy: DepthProxy | None, assignment: Sequence[int],

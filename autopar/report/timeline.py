@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autopar.ir.graph import node_layer
 from autopar.ir.placements import Replicate
-from autopar.passes.cost import bucket_fill
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.cost.buckets import (
     GradSync,
@@ -70,9 +70,9 @@ from autopar.passes.cost.buckets import (
     gather_move,
     sync_groups,
 )
-from autopar.passes.cost.edge_costs import edge_meta, gather_unit, is_param_gather, sync_target
-from autopar.passes.cost.scoring import edge_reason
-from autopar.passes.problem.reduction import node_layer
+from autopar.passes.problem import bucket_fill
+from autopar.passes.problem.edge_costs import edge_meta, gather_unit, is_param_gather, sync_target
+from autopar.passes.problem.scoring import edge_reason
 from autopar.passes.problem.sharding_problem import in_op_collectives
 from autopar.report.trace_events import (  # noqa: F401 - the writer and names, re-exported
     LANES,

@@ -1,1 +1,1 @@
-"""Pricing: per-op compute, collectives and resharding, gradient buckets, a plan's score."""
+"""Pricing: per-op compute, collectives and resharding routes, gradient buckets."""

@@ -19,7 +19,7 @@ forward or after the last block's backward is ``pre``, between is ``post``.
 
 The per-edge prices are those the plan's scoring sums; gradient syncs are bucketed there, so
 the parts' syncs are scaled to the plan's bucketed total (each bucket at its real fill, as
-:func:`autopar.passes.cost.bucket_fill.score` reports plans), and the rest to the plan's step
+:func:`autopar.passes.problem.bucket_fill.score` reports plans), and the rest to the plan's step
 time less it: the parts add up to the plan's own cost.
 """
 
@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.ir import stage_kind
+from autopar.ir.graph import node_layer
 from autopar.ir.placements import local_shape
-from autopar.passes.cost import bucket_fill
 from autopar.passes.cost.cost_model import loss_collectives
-from autopar.passes.memory.peak import step_usage
-from autopar.passes.problem.reduction import node_layer
-from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.passes.problem import bucket_fill
+from autopar.passes.problem.step_memory import step_usage
+from autopar.passes.problem.types import ShardingProblem
 
 PARTS = ("pre", "block", "post")
 
@@ -239,7 +239,7 @@ def _weight_gradient_nodes(sp: ShardingProblem) -> set[int]:
 def _memory_parts(sp: ShardingProblem, choice: list[int], parts: list[str], tied: set[int]
                   ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """State, kept-per-microbatch and largest transient bytes of each part, from the step's
-    buffers (:func:`autopar.passes.memory.peak.step_usage`). A ``tied`` parameter's state is held
+    buffers (:func:`autopar.passes.problem.step_memory.step_usage`). A ``tied`` parameter's state is held
     by both ends (the first and last stages each keep a copy)."""
     usage, live = step_usage(sp, choice)
     n_nodes = len(sp.nodes)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.passes.problem.types import ShardingProblem
 from autopar.solver.elimination import greedy_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch.fx as fx
 
-from autopar.ir.graph import NodeFacts
-from autopar.passes.cost.edge_costs import edge_matrix
+from autopar.ir.graph import NodeFacts, node_layer
+from autopar.passes.problem.edge_costs import edge_matrix
 from autopar.solver.problem import Problem
 
 if TYPE_CHECKING:
-    from autopar.passes.problem.sharding_problem import Edge, ShardingProblem
+    from autopar.passes.problem.types import Edge, ShardingProblem
 
 
 # --- reduction 1: followers -----------------------------------------------------------------
@@ -99,16 +98,6 @@ def assign_variables(sp: ShardingProblem, share_layers: bool) -> None:
 
 def _root_layer(sp: ShardingProblem, r: int) -> int | None:
     return node_layer(sp.nodes[r])
-
-
-def node_layer(n: fx.Node) -> int | None:
-    ly = n.meta["autopar"].layer
-    if ly is None and n.op == "placeholder":
-        # a parameter belongs to the layer of the ops that use it
-        layers = {u.meta["autopar"].layer for u in n.users if "autopar" in u.meta} - {None}
-        if len(layers) == 1:
-            return layers.pop()
-    return ly
 
 
 def _signature(sp: ShardingProblem, r: int) -> tuple:

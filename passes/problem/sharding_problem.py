@@ -12,25 +12,20 @@ node. The exact peak memory of a solved plan is measured over the whole step aft
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.ir.graph import NodeFacts, PlanGraph
+from autopar.ir.graph import NodeFacts, PlanGraph, node_layer
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Replicate
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.memory import zero
 from autopar.passes.memory.peak import live_intervals, own_storage, peak_memory
 from autopar.passes.problem import stage_boundary
-from autopar.passes.problem.reduction import (
-    assign_variables,
-    merge_followers,
-    node_layer,
-    reduced_problem,
-)
+from autopar.passes.problem.reduction import assign_variables, merge_followers, reduced_problem
+from autopar.passes.problem.types import Edge, ShardingProblem
 from autopar.passes.strategies.random import WHOLE_DRAW
 from autopar.passes.strategies.registry import (
     Strategy,
@@ -39,75 +34,6 @@ from autopar.passes.strategies.registry import (
     node_strategies,
     tensor_inputs,
 )
-from autopar.solver.problem import Problem
-
-
-@dataclass(slots=True)
-class Edge:
-    src: int  # producer node index
-    dst: int  # consumer node index
-    out_idx: int  # which output of the producer
-    in_idx: int  # which tensor input of the consumer (-1: gradient tied to its parameter)
-    # the consumer writes that input in place (a buffer's running stats): the value must reach
-    # it as it is, or the write would land on a copy (edge_costs forbids every reshard)
-    written: bool = False
-
-
-@dataclass
-class ShardingProblem:
-    mesh: Mesh
-    nodes: list[fx.Node]
-    strategies: list[list[Strategy]]
-    node_cost: list[np.ndarray]
-    usage: list[np.ndarray]  # bytes per device per strategy (param: + grad + Adam state)
-    edges: list[Edge]
-    missing_rules: dict[str, int]  # op name -> count of nodes planned replicated
-    unary: dict[int, np.ndarray] = field(default_factory=dict)  # communication tied to one node
-    group_cost: list[np.ndarray] = field(default_factory=list)  # root: its group's total cost
-    reshard_cache: dict = field(default_factory=dict, repr=False)
-    # (route key, src id, dst id) -> the pair's cost_model.Move list (edge_costs)
-    moves_cache: dict = field(default_factory=dict, repr=False)
-    # spec -> int, the ids both caches are keyed by: reset or share the three together
-    spec_ids: dict = field(default_factory=dict, repr=False)
-    matrix_cache: dict = field(default_factory=dict, repr=False)
-    # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found
-    # them under-full (passes.bucket_fill); absent: full buckets
-    bucket_fill: dict = field(default_factory=dict)
-    share_layers: bool = True  # identical layers share one solver variable per node
-    # the dtype gradients are summed across ranks in, where it is not their own (a mixed
-    # precision plan reducing in bf16): gradient syncs are priced in it
-    grad_dtype: torch.dtype | None = None
-    loss_scaling: bool = False  # fp16: the step all-reduces an overflow flag (passes.scoring)
-    # ZeRO-1: gradients of split parameters are all-reduced whole, then sliced
-    # (passes.zero.grad_target); priced and run so
-    zero1: bool = False
-    loss_index: int = -1  # the loss node (reported whole on every rank)
-    # a pipeline stage's output and input gradient: (node, the layout each leaves in)
-    boundary: list[tuple[int, tuple]] = field(default_factory=list)
-    weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
-    in_flight: float = 1.0  # microbatches whose kept activations a rank holds (pipelines)
-    peak_time: int = 0
-    live: list[tuple[int, int]] = field(default_factory=list)
-    # reduction results
-    group_of: np.ndarray | None = None  # node -> group root node
-    follow: list[np.ndarray] = field(default_factory=list)  # node: root strategy -> own strategy
-    var_of: np.ndarray | None = None  # node -> solver variable
-    var_root: list[int] = field(default_factory=list)  # variable -> its template root node
-    problem: Problem | None = None
-    shared_layers: int = 0
-
-    def expand(self, assignment: tuple[int, ...] | list[int]) -> list[int]:
-        """Strategy index of every node from one strategy per solver variable."""
-        assert self.var_of is not None and self.group_of is not None
-        out = []
-        for i in range(len(self.nodes)):
-            v = self.var_of[i]
-            root = self.group_of[i]
-            # a shared variable is solved on its template root; a group in another layer uses
-            # the same strategy index at its own root (the strategy lists are identical)
-            s_root = assignment[v]
-            out.append(int(self.follow[i][s_root]) if root != i else int(s_root))
-        return out
 
 
 def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,

@@ -26,7 +26,7 @@ from autopar.ir.placements import spec_str
 from autopar.passes.cost import cost_model as cm
 
 if TYPE_CHECKING:
-    from autopar.passes.problem.sharding_problem import ShardingProblem
+    from autopar.passes.problem.types import ShardingProblem
 
 REASON = "stage boundary"
 

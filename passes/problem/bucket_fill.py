@@ -40,12 +40,12 @@ from autopar.passes.cost.buckets import (
     gather_move,
     sync_groups,
 )
-from autopar.passes.cost.edge_costs import edge_meta, gather_unit, is_param_gather, sync_target
+from autopar.passes.problem.edge_costs import edge_meta, gather_unit, is_param_gather, sync_target
 from autopar.passes.problem.reduction import assign_variables, merge_followers, reduced_problem
-from autopar.passes.problem.sharding_problem import ShardingProblem
+from autopar.passes.problem.types import ShardingProblem
 
 if TYPE_CHECKING:
-    from autopar.passes.cost.scoring import Scored
+    from autopar.passes.problem.scoring import Scored
 
 MIN_CHANGE = 0.005  # reprice (and solve again) only if the step gets at least this much dearer
 # Buckets holding less than DDP's first bucket are repriced. Fuller ones keep the full-bucket
@@ -113,7 +113,7 @@ def _measure_gathers(sp: ShardingProblem, choice: list[int], totals: dict, count
 def reprice(sp: ShardingProblem, choice: list[int], memory_budget: float | None) -> bool:
     """Price gradient buckets at their fill in ``choice`` and rebuild the reduced problem, if
     that makes ``choice`` dearer by more than ``MIN_CHANGE``; True if it did."""
-    from autopar.passes.cost.scoring import score_assignment
+    from autopar.passes.problem.scoring import score_assignment
 
     # keys found under-full before keep their price, so that rounds do not undo each other
     fills = {**sp.bucket_fill, **measure(sp, choice)}
@@ -135,7 +135,7 @@ def score(sp: ShardingProblem, choice: list[int]) -> Scored:
     reported by this: the solver's prices (``sp.bucket_fill``) are the fills of one plan,
     applied to every plan, and would overcharge one whose buckets fill (a data-parallel
     reference beside a tensor-parallel plan on the same axis)."""
-    from autopar.passes.cost.scoring import score_assignment
+    from autopar.passes.problem.scoring import score_assignment
 
     old = sp.bucket_fill
     sp.bucket_fill = measure(sp, choice, gathers=True)  # scoring reads no cached edge matrix

@@ -24,16 +24,18 @@ from autopar.passes.cost.buckets import (
     gather_move,
     sync_groups,
 )
-from autopar.passes.cost.edge_costs import (
+from autopar.passes.memory.peak import peak_memory
+from autopar.passes.problem import stage_boundary
+from autopar.passes.problem.edge_costs import (
     edge_collectives,
     edge_meta,
     gather_unit,
     is_param_gather,
     sync_target,
 )
-from autopar.passes.memory.peak import peak_memory, step_usage
-from autopar.passes.problem import stage_boundary
-from autopar.passes.problem.sharding_problem import Edge, ShardingProblem, in_op_collectives
+from autopar.passes.problem.sharding_problem import in_op_collectives
+from autopar.passes.problem.step_memory import step_usage
+from autopar.passes.problem.types import Edge, ShardingProblem
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from autopar.ir.graph import TensorMeta
+from autopar.ir.graph import TensorMeta, node_layer
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.cost.buckets import bucket_kind, gather_move
 from autopar.passes.memory.zero import grad_target
@@ -19,7 +19,7 @@ from autopar.solver.reduce import FORBIDDEN
 if TYPE_CHECKING:
     import torch.fx as fx
 
-    from autopar.passes.problem.sharding_problem import Edge, ShardingProblem
+    from autopar.passes.problem.types import Edge, ShardingProblem
 
 
 def _reshard_table(sp: ShardingProblem, meta: TensorMeta, srcs: list, dsts: list,
@@ -76,7 +76,7 @@ def sync_target(sp: ShardingProblem, e: Edge, src, dst):
 def _batch_price(sp: ShardingProblem, meta: TensorMeta, src, dst,
                  kind: str | None) -> tuple[bool, float]:
     """Whether the move is batched with others, and what its batch holds: a full gradient
-    bucket (or parameter gather), unless :func:`autopar.passes.cost.bucket_fill.measure` found its
+    bucket (or parameter gather), unless :func:`autopar.passes.problem.bucket_fill.measure` found its
     batches under-full in a solution."""
     if not _batched(kind, src, dst):
         return False, cm.BUCKET_BYTES
@@ -98,8 +98,6 @@ def is_param_gather(sp: ShardingProblem, e: Edge) -> bool:
 
 def gather_unit(consumer: fx.Node) -> tuple:
     """The (phase, layer) whose parameter gathers go out together."""
-    from autopar.passes.problem.reduction import node_layer
-
     return (consumer.meta["autopar"].phase, node_layer(consumer))
 
 
