@@ -2,11 +2,11 @@
 
 Every tensor-producing node gets its strategies (``passes.strategies``), a compute cost and a
 memory use per strategy; every producer->consumer edge a matrix of resharding costs
-(``passes.edge_costs``); a gradient is tied to its parameter by an edge that prices moving it
-into the parameter's layout. ``passes.problem_reduction`` then merges followers and shares
-variables between repeated layers; ``ShardingProblem.expand`` maps a solution back to every
-node. The exact peak memory of a solved plan is measured over the whole step afterwards
-(``passes.scoring``).
+(``problem/edge_costs.py``); a gradient is tied to its parameter by an edge that prices
+moving it into the parameter's layout. ``problem/reduction.py`` then merges followers and
+shares variables between repeated layers; ``ShardingProblem.expand`` maps a solution back to
+every node. The exact peak memory of a solved plan is measured over the whole step afterwards
+(``problem/scoring.py``, ``problem/step_memory.py``). The problem's data is ``problem/types.py``.
 """
 
 from __future__ import annotations

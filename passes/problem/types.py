@@ -44,15 +44,15 @@ class ShardingProblem:
     spec_ids: dict = field(default_factory=dict, repr=False)
     matrix_cache: dict = field(default_factory=dict, repr=False)
     # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found
-    # them under-full (passes.bucket_fill); absent: full buckets
+    # them under-full (problem/bucket_fill.py); absent: full buckets
     bucket_fill: dict = field(default_factory=dict)
     share_layers: bool = True  # identical layers share one solver variable per node
     # the dtype gradients are summed across ranks in, where it is not their own (a mixed
     # precision plan reducing in bf16): gradient syncs are priced in it
     grad_dtype: torch.dtype | None = None
-    loss_scaling: bool = False  # fp16: the step all-reduces an overflow flag (passes.scoring)
+    loss_scaling: bool = False  # fp16: the step all-reduces an overflow flag (problem/scoring.py)
     # ZeRO-1: gradients of split parameters are all-reduced whole, then sliced
-    # (passes.zero.grad_target); priced and run so
+    # (memory/zero.py grad_target); priced and run so
     zero1: bool = False
     loss_index: int = -1  # the loss node (reported whole on every rank)
     # a pipeline stage's output and input gradient: (node, the layout each leaves in)
