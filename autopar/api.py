@@ -30,7 +30,9 @@ from autopar.ir.options import Options
 from autopar.ir.placements import Spec
 from autopar.ir.plan import Plan, SolverInfo
 from autopar.ir.precision import Precision
+from autopar.ir.stage_kind import plan_runs_as_program
 from autopar.passes.memory.recompute import apply_recompute
+from autopar.planning.stage_plans import StagePlansAsked, pinned_stage_plans
 from autopar.runtime import _compat
 from autopar.runtime.launch import device_type, ensure_process_group, resolve_mesh
 from autopar.runtime.parallel_module import ParallelModule
@@ -38,6 +40,7 @@ from autopar.runtime.parallel_module import ParallelModule
 if TYPE_CHECKING:
     from autopar.planning.modes import Mode
     from autopar.runtime.pipeline.module import PipelineModule
+    from autopar.runtime.pipeline.runner import PipelineRunner
 
 def parallelize(
     model: nn.Module,
@@ -230,7 +233,64 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
 
         with _compat.outside_local_tensor_mode():
             plan = _agree(make)
-    return pm.from_plan(model, device_mesh, plan, args, kwargs, options.search.time_limit_s)
+    inputs, build = pm.build_options(model, plan, args, kwargs)
+    asked = None
+    if plan_runs_as_program(plan):  # each stage its plan, placed as the pipeline plan says
+        asked = pinned_stage_plans(plan, options.search.time_limit_s)
+    tokens, targets = inputs.split(args, kwargs or {})
+    runner = build_pipeline(model, (tokens, targets), device_mesh, **build, stage_plans=asked,
+                            plan_time_limit_s=options.search.time_limit_s)
+    return pm.PipelineModule(runner, plan, inputs)
+
+
+def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
+                   split: Any = None, schedule: str = "1f1b", n_microbatches: int = 4,
+                   virtual: int | None = None, frontend: str = "auto",
+                   loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                   stage_plans: StagePlansAsked = None, plan_time_limit_s: float = 30.0,
+                   precision: Precision | str | None = None, recompute: str = "none",
+                   ) -> PipelineRunner:
+    """``model`` as a pipeline on ``mesh``, its stage plans made where its stages run one
+    each: the runtime's :func:`~autopar.runtime.pipeline.runner.build_pipeline` (the same
+    arguments, which it documents), but ``stage_plans`` as asked: each stage's plan (stage
+    index -> Plan), a callable ``(stage, graph, submesh) -> Plan`` run on rank 0 with the
+    stage's graph, its boundary pinned, or None: the planner's
+    (:func:`autopar.planning.stage_plans.plan_stages`, no memory limit,
+    ``plan_time_limit_s``). Where the mesh has a ``tp`` axis of size > 1 or ``stage_plans``
+    is given, every stage's plan is made on rank 0, checked, and the same plans handed to
+    every rank's runtime."""
+    from autopar.runtime.pipeline import runner as pr
+
+    layout = pr.pipeline_layout(model, example_inputs, mesh, split, schedule, n_microbatches,
+                                virtual, frontend, loss_fn, stage_plans is not None, precision,
+                                recompute)
+    planned = None
+    if layout.programs:
+        planned = _plan_stage_programs(model, example_inputs, layout, stage_plans,
+                                       plan_time_limit_s)
+    return pr.build_from_layout(model, example_inputs, layout, planned)
+
+
+def _plan_stage_programs(model: nn.Module, example_inputs: tuple, layout: Any,
+                         asked: StagePlansAsked, time_limit_s: float) -> Any:
+    """Every stage's plan of ``layout`` (a pipeline whose stages run a plan each), made on
+    rank 0 (:func:`autopar.planning.stage_plans.plan_stages`, each checked as the runtime
+    will run it) and the same on every rank."""
+    from autopar.planning.stage_plans import plan_stages
+    from autopar.runtime.pipeline import stage_program as sp
+
+    tokens, targets = example_inputs[0], example_inputs[1]
+
+    def make() -> tuple[list[Plan], list[Any]]:
+        job = sp.stage_planning_inputs(model, layout.block_path, layout.ranges, tokens,
+                                       targets, layout.microbatch * layout.dp, layout.loss,
+                                       layout.dmesh)
+        return plan_stages(job.stages, job.block_path, job.first, job.targets, job.loss_fn,
+                           job.mesh, job.tied, asked, time_limit_s,
+                           check=sp.check_stage_plan)
+
+    plans, inputs = sp.agree(make)
+    return sp.PlannedStages(tuple(plans), tuple(inputs))
 
 
 def _fixed(options: Options) -> dict[str, Any]:

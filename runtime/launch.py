@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.ir.errors import AutoparError, LaunchError
+from autopar.ir.errors import AutoparError, LaunchError, MeshError
+from autopar.ir.mesh import Mesh
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,53 @@ def cleanup() -> None:
             dist.barrier()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+# --- the device mesh a plan runs on ------------------------------------------------------------
+
+_BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda", "fake": "cpu", "threaded": "cpu"}
+
+
+def device_type() -> str:
+    """The device type of the running process group's backend (``"cpu"``, ``"cuda"``)."""
+    backend = str(dist.get_backend())
+    return _BACKEND_DEVICE.get(backend, "cuda" if "nccl" in backend else "cpu")
+
+
+def ensure_process_group(mesh: Mesh) -> None:
+    """A process group for ``mesh``: the running one, torchrun's (from the environment), or a
+    one-process group for a one-device mesh."""
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        # NCCL with one GPU per process (LOCAL_RANK's) where CUDA is there, else gloo;
+        # collectives time out after torch's default 10 minutes
+        init_from_env(collective_timeout_s=600.0)
+    elif mesh.size == 1:  # a single-device mesh needs no launcher
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        raise MeshError(
+            f"mesh {mesh.describe()} has {mesh.size} devices but no process group is running: "
+            f"launch with torchrun --nproc-per-node {mesh.size} (or call "
+            "torch.distributed.init_process_group first)")
+
+
+def resolve_mesh(mesh: Mesh | Any) -> tuple[Any, Mesh]:
+    """The torch DeviceMesh to run on and the abstract Mesh to plan for."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if isinstance(mesh, DeviceMesh):
+        return mesh, Mesh.from_device_mesh(mesh)
+    if not isinstance(mesh, Mesh):
+        raise MeshError(f"mesh must be an autopar.Mesh or a torch DeviceMesh, got {type(mesh)}")
+    ensure_process_group(mesh)
+    world = dist.get_world_size()
+    if world != mesh.size:
+        raise MeshError(
+            f"mesh {mesh.describe()} has {mesh.size} devices but the process group has {world} "
+            f"ranks: launch {mesh.size} processes (torchrun --nproc-per-node {mesh.size}) or use "
+            f"a mesh of {world} devices")
+    return init_device_mesh(device_type(), mesh.shape, mesh_dim_names=mesh.axes), mesh
 
 
 def launch(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +40,28 @@ from autopar.ir.placements import Replicate, Shard, Spec, evenly_divides, spec_s
 from autopar.ir.precision import Precision
 
 BATCH_AXIS = "dp"  # the mesh axis a stage's boundary tensors split their batch over
+
+
+@dataclass(frozen=True, slots=True)
+class StageInputs:
+    """The global micro-batch a stage receives (every dp share), shapes and dtypes: its
+    example inputs for capture."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    def examples(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.empty(s, dtype=getattr(torch, d), device="meta")
+                     for s, d in zip(self.shapes, self.dtypes))
+
+
+def trace_stage(stage: nn.Module, inputs: StageInputs, last: bool, loss_fn: Callable,
+                block_path: str) -> PlanGraph:
+    """The joint graph (:func:`capture_stage`) of a pipeline stage module whose blocks are
+    ``block_path`` (in its ``order`` where it has one), the loss computed on the last."""
+    holder = stage.get_submodule(block_path)
+    blocks = [holder[k] for k in getattr(stage, "order", list(holder.keys()))]
+    return capture_stage(stage, inputs.examples(), loss_fn if last else None, blocks)
 
 
 def capture_stage(
@@ -70,6 +93,12 @@ def capture_stage(
     pg.all_param_names = list(pg.param_names)
     pg.precision = precision or Precision()
     return pg
+
+
+def output_meta(pg: PlanGraph) -> Any:
+    """The tensor meta (shape, dtype) of a stage graph's output: the activation it sends on,
+    or the loss on the last stage."""
+    return next(n for n in pg.graph.nodes if n.name == pg.loss_node).meta["autopar"].out
 
 
 def boundary_spec(shape: Sequence[int], mesh: Mesh) -> Spec:

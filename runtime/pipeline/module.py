@@ -7,17 +7,18 @@ step's gradients in ``.grad`` as a one-device backward would, ``(loss / k).backw
 k calls accumulates them as gradient accumulation does, and hooks run as usual. Any
 ``torch.optim`` optimizer steps :meth:`PipelineModule.parameters` (this rank's stages).
 
-:func:`from_plan` is ``autopar.parallelize``'s way in for a mesh with a ``pp`` axis: it runs a
-pipeline plan (:func:`autopar.planning.pipeline.plan_pipeline`) as it is written, its stages'
-block ranges, schedule, stages per rank and micro-batches. Where the plan's stage layout keeps
-every parameter whole on a ``dp``-only stage mesh, the stages are plain modules replicated
-over ``dp`` (any schedule, autopar's models and Hugging Face ones), computing in the plan's
-precision and recomputing as it says, as the SPMD runtime does (:mod:`.planned_stage`);
-where it splits them (a ``tp`` axis, ZeRO/FSDP over ``dp``), each stage runs its own
-intra-op plan with the parameters placed as the pipeline plan says (:mod:`.stage_program`),
-in fp32 without recomputation. What neither runs as written (offload, fp16's loss scaling;
-bf16, recomputation or a split-backward schedule in stage programs; selective recomputation
-under a split backward) is refused with the cause and the fix (:func:`check_runnable`),
+:func:`build_options` is ``autopar.parallelize``'s way in for a mesh with a ``pp`` axis: it
+reads a pipeline plan (:func:`autopar.planning.pipeline.plan_pipeline`) into what the runtime
+builds, as it is written: its stages' block ranges, schedule, stages per rank and
+micro-batches. Where the plan's stage layout keeps every parameter whole on a ``dp``-only
+stage mesh, the stages are plain modules replicated over ``dp`` (any schedule, autopar's
+models and Hugging Face ones), computing in the plan's precision and recomputing as it says,
+as the SPMD runtime does (:mod:`.planned_stage`); where it splits them (a ``tp`` axis,
+ZeRO/FSDP over ``dp``), each stage runs its own intra-op plan with the parameters placed as
+the pipeline plan says (:mod:`.stage_program`; ``autopar.api`` makes those plans), in fp32
+without recomputation. What neither runs as written (offload, fp16's loss scaling; bf16,
+recomputation or a split-backward schedule in stage programs; selective recomputation under
+a split backward) is refused with the cause and the fix (:func:`check_runnable`),
 never run as something else.
 """
 
@@ -34,13 +35,13 @@ from torch import nn
 
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.mesh import Mesh
-from autopar.ir.options import Options
+from autopar.ir.pipeline_mesh import pipeline_axis, stage_mesh
 from autopar.ir.plan import Plan, ScheduleOption
 from autopar.ir.schedules import canonical_name, splits_backward, stage_placement
 from autopar.ir.schedules import schedule as schedule_info
 from autopar.ir.stage_kind import plan_runs_as_program
 from autopar.runtime.pipeline import stages as ps
-from autopar.runtime.pipeline.runner import AXES, PipelineRunner, build_pipeline
+from autopar.runtime.pipeline.runner import AXES, PipelineRunner
 
 
 class _WholeStep(torch.autograd.Function):
@@ -254,8 +255,6 @@ def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequen
                fixed: dict[str, Any]) -> None:
     """A given plan was made for this model, these inputs, this mesh and the ``fixed``
     pipeline choices (schedule, microbatches, virtual: the caller's, None where not given)."""
-    from autopar.planning.pipeline import pipeline_axis, stage_mesh
-
     pipe = plan.pipeline
     if pipe is None:
         raise PlanError("the plan has no pipeline section (it was made for a mesh without a "
@@ -287,17 +286,17 @@ def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequen
                             "the plan with it")
 
 
-def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwargs: dict | None,
-              time_limit_s: float = 30.0) -> PipelineModule:
-    """``model`` as the pipeline ``plan`` describes, on ``device_mesh``: its stages' block
+def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
+                  ) -> tuple[PipelineInputs, dict[str, Any]]:
+    """How ``model`` runs as the pipeline ``plan`` describes: how calls hand it their inputs,
+    and :func:`~autopar.runtime.pipeline.runner.build_pipeline`'s keywords (its stages' block
     ranges, schedule, stages per rank and micro-batches; each stage a plain module replicated
-    over ``dp``, or, where :func:`~autopar.ir.stage_kind.plan_runs_as_program`, a stage
-    program whose parameters are placed as the plan places them (its activations planned on
-    the stage's own graph, rank 0, ``time_limit_s``). Every rank builds its own stages from
-    its copy of the model; the model itself is left as it was."""
+    over ``dp`` in the plan's precision and recomputation, or, where
+    :func:`~autopar.ir.stage_kind.plan_runs_as_program`, a stage program, whose plans the
+    caller makes: ``autopar.api``). Refuses what the runtime would run otherwise than the
+    plan says (:func:`check_runnable`, the stage placement, the model)."""
     check_runnable(plan, model)
     inputs = PipelineInputs.of(args, kwargs)
-    tokens, targets = inputs.split(args, kwargs or {})
     pipe = plan.pipeline
     assert pipe is not None
     info = schedule_info(pipe.schedule)
@@ -317,8 +316,7 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
             "without a 'pp' axis")
     options: dict[str, Any] = {"frontend": "auto"}
     if plan_runs_as_program(plan):
-        options = {"frontend": "module", "stage_plans": _pinned_stage_plans(plan, time_limit_s),
-                   "plan_time_limit_s": time_limit_s}
+        options = {"frontend": "module"}
     else:
         options["precision"] = plan.precision  # as the SPMD runtime runs them (planned_stage)
         options["recompute"] = plan.recompute.mode
@@ -327,33 +325,9 @@ def from_plan(model: nn.Module, device_mesh: Any, plan: Plan, args: tuple, kwarg
             # inputs with some transformers releases and fails to export 3 stages with
             # others), and the only ones a plan's precision and recomputation reach
             options["frontend"] = "module"
-    runner = build_pipeline(model, (tokens, targets), device_mesh,
-                            split=[(st.first_block, st.end_block) for st in pipe.stages],
-                            schedule=info.key, n_microbatches=pipe.microbatches,
-                            virtual=pipe.virtual, **options)
-    return PipelineModule(runner, plan, inputs)
-
-
-def _pinned_stage_plans(plan: Plan, time_limit_s: float) -> Any:
-    """``build_pipeline``'s ``stage_plans``: each stage's plan with its parameters placed as
-    the pipeline plan's stage layout places them and the rest (activations, collectives)
-    solved on the stage's own graph. The pipeline plan was made under the memory limit; the
-    stage plans are not limited again (their graphs hold one micro-batch, not the in-flight
-    ones the pipeline planner counted)."""
-    from autopar.capture.stage import pin_boundary
-    from autopar.planning.planner import make_plan
-
-    ps_ = plan.param_state
-    zero = 3 if ps_.regathered else 1 if ps_.zero1 else 2  # of the parameters it splits
-
-    def stage_plan(stage: int, graph: Any, mesh: Mesh) -> Plan:
-        pins = {n: plan.params[n] for n in graph.param_names if n in plan.params}
-        return make_plan(None, mesh, graph=pin_boundary(graph, mesh, pins),
-                         model_name=f"{plan.model} stage {stage}",
-                         options=Options.of(memory_budget=math.inf, time_limit_s=time_limit_s,
-                                            workers=1, zero=zero)).plan
-
-    return stage_plan
+    options.update(split=[(st.first_block, st.end_block) for st in pipe.stages],
+                   schedule=info.key, n_microbatches=pipe.microbatches, virtual=pipe.virtual)
+    return inputs, options
 
 
 def _same(key: str, value: Any) -> Any:

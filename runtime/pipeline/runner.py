@@ -29,6 +29,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.precision import Precision
 from autopar.ir.precision import resolve as resolve_precision
+from autopar.ir.schedules import ScheduleInfo
 from autopar.ir.schedules import schedule as schedule_info
 from autopar.ir.schedules import stage_placement
 from autopar.runtime import _compat
@@ -54,7 +56,7 @@ from autopar.runtime.pipeline.planned_stage import (
 )
 
 if TYPE_CHECKING:
-    from autopar.runtime.pipeline.stage_program import StagePlans
+    from autopar.runtime.pipeline.stage_program import PlannedStages
 
 __all__ = ["PipelineRunner", "StageEvent", "bubble_fraction", "build_pipeline", "chrome_trace"]
 
@@ -64,7 +66,7 @@ def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
-        from autopar.api import resolve_mesh
+        from autopar.runtime.launch import resolve_mesh
 
         mesh = resolve_mesh(mesh)[0]
     names = mesh.mesh_dim_names or ()
@@ -86,7 +88,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
                    schedule: str = "1f1b", n_microbatches: int = 4, virtual: int | None = None,
                    frontend: str = "auto",
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-                   stage_plans: StagePlans = None, plan_time_limit_s: float = 30.0,
+                   stage_plans: PlannedStages | None = None,
                    precision: Precision | str | None = None, recompute: str = "none",
                    ) -> PipelineRunner:
     """``model`` as a pipeline on ``mesh`` (a torch DeviceMesh or an :class:`autopar.Mesh`
@@ -104,13 +106,13 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     and the mesh must span every process (tied weights get process groups of their own).
 
     Where the mesh has a ``tp`` axis of size > 1, or ``stage_plans`` is given, each stage runs
-    autopar's intra-op plan on its submesh (the axes other than ``pp``) as a
-    :class:`~autopar.runtime.pipeline.stage_program.StageProgram` (autopar's GPT-2 and Llama-3 stages,
-    schedules without a split backward): ``stage_plans`` gives each stage's plan (stage index
-    -> Plan, or a callable ``(stage, graph, submesh) -> Plan`` run on rank 0 with the stage's
-    graph, its boundary pinned); by default :func:`autopar.planning.planner.make_plan` plans it (no
-    memory limit, ``plan_time_limit_s``). Otherwise the stages are plain modules, replicated
-    over ``dp`` with their gradients averaged at the end of the step.
+    its own intra-op plan on its submesh (the axes other than ``pp``) as a
+    :class:`~autopar.runtime.pipeline.stage_program.StageProgram` (autopar's GPT-2 and Llama-3
+    stages): ``stage_plans`` are every stage's plans, made
+    (:class:`~autopar.runtime.pipeline.stage_program.PlannedStages`); the runtime makes none
+    (:func:`autopar.api.build_pipeline` plans them, then calls this). Otherwise the stages are
+    plain modules, replicated over ``dp`` with their gradients averaged at the end of the
+    step.
 
     ``precision`` (``"fp32"`` default, ``"bf16"`` or a :class:`Precision`) and ``recompute``
     (``"none"``, ``"selective"``, ``"full"``): plain stages compute and recompute as the SPMD
@@ -120,8 +122,51 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     ``"module"``, which ``"auto"`` then picks). Stages that run a plan each run fp32 without
     recomputation.
     """
+    layout = pipeline_layout(model, example_inputs, mesh, split, schedule, n_microbatches,
+                             virtual, frontend, loss_fn, stage_plans is not None, precision,
+                             recompute)
+    return build_from_layout(model, example_inputs, layout, stage_plans)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """What :func:`pipeline_layout` resolved and checked: the schedule, the modes, the mesh
+    and its process groups, the stages' block ranges and this rank's stages, the loss."""
+
+    schedule: ScheduleInfo
+    asked_schedule: str  # as the caller named it (in messages)
+    n_microbatches: int
+    virtual: int
+    frontend: str
+    family: str | None
+    precision: Precision
+    recompute: str
+    modes: bool  # plain stages that run under planned_stage (mixed precision, recomputation)
+    programs: bool  # stages that run a plan each (stage_program)
+    dmesh: Any
+    groups: dict[str, Any]
+    dp: int
+    block_path: str
+    ranges: ps.Ranges
+    microbatch: int  # rows per micro-batch, per dp share
+    placement: dict[int, int]
+    local: list[int]
+    device: torch.device
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
+                    split: Sequence[int] | Sequence[tuple[int, int]] | None = None,
+                    schedule: str = "1f1b", n_microbatches: int = 4, virtual: int | None = None,
+                    frontend: str = "auto",
+                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                    plans_given: bool = False, precision: Precision | str | None = None,
+                    recompute: str = "none") -> PipelineLayout:
+    """:func:`build_pipeline`'s arguments resolved and checked, before any stage is built
+    (``plans_given``: stage plans will be given, so the stages run a plan each)."""
     info = schedule_info(schedule)
-    cls, style, per_rank = info.torch_class(), info.placement, info.stages_per_rank
+    info.torch_class()  # this torch has it
+    style, per_rank = info.placement, info.stages_per_rank
     prec = resolve_precision(precision or "fp32", None)
     check_modes(prec, recompute, schedule if info.splits_backward else None)
     modes = prec.mixed or recompute != "none"  # the stages run under planned_stage
@@ -142,7 +187,7 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     pp = dmesh.size(names.index("pp"))
     dp = dmesh.size(names.index("dp")) if "dp" in names else 1
     tp = dmesh.size(names.index("tp")) if "tp" in names else 1
-    programs = tp > 1 or stage_plans is not None
+    programs = tp > 1 or plans_given
     if programs:
         frontend = _program_frontend(family, frontend, schedule, names)
         if modes:
@@ -168,16 +213,40 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     if prec.mixed:
         loss = under_policy(loss, prec)
     if programs:
+        from autopar.runtime.pipeline.stage_program import stage_submesh
+
+        stage_submesh(dmesh)  # the mesh has axes besides pp for the programs to run on
+    return PipelineLayout(info, schedule, n_microbatches, virtual, frontend, family, prec,
+                          recompute, modes, programs, dmesh, groups, dp, block_path, ranges, mb,
+                          placement, local, device, loss)
+
+
+def build_from_layout(model: nn.Module, example_inputs: tuple, layout: PipelineLayout,
+                      stage_plans: PlannedStages | None = None) -> PipelineRunner:
+    """This rank's stages of ``layout`` and the schedule over them (:func:`build_pipeline`):
+    stage programs running ``stage_plans`` where the layout's stages run a plan each."""
+    lay = layout
+    info, schedule, groups = lay.schedule, lay.asked_schedule, lay.groups
+    cls, style, per_rank = info.torch_class(), info.placement, info.stages_per_rank
+    tokens, loss, frontend = example_inputs[0], lay.loss, lay.frontend
+    if lay.programs:
         from autopar.runtime.pipeline.stage_program import build_programs
 
-        mods, stages, plans = build_programs(model, block_path, ranges, local, dmesh,
-                                             groups["pp"], tokens, example_inputs[1], mb * dp,
-                                             loss, device, stage_plans, plan_time_limit_s)
+        if stage_plans is None:
+            raise PlanError(
+                "stages that run a plan each (a 'tp' axis, or stage_plans) need every stage's "
+                "plan, which the runtime does not make: build the pipeline with "
+                "autopar.api.build_pipeline (it plans them) or autopar.parallelize")
+        mods, stages, plans = build_programs(model, lay.block_path, lay.ranges, lay.local,
+                                             lay.dmesh, groups["pp"], loss, lay.device,
+                                             stage_plans)
         loss = _loss_of_last_stage  # the last stage's program computes the loss itself
     else:
-        mods, stages, frontend = _module_stages(model, family, frontend, style, block_path,
-                                                ranges, local, tokens[:mb], device,
-                                                groups["pp"], (prec, recompute) if modes else None)
+        mods, stages, frontend = _module_stages(
+            model, lay.family, frontend, style, lay.block_path, lay.ranges, lay.local,
+            tokens[:lay.microbatch], lay.device, groups["pp"],
+            (lay.precision, lay.recompute) if lay.modes else None)
+    n_microbatches = lay.n_microbatches
     try:
         sched = cls(stages if per_rank != 1 else stages[0], n_microbatches=n_microbatches,
                     loss_fn=loss, scale_grads=True)
@@ -186,15 +255,16 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
                         "n_microbatches or the number of stages") from None
     aliases = ps.alias_names(model)
     holders = ps.tied_names(_all_stage_names(mods, groups["pp"]), aliases)
-    tied = _tied_groups(holders, placement, dmesh)
-    runner = PipelineRunner(sched, stages, mods, ranges, groups, dp, n_microbatches,
-                            (tied, aliases, holders), frontend, info.key, programs)
+    tied = _tied_groups(holders, lay.placement, lay.dmesh)
+    runner = PipelineRunner(sched, stages, mods, lay.ranges, groups, lay.dp, n_microbatches,
+                            (tied, aliases, holders), frontend, info.key, lay.programs)
     # gradients summed across replicas in another dtype than their own, as the SPMD runtime
     # sums a plan's (runtime.lower): cast before the all-reduce, back after
-    runner.reduce_dtype = prec.reduce_dtype if prec.mixed and prec.reduce != "fp32" else None
-    runner.precision, runner.recompute = prec, recompute
+    runner.reduce_dtype = (lay.precision.reduce_dtype if lay.precision.mixed
+                           and lay.precision.reduce != "fp32" else None)
+    runner.precision, runner.recompute = lay.precision, lay.recompute
     runner.input_shapes = (tuple(tokens.shape), tuple(example_inputs[1].shape))
-    if programs:
+    if lay.programs:
         runner.plans = plans
     return runner
 

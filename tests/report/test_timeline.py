@@ -252,7 +252,7 @@ def test_a_pipeline_stage_without_the_loss_has_a_predicted_timeline():
     from autopar.capture.stage import pin_boundary
     from autopar.ir.mesh import Mesh
     from autopar.runtime.pipeline import stages
-    from autopar.runtime.pipeline.stage_program import StageInputs, trace_stage
+    from autopar.capture.stage import StageInputs, trace_stage
 
     preset = get_preset("gpt2-tiny").replace(n_layer=4)
     torch.manual_seed(0)

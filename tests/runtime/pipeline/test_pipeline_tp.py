@@ -36,7 +36,7 @@ from autopar.ir.options import Options
 from autopar.ir.placements import R, Replicate, S
 from autopar.models import get_preset
 from autopar.runtime.pipeline import stages as ps
-from autopar.runtime.pipeline.runner import build_pipeline
+from autopar.api import build_pipeline  # plans the stages, then builds (runtime)
 
 WORLD = 8
 TOL = 1e-5
@@ -203,7 +203,7 @@ def test_pipeline_stages_run_their_plans() -> None:
 def _stage_graphs(preset: str, mesh: Mesh):
     """Both stages of a 2-stage split, captured with their boundary pinned on ``mesh``."""
     from autopar.capture.stage import pin_boundary
-    from autopar.runtime.pipeline.stage_program import StageInputs, trace_stage
+    from autopar.capture.stage import StageInputs, trace_stage
 
     model, _ = _build(preset)
     path = ps.find_blocks(model)[0]
@@ -300,7 +300,8 @@ def test_a_shared_weight_must_be_placed_alike_on_its_stages() -> None:
     first stage's plan gave it; a stage plan placing it otherwise is refused."""
     from autopar.capture.stage import pin_boundary
     from autopar.planning.planner import make_plan
-    from autopar.runtime.pipeline.stage_program import StageInputs, plan_stages
+    from autopar.capture.stage import StageInputs
+    from autopar.planning.stage_plans import plan_stages
 
     model, _ = _build("gpt2-tiny")
     path = ps.find_blocks(model)[0]
