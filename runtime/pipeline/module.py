@@ -307,7 +307,7 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
                             f"torch's {pipe.schedule} runs it on rank {placement[st.index]}: "
                             "make the plan again with this autopar")
     family = ps.module_family(model)
-    if family is None and not ps._is_hf(model):
+    if family is None and not ps.is_hf_model(model):
         # the runtime's loss is the family's own next-token cross-entropy: any other model's
         # loss would be computed as something else
         raise PlanError(

@@ -149,7 +149,8 @@ def tied_names(stage_params: dict[int, list[str]], aliases: dict[str, str]
 # --- the loss ---------------------------------------------------------------------------------
 
 
-def _is_hf(model: nn.Module) -> bool:
+def is_hf_model(model: nn.Module) -> bool:
+    """A Hugging Face model (its ``config`` has ``to_dict``): its own next-token loss."""
     return hasattr(model, "config") and hasattr(model.config, "to_dict")
 
 
@@ -158,7 +159,7 @@ def loss_fn_for(model: nn.Module) -> Callable[[Any, torch.Tensor], torch.Tensor]
     autopar's models' cross-entropy over fp32 logits (plus the MoE balance term, which the
     module frontend passes on as the output's second element); Hugging Face's next-token
     cross-entropy (labels shifted by one, ``-100`` ignored)."""
-    if _is_hf(model):
+    if is_hf_model(model):
         def hf_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
             logits = _first(out).float()
             return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
@@ -265,7 +266,7 @@ class _export_friendly:
     """Hugging Face models export without their KV cache (a cache object is not a tensor)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.cfg = getattr(model, "config", None) if _is_hf(model) else None
+        self.cfg = getattr(model, "config", None) if is_hf_model(model) else None
 
     def __enter__(self) -> None:
         if self.cfg is not None:
