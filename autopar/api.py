@@ -169,18 +169,18 @@ def parallelize(
         else:
             the_plan = plan
             graph = capture(model, example_inputs, example_kwargs, loss_fn,
-                            precision=the_plan.precision)
+                            precision=the_plan.decided.precision)
             replan = None
-        graph = apply_recompute(graph, the_plan.recompute.nodes)  # as the plan was made
+        graph = apply_recompute(graph, the_plan.decided.recompute.nodes)  # as the plan was made
     check_plan_mesh(the_plan, amesh)
-    if the_plan.missing_rules:
+    if the_plan.provenance.missing_rules:
         warnings.warn(
-            "no sharding rule for " + ", ".join(sorted(the_plan.missing_rules)) + ": these ops "
+            "no sharding rule for " + ", ".join(sorted(the_plan.provenance.missing_rules)) + ": these ops "
             "run replicated (whole on every rank), which is correct but may be slow",
             stacklevel=2)
-    if the_plan.param_state.offloaded:
+    if the_plan.decided.param_state.offloaded:
         warnings.warn(
-            f"the plan keeps the optimizer state of {len(the_plan.param_state.offloaded)} "
+            f"the plan keeps the optimizer state of {len(the_plan.decided.param_state.offloaded)} "
             "parameters in host memory: build the optimizer with "
             "model.make_optimizer(torch.optim.AdamW, ...), which does (a plain torch "
             "optimizer would keep it on the device, beyond the plan's memory)", stacklevel=2)
@@ -198,7 +198,7 @@ def parallelize(
 def _is_pipeline(mesh: Mesh, plan: Plan | None) -> bool:
     from autopar.planning.pipeline import pipeline_axis
 
-    return pipeline_axis(mesh) is not None or (plan is not None and plan.pipeline is not None)
+    return pipeline_axis(mesh) is not None or (plan is not None and plan.decided.pipeline is not None)
 
 
 def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwargs: dict | None,
@@ -329,7 +329,7 @@ def _plan_for_devices(model: nn.Module, n: int, args: tuple, kwargs: dict | None
         for r in results:
             if r.plan is None:
                 continue
-            if r.plan.pipeline is not None:
+            if r.plan.decided.pipeline is not None:
                 try:
                     pm.check_runnable(r.plan, model)
                 except PlanError as e:
@@ -358,9 +358,9 @@ def _warn_if_priced_for_another_device(mesh: Mesh, device_type: str) -> None:
 
 
 def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
-    if tuple(plan.mesh_shape) != tuple(mesh.shape) or tuple(plan.mesh_axes) != tuple(mesh.axes):
+    if tuple(plan.decided.mesh_shape) != tuple(mesh.shape) or tuple(plan.decided.mesh_axes) != tuple(mesh.axes):
         raise PlanError(
-            f"the plan was made for mesh {dict(zip(plan.mesh_axes, plan.mesh_shape))} but runs on "
+            f"the plan was made for mesh {dict(zip(plan.decided.mesh_axes, plan.decided.mesh_shape))} but runs on "
             f"{dict(zip(mesh.axes, mesh.shape))}: make the plan for this mesh, or run on the "
             "mesh it was made for")
 
@@ -381,8 +381,8 @@ def plan_mode(plan: Plan) -> Mode:
     gradients, offloads optimizer state."""
     from autopar.planning.modes import Mode
 
-    ps = plan.param_state
-    return Mode(plan.recompute.mode, regather=bool(ps.regathered), whole_grads=bool(ps.zero1),
+    ps = plan.decided.param_state
+    return Mode(plan.decided.recompute.mode, regather=bool(ps.regathered), whole_grads=bool(ps.zero1),
                 offload=bool(ps.offloaded))
 
 
@@ -441,7 +441,7 @@ def _replanner(skeleton: nn.Module, mesh: Mesh, loss_fn: Callable | None, option
             graph = capture(skeleton, meta_args, meta_kwargs, loss_fn, precision=precision)
             plan = _agree(lambda: complete_plan(graph, mesh, param_specs, options=options,
                                                 mode=mode))
-        return apply_recompute(graph, plan.recompute.nodes), plan
+        return apply_recompute(graph, plan.decided.recompute.nodes), plan
 
     return replan
 

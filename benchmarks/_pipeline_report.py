@@ -266,7 +266,7 @@ split against equal block counts, predicted by `plan_pipeline` / `predict_split`
 
 ### Plan fidelity (4 processes)
 
-Predicted: `plan.cost.step_s`. SPMD plans (reference layouts as the planner completes them,
+Predicted: `plan.predicted.cost.step_s`. SPMD plans (reference layouts as the planner completes them,
 and the solver's own plan where it is not a kept reference) run by `parallelize(...,
 plan=...)`; pipelines by `build_pipeline` with the plan's split and schedule. Its stages are
 plain modules replicated over dp, so a pp x dp pipeline is predicted with the planner's

@@ -12,7 +12,7 @@ step (forward, backward, optimizer step), after a warm-up step:
   buckets, the loss. Kernels' private scratch memory and gloo's own buffers are not tensors
   and are not seen. torch's ``MemTracker`` counts the same way (it also works with these
   DTensor parameters); this tracker keeps a timeline, to find what makes a peak.
-* **Why it is comparable with the prediction** (``plan.cost.mem_bytes``, from
+* **Why it is comparable with the prediction** (``plan.predicted.cost.mem_bytes``, from
   ``passes/memory/peak.py``): the model counts the same things per device: parameters and Adam
   state throughout, gradients from the backward op that makes them, activations from their op
   to their last reader, views as their base. The warm-up step makes the optimizer state
@@ -191,7 +191,7 @@ def measure(jobs: list[tuple[Combo, str | None]]) -> list[dict]:
         start = tracker.current
         with tracker:
             _step(pm, opt, inputs)
-        out.append({"predicted": pm.plan.cost.mem_bytes, "peak": tracker.peak,
+        out.append({"predicted": pm.plan.predicted.cost.mem_bytes, "peak": tracker.peak,
                     "at": tracker.peak_op, "start": start,
                     "plan": json.dumps(pm.plan.to_json())})
         del pm, opt, model, tracker
@@ -219,10 +219,10 @@ def per_node(c: Combo, plan_json: str) -> float:
 
     _, model, inputs = build(c)
     plan = Plan.from_json(json.loads(plan_json))
-    graph = apply_recompute(capture(model, inputs, precision=plan.precision),
-                            plan.recompute.nodes)
+    graph = apply_recompute(capture(model, inputs, precision=plan.decided.precision),
+                            plan.decided.recompute.nodes)
     sp = sharding_problem.build(graph, c.amesh())
-    choice = plan_choice(sp, plan.nodes)
+    choice = plan_choice(sp, plan.decided.nodes)
     return peak_memory([float(sp.usage[i][s]) for i, s in enumerate(choice)], sp.live)[0]
 
 
@@ -293,8 +293,8 @@ def budget_sweep(mesh_text: str) -> dict:
         except PlanError as err:
             rows.append({"gib": gib, "plan": None, "error": str(err)})
             continue
-        fit = {n: c for n, c in plan.references.items() if c.mem_bytes <= gib * GiB}
-        slower = {n: c.step_s for n, c in fit.items() if plan.cost.step_s > c.step_s * (1 + 1e-9)}
+        fit = {n: c for n, c in plan.provenance.references.items() if c.mem_bytes <= gib * GiB}
+        slower = {n: c.step_s for n, c in fit.items() if plan.predicted.cost.step_s > c.step_s * (1 + 1e-9)}
         rows.append({"gib": gib, "plan": plan, "fit": fit, "slower": slower})
     return {"mesh": mesh_text, "refs": list(refs), "rows": rows, "s": time.time() - t0,
             "precision": str(resolve(None, mesh.device))}
@@ -394,7 +394,7 @@ def _sweep_body(parts: list[str]) -> str:
             f"tensors on this machine ({machine()}), no run.\n\n" + "\n\n".join(parts))
 
 
-_EXPLAIN = """Predicted: `plan.cost.mem_bytes`, the planner's peak bytes per device over the
+_EXPLAIN = """Predicted: `plan.predicted.cost.mem_bytes`, the planner's peak bytes per device over the
 step (`passes/problem/scoring.py` with `passes/problem/step_memory.step_usage`: every node's output from its op to
 its last reader, and the buffers two layouts make: reshard copies, a layer's gathered
 parameters until its last reader or the views that keep them, gradient-bucket copies).

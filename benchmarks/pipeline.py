@@ -13,7 +13,7 @@ b. **Heavy head.** The same GPT-2 with a large vocabulary (its head costs severa
    (``plan_pipeline`` / ``predict_split``) and measured.
 c. **Plan fidelity.** Plans of one model on 4 processes: reference layouts and the solver's
    plans through ``parallelize(..., plan=...)``, pipelines (pp=2 x dp=2, pp=4) through
-   ``build_pipeline``; ranked by predicted (``plan.cost.step_s``) and by measured step time,
+   ``build_pipeline``; ranked by predicted (``plan.predicted.cost.step_s``) and by measured step time,
    with Spearman's rank correlation (target 0.9) and a bootstrap interval over rounds.
 
 Definitions, the same on both sides:
@@ -28,7 +28,7 @@ Definitions, the same on both sides:
   ``x/(1+x)``, the column comparable with the other two.
 * **step**: forward + backward + gradient sync + reading the loss, from a barrier, slowest
   rank; median over rounds after warm-up. The optimizer step runs untimed (the cost model
-  has no optimizer term). Predicted: ``plan.cost.step_s`` (a pipeline: its schedule replayed
+  has no optimizer term). Predicted: ``plan.predicted.cost.step_s`` (a pipeline: its schedule replayed
   plus the slowest rank's gradient sync).
 
 Helpers: ``_pipeline_runs`` (what runs in each rank, and the calibration), ``_pipeline_stats``
@@ -115,13 +115,15 @@ def pipeline_job(name: str, fields: tuple, pp: int, dp: int, schedule: str, m: i
     planned = plan_pipeline(model, mesh, inputs, references=refs,
                             options=Options.of(schedule=schedule, microbatches=m, virtual=v,
                                                time_limit_s=TIME_LIMIT_S))
-    pipe = planned.plan.pipeline
+    pipe = planned.plan.decided.pipeline
     split = tuple((s.first_block, s.end_block) for s in pipe.stages)
-    pred = {"step_s": planned.plan.cost.step_s, "bubble": pipe.bubble, "sync_s": pipe.sync_s,
+    pred = {"step_s": planned.plan.predicted.cost.step_s, "bubble": pipe.bubble, "sync_s": pipe.sync_s,
             "textbook": pipe.textbook_bubble, "planned": planned, "mesh": mesh}
     if dp > 1:
         ref = planned.as_reference("data_parallel")
-        ref = dataclasses.replace(ref, plan=dataclasses.replace(ref.plan, pipeline=pipe))
+        plan = ref.plan
+        plan = dataclasses.replace(plan, decided=dataclasses.replace(plan.decided, pipeline=pipe))
+        ref = dataclasses.replace(ref, plan=plan)
         pred["own_step_s"] = pred["step_s"]
         pred["step_s"], pred["bubble"] = predict_split(ref, mesh, split)
         pred["ref"] = ref
@@ -147,12 +149,12 @@ def spmd_jobs() -> list[tuple[Job, dict[str, Any]]]:
                                 options=Options.of(time_limit_s=TIME_LIMIT_S))
             label = "x".join(f"{a}={n}" for a, n in zip(axes, shape))
             plans = [(f"{n} ({label})", planned.as_reference(n).plan) for n in names]
-            if "kept" not in planned.plan.solver.method and axes != ("tp",):
+            if "kept" not in planned.plan.provenance.solver.method and axes != ("tp",):
                 plans.append((f"solver ({label})", planned.plan))
             for name, plan in plans:
                 job = Job(name, PRESET, MODEL, BATCH, SEQ, shape, axes,
                           plan=json.dumps(plan.to_json()))
-                out.append((job, {"step_s": plan.cost.step_s}))
+                out.append((job, {"step_s": plan.predicted.cost.step_s}))
     return out
 
 

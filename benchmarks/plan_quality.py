@@ -66,12 +66,12 @@ def main() -> None:
                                     options=Options.of(memory_budget=math.inf,
                                                        time_limit_s=args.time_limit))
                 plan = planned.plan
-                best_name, best = min(plan.references.items(), key=lambda kv: kv[1].step_s)
-                gain = best.step_s / plan.cost.step_s
+                best_name, best = min(plan.provenance.references.items(), key=lambda kv: kv[1].step_s)
+                gain = best.step_s / plan.predicted.cost.step_s
                 worse += gain < 1 - 1e-9
-                rows.append([name, mesh_key, str(batch), f"{plan.cost.step_s * 1e3:.2f}",
+                rows.append([name, mesh_key, str(batch), f"{plan.predicted.cost.step_s * 1e3:.2f}",
                              best_name, f"{best.step_s * 1e3:.2f}", f"{gain:.3f}",
-                             f"{plan.cost.mem_bytes / 2**30:.1f}", plan.solver.status])
+                             f"{plan.predicted.cost.mem_bytes / 2**30:.1f}", plan.provenance.solver.status])
                 print(" | ".join(rows[-1]), flush=True)
     out = table(["model", "mesh", "batch", "autopar ms", "best reference", "reference ms",
                  "gain", "autopar GiB/dev", "solver"], rows)

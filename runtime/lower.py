@@ -139,12 +139,12 @@ class LoweredGraph:
         self.device = device if device is not None and device.type != "cpu" else None
         # gradients summed across ranks in another dtype than their own (mixed precision with
         # reduce_dtype='bf16'): cast before the collective, back after, as the plan priced it
-        p = plan.precision
+        p = plan.decided.precision
         self.reduce_dtype = p.reduce_dtype if p.mixed and p.reduce != "fp32" else None
         self.compile = compile  # runs of plain steps compiled by Inductor (inductor_segments)
         self.pg = pg
         self.plan = plan
-        self.mesh_shape = tuple(plan.mesh_shape)
+        self.mesh_shape = tuple(plan.decided.mesh_shape)
         nodes = list(pg.graph.nodes)
         self.placeholders = [n for n in nodes if n.op == "placeholder"]
         self.placeholders_by_role: dict[str, list[fx.Node]] = {
@@ -200,7 +200,7 @@ class LoweredGraph:
         reads = {i.producer: k for k, s in enumerate(self.bwd) for i in s.inputs}
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
                                           self.grad_moves(), self.mesh_shape, self.bucketed,
-                                          plan.first_bucket_bytes, self.reduce_dtype)
+                                          plan.decided.first_bucket_bytes, self.reduce_dtype)
         # (id(self.fwd / self.bwd), Inductor-compiled runs[, "profiled"]) -> its code
         self._compiled: dict[tuple, Program] = {}
 
@@ -209,10 +209,10 @@ class LoweredGraph:
     def spec(self, name: str, out: int = 0) -> Spec:
         if name in self.constants:
             return (Replicate(),) * len(self.mesh_shape)
-        return self.plan.nodes[name].outs[out]
+        return self.plan.decided.nodes[name].outs[out]
 
     def _inputs(self, n: fx.Node) -> list[_Input]:
-        place = self.plan.nodes[n.name]
+        place = self.plan.decided.nodes[n.name]
         if n.target is operator.getitem:
             src, k = n.args[0], int(n.args[1])
             return [_Input(src.name, k, self.spec(src.name, k), place.ins[0], "resharding")]
@@ -225,7 +225,7 @@ class LoweredGraph:
     def _steps(self, nodes: list[fx.Node], keep: set[str]) -> list[_Step]:
         steps = []
         for n in nodes:
-            place = self.plan.nodes[n.name]
+            place = self.plan.decided.nodes[n.name]
             get = n.target is operator.getitem
             inputs = self._inputs(n)
             for i in inputs:
@@ -260,7 +260,7 @@ class LoweredGraph:
         if self.pg.has_loss:
             out.append((metas[self.loss][0], self.spec(self.loss), rep, "loss"))
         out += [(metas[n][0], self.spec(n), dst, BOUNDARY) for n, dst in self.boundary]
-        if self.plan.precision.loss_scaling:  # the overflow flag (runtime.loss_scale)
+        if self.plan.decided.precision.loss_scaling:  # the overflow flag (runtime.loss_scale)
             flag = TensorMeta((), torch.float32)
             out.append((flag, (Partial(),) * len(self.mesh_shape), rep, "loss scaling"))
         return out
@@ -362,7 +362,7 @@ class LoweredGraph:
                 meta = node.meta["autopar"].out
                 if self.reduce_dtype is not None:  # summed in the plan's reduction dtype
                     meta = TensorMeta(meta.shape, self.reduce_dtype)
-                if self.plan.param_state.zero1:  # summed whole, then sliced (passes.zero)
+                if self.plan.decided.param_state.zero1:  # summed whole, then sliced (passes.zero)
                     whole = grad_target(src, dst)
                     if whole != dst:
                         self.sliced_after_sync[i] = _Slice(node.name, whole)
@@ -550,11 +550,11 @@ def _seed_node(bwd: list[fx.Node], loss: str) -> str | None:
 def validate(pg: PlanGraph, plan: Plan) -> None:
     """Raise :class:`PlanError` unless ``plan`` was made for this traced graph."""
     fix = "make a new plan for this model and these inputs (parallelize(..., plan=None))"
-    nd = len(plan.mesh_shape)
+    nd = len(plan.decided.mesh_shape)
     for n in pg.graph.nodes:
         if n.op not in ("placeholder", "call_function"):
             continue
-        place = plan.nodes.get(n.name)
+        place = plan.decided.nodes.get(n.name)
         if place is None:
             raise PlanError(f"the plan has no placement for graph node {n.name!r} "
                             f"({n.meta['autopar'].op}): it was made for another model; {fix}")
@@ -573,7 +573,7 @@ def validate(pg: PlanGraph, plan: Plan) -> None:
         if n.op == "call_function" and n.target is not operator.getitem:
             inputs = tensor_inputs(n)
             for i in mutated_inputs(n):
-                src = plan.nodes[inputs[i].name].outs[0] if inputs[i].name in plan.nodes else None
+                src = plan.decided.nodes[inputs[i].name].outs[0] if inputs[i].name in plan.decided.nodes else None
                 if src is not None and tuple(src) != tuple(place.ins[i]):
                     raise PlanError(
                         f"plan node {n.name!r} ({facts.op}) writes its input {inputs[i].name!r} "
@@ -584,24 +584,24 @@ def validate(pg: PlanGraph, plan: Plan) -> None:
             if len(spec) != nd:
                 raise PlanError(f"plan node {n.name!r} has spec {spec_str(spec)} for a "
                                 f"{nd}-axis mesh; {fix}")
-            if meta is not None and not evenly_divides(meta.shape, spec, plan.mesh_shape):
+            if meta is not None and not evenly_divides(meta.shape, spec, plan.decided.mesh_shape):
                 raise PlanError(
                     f"plan node {n.name!r} splits a tensor of shape {list(meta.shape)} as "
-                    f"{spec_str(spec)} on mesh {tuple(plan.mesh_shape)}, which does not divide "
+                    f"{spec_str(spec)} on mesh {tuple(plan.decided.mesh_shape)}, which does not divide "
                     f"evenly; autopar runs only even shards (the planner replicates such dims). "
                     f"{fix}")
     for pname in pg.param_names:
-        if pname not in plan.params:
+        if pname not in plan.decided.params:
             raise PlanError(f"the plan does not place parameter {pname!r}; {fix}")
-        node_spec = plan.nodes[pg.param_node(pname).name].outs[0]
-        if tuple(plan.params[pname]) != tuple(node_spec):
+        node_spec = plan.decided.nodes[pg.param_node(pname).name].outs[0]
+        if tuple(plan.decided.params[pname]) != tuple(node_spec):
             raise PlanError(f"the plan places parameter {pname!r} as "
-                            f"{spec_str(plan.params[pname])} in its summary but as "
+                            f"{spec_str(plan.decided.params[pname])} in its summary but as "
                             f"{spec_str(node_spec)} in its graph; {fix}")
     traced = {pg.input_names[n.meta["autopar"].input_index]: list(n.meta["autopar"].out.shape)
               for n in pg.graph.nodes if n.op == "placeholder"
               and n.meta["autopar"].role == "input" and n.meta["autopar"].out is not None}
-    for key, shape in plan.input_shapes.items():
+    for key, shape in plan.decided.input_shapes.items():
         if key in traced and list(shape) != traced[key]:
             raise PlanError(f"the plan was made for input {key} of shape {list(shape)}, the "
                             f"model was traced with {traced[key]}; {fix}")
@@ -623,7 +623,7 @@ Totals = dict[tuple[str, str, str], list]
 def grad_sync_mode(lowered: LoweredGraph) -> bool:
     """``True`` if the plan lists gradient syncs bucketed, ``False`` if one per gradient;
     :class:`PlanError` if its collectives fit this graph neither way."""
-    listed = {(c.kind, c.axis, c.reason): [c.count, c.bytes] for c in lowered.plan.collectives}
+    listed = {(c.kind, c.axis, c.reason): [c.count, c.bytes] for c in lowered.plan.predicted.collectives}
     for bucketed in (False, True):
         if _same(predicted(lowered, bucketed), listed):
             return bucketed
@@ -636,7 +636,7 @@ def grad_sync_mode(lowered: LoweredGraph) -> bool:
 
 def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     """``(kind, axis, reason) -> [count, bytes]`` per step as the cost model prices it."""
-    mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    mesh = Mesh(lowered.mesh_shape, lowered.plan.decided.mesh_axes, "cpu")
     merged = lowered.plan.merged_axes()  # as the plan was priced, whatever this mesh's links
     out: Totals = {}
 
@@ -652,7 +652,7 @@ def predicted(lowered: LoweredGraph, bucketed: bool) -> Totals:
     for ax, nbytes in lowered.gather_collectives():
         add("all_gather", mesh.axes[ax], "parameter gather", nbytes)
     for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, bucketed,
-                                   lowered.plan.first_bucket_bytes):
+                                   lowered.plan.decided.first_bucket_bytes):
         if kind is not None:
             for ckind, axes, nbytes in bucket_collectives(group, mesh.shape, merged):
                 add(ckind, axes_label(mesh.axes, axes), "gradient sync", nbytes)

@@ -164,7 +164,7 @@ class ParallelModule(nn.Module):
         self._device = torch.device(device_mesh.device_type)  # inputs follow (nccl: cuda)
         self.collectives = CollectiveCounter()
         coord = tuple(device_mesh.get_coordinate())
-        self._comm = Comm(device_mesh, tuple(plan.mesh_axes), tuple(plan.mesh_shape), coord,
+        self._comm = Comm(device_mesh, tuple(plan.decided.mesh_axes), tuple(plan.decided.mesh_shape), coord,
                           self.collectives)
         self._replan = replan
         self._profile: Any = None  # a step to profile (runtime.profiling.arm), else None
@@ -174,7 +174,7 @@ class ParallelModule(nn.Module):
         self._param_list = [self.get_parameter(n) for n in graph.param_names]
         self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
         # fp16 plans scale the loss dynamically (loss_scale); its state: scale, skipped steps
-        self.loss_scale = DynamicLossScale() if plan.precision.loss_scaling else None
+        self.loss_scale = DynamicLossScale() if plan.decided.precision.loss_scaling else None
         fused_optim.install()
         elementwise_fast_path.install()
         grad_norm.install()  # clip_grad_norm_'s total reads as one device's on every rank
@@ -188,7 +188,7 @@ class ParallelModule(nn.Module):
         of the parameters the plan offloads (:mod:`autopar.runtime.optim.offload`)."""
         from autopar.runtime.optim.offload import make_optimizer
 
-        return make_optimizer(self.named_parameters(), set(self.plan.param_state.offloaded),
+        return make_optimizer(self.named_parameters(), set(self.plan.decided.param_state.offloaded),
                               cls, **kwargs)
 
     @property
@@ -260,7 +260,7 @@ class ParallelModule(nn.Module):
                 "a given plan fits only the shapes it was made for. Call with those shapes, or "
                 "parallelize with plan=None so autopar replans for new shapes")
         # same parameter layouts, new activation layouts: retrace and solve again
-        new_graph, new_plan = self._replan(args, kwargs, dict(self.plan.params))
+        new_graph, new_plan = self._replan(args, kwargs, dict(self.plan.decided.params))
         self._install(new_graph, new_plan)
         return self._active[1]
 
@@ -270,11 +270,11 @@ def _distribute_state(pm: nn.Module, graph: PlanGraph, plan: Plan, mesh: Any) ->
     from torch.distributed.tensor import distribute_tensor
 
     device = torch.device(mesh.device_type)
-    specs = {pname: plan.params[pname] for pname in graph.param_names}
+    specs = {pname: plan.decided.params[pname] for pname in graph.param_names}
     buf_nodes = [n for n in graph.graph.nodes
                  if n.op == "placeholder" and n.meta["autopar"].role == "buffer"]
     for bname, n in zip(graph.buffer_names, buf_nodes):
-        specs[bname] = plan.nodes[n.name].outs[0]
+        specs[bname] = plan.decided.nodes[n.name].outs[0]
     new_of: dict[int, torch.Tensor] = {}
     name_of = _names_by_id(pm)
     for mod in pm.modules():

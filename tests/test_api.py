@@ -76,7 +76,7 @@ def test_plan_for_another_model_or_mesh(tmp_path) -> None:
             autopar.parallelize(copy.deepcopy(model), mesh_for((4,)), inputs, plan=own)
     with fake_world(2):  # a plan JSON path is used as given
         pm = autopar.parallelize(model, mesh_for((2,)), inputs, plan=str(path))
-        assert pm.plan.params == own.params
+        assert pm.plan.decided.params == own.decided.params
 
 
 def test_inputs_of_another_shape_replan_keeping_param_layouts() -> None:
@@ -226,9 +226,9 @@ def test_plan_with_an_uneven_shard_is_refused() -> None:
                      options=Options.of(time_limit_s=1.0)).plan
     x = next(n.name for n in graph.graph.nodes if n.op == "placeholder"
              and n.meta["autopar"].role == "input")
-    nodes = dict(plan.nodes)
+    nodes = dict(plan.decided.nodes)
     nodes[x] = dataclasses.replace(nodes[x], outs=((Shard(0),),))
-    bad = dataclasses.replace(plan, nodes=nodes)
+    bad = dataclasses.replace(plan, decided=dataclasses.replace(plan.decided, nodes=nodes))
     with fake_world(4), pytest.raises(PlanError, match=r"\[6, 16\].*does not divide evenly"):
         autopar.parallelize(model, mesh_for((4,)), inputs, plan=bad)
 
@@ -244,7 +244,7 @@ def test_torch_device_mesh_and_loss_fn() -> None:
     with fake_world(4):
         dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         pm = autopar.parallelize(model, dm, (x, y), loss_fn=F.mse_loss, time_limit_s=1.0)
-        assert pm.plan.mesh_axes == ("dp", "tp")
+        assert pm.plan.decided.mesh_axes == ("dp", "tp")
         pm(x, y).backward()
         from autopar.runtime._compat import reconcile
 
@@ -267,8 +267,8 @@ def test_bucketed_gradient_syncs_run_as_the_plan_lists_them() -> None:
     lowered = LoweredGraph(capture(model, inputs), plan)
     bucketed = predicted(lowered, bucketed=True)
     assert bucketed != predicted(lowered, bucketed=False)
-    plan = dataclasses.replace(plan, collectives=tuple(
-        CollectiveUse(k, a, n, b, 0.0, why) for (k, a, why), (n, b) in bucketed.items()))
+    plan = dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, collectives=tuple(
+        CollectiveUse(k, a, n, b, 0.0, why) for (k, a, why), (n, b) in bucketed.items())))
     want = train_single(copy.deepcopy(model), inputs, 2)
     with fake_world(2):
         pm = autopar.parallelize(model, mesh_for((2,)), inputs, plan=plan)

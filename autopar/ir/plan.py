@@ -1,8 +1,10 @@
 """The Plan: frozen, versioned, JSON round-trip, readable as a table.
 
 A plan says how every parameter, input and traced node is placed on the mesh, which collectives
-that implies, what the cost model predicts for it, and how the solver got there. The runtime
-executes ``nodes`` as given; ``params`` and ``inputs`` are the user-facing summary.
+that implies, what the cost model predicts for it, and how the solver got there: its fields
+are grouped as :class:`Decisions` (``plan.decided``), :class:`Predictions`
+(``plan.predicted``) and :class:`Provenance` (``plan.provenance``). The runtime executes
+``plan.decided.nodes`` as given; ``params`` and ``inputs`` are the user-facing summary.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from autopar.ir.precision import Precision
 # precision (the graph's casts) and recomputation are part of what runs. An older plan's
 # collectives would not match what now runs. 6: parameters' ZeRO stages (views re-gathered in
 # the backward) and optimizer state offloaded to the host. 7: pipeline stages and schedule
-# (``Plan.pipeline``; the placements are then a stage's, on the stage submesh).
+# (``Plan.decided.pipeline``; the placements are then a stage's, on the stage submesh). The
+# grouping of a Plan's fields in memory (decided, predicted, provenance) leaves the file as
+# version 7 wrote it: one flat object.
 PLAN_VERSION = 7
 
 
@@ -193,88 +197,148 @@ class SolverInfo:
 
 
 @dataclass(frozen=True)
-class Plan:
-    model: str
+class Decisions:
+    """What a plan decided: what the runtime runs.
+
+    - ``mesh_shape``, ``mesh_axes``, ``device``: the mesh the placements are on (a pipeline
+      plan's: one stage's submesh, the pipeline axis left out; :attr:`Plan.full_mesh` has it)
+      and the device profile's name it was priced for;
+    - ``params``, ``inputs``: each parameter's and input's placement per mesh axis (the
+      user-facing summary; ``input_shapes``: the inputs' shapes the plan was made for);
+    - ``nodes``: every traced node's input and output placements, and the op's own
+      implementation where a rule picks one: what the runtime lowers, node by node;
+    - ``precision``: the compute dtype and the gradients' reduction dtype;
+    - ``recompute``: the activations recomputed in the backward (with the mode asked for,
+      and the price the cost model puts on it);
+    - ``param_state``: each parameter's ZeRO stage, optimizer state kept on the host;
+    - ``pipeline``: the stages and schedule, or None (the placements are then the whole
+      mesh's);
+    - ``first_bucket_bytes``: the first gradient bucket's size the plan was priced with
+      (:mod:`autopar.passes.cost.buckets`); the runtime fills its buckets the same way, so
+      it issues the collectives the plan lists;
+    - ``merged_sums``: axis sets whose sums run as one all-reduce over the flattened group,
+      as the plan was priced (:func:`autopar.passes.cost.cost_model.merged_sums`); the
+      runtime does the same. Empty: axis by axis.
+    """
+
     mesh_shape: tuple[int, ...]
     mesh_axes: tuple[str, ...]
     device: str
     params: dict[str, Spec]
     inputs: dict[str, Spec]
     nodes: dict[str, NodePlacement]
-    collectives: tuple[CollectiveUse, ...]
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    precision: Precision = field(default_factory=Precision)
+    recompute: Recompute = field(default_factory=Recompute)
+    param_state: ParamState = field(default_factory=ParamState)
+    pipeline: PipelinePlan | None = None
+    first_bucket_bytes: int = 2**20
+    merged_sums: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """What the cost model predicts for the plan: ``cost`` (the step's time, its compute and
+    communication, the peak memory per device; a pipeline's: the schedule replayed) and
+    ``collectives`` (each kind on each axis, summed over the step, with why it runs)."""
+
     cost: PlanCost
+    collectives: tuple[CollectiveUse, ...] = ()
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """How the plan was found: ``solver`` (status, time, method, problem size),
+    ``references`` (the reference layouts' predicted costs, each as the solver completed
+    it), ``timings`` (seconds per planning phase), ``missing_rules`` (ops with no sharding
+    rule, run replicated, and their counts), ``model`` (the name it was made for),
+    ``memory_budget`` (the per-device limit it was held to; None: none) and
+    ``memory_limit_source`` (where that limit came from: ``given``, or the device's capacity
+    less its reserve)."""
+
     solver: SolverInfo
+    model: str = ""
+    references: dict[str, PlanCost] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     missing_rules: dict[str, int] = field(default_factory=dict)
-    references: dict[str, PlanCost] = field(default_factory=dict)
-    input_shapes: dict[str, list[int]] = field(default_factory=dict)
     memory_budget: float | None = None
-    # the first gradient bucket's size the plan was priced with (passes.buckets); the runtime
-    # fills its buckets the same way, so it issues the collectives the plan lists
-    first_bucket_bytes: int = 2**20
-    # axis sets whose sums run as one all-reduce over the flattened group, as the plan was
-    # priced (passes.cost_model.merged_sums); the runtime does the same. Absent: axis by axis
-    merged_sums: tuple[tuple[str, ...], ...] = ()
-    precision: Precision = field(default_factory=Precision)
-    # where the memory limit came from: "given", or the device's capacity less its reserve
     memory_limit_source: str = ""
-    recompute: Recompute = field(default_factory=Recompute)
-    # each parameter's ZeRO stage and the optimizer state kept on the host (passes.zero)
-    param_state: ParamState = field(default_factory=ParamState)
-    # pipeline stages and schedule; the mesh and every placement above are then one stage's
-    # (the mesh less the pipeline axis), the same layout on every stage
-    pipeline: PipelinePlan | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan: how a model's training step runs on a mesh, in three groups.
+
+    - ``decided`` (:class:`Decisions`): what runs: the mesh, every placement, the precision,
+      recomputation, parameter state and pipeline;
+    - ``predicted`` (:class:`Predictions`): what the cost model says it costs: step time,
+      compute and communication, memory, the collectives;
+    - ``provenance`` (:class:`Provenance`): how it was found: the solver, the reference
+      layouts weighed, the planning time, the memory limit it was held to.
+
+    ``version`` is the file format's (:data:`PLAN_VERSION`); :meth:`from_json` refuses another,
+    saying which it is and how to make the plan again. Frozen; ``to_json``/``from_json``
+    round-trip it exactly (``save``/``load`` through a file).
+    """
+
+    decided: Decisions
+    predicted: Predictions
+    provenance: Provenance
     version: int = PLAN_VERSION
 
     @property
     def full_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The whole mesh's shape and axes, the pipeline axis (outermost) included."""
-        if self.pipeline is None:
-            return self.mesh_shape, self.mesh_axes
-        return ((self.pipeline.size, *self.mesh_shape),
-                (self.pipeline.axis, *self.mesh_axes))
+        d = self.decided
+        if d.pipeline is None:
+            return d.mesh_shape, d.mesh_axes
+        return (d.pipeline.size, *d.mesh_shape), (d.pipeline.axis, *d.mesh_axes)
 
     def merged_axes(self) -> tuple[tuple[int, ...], ...]:
-        """:attr:`merged_sums` as mesh-axis indices."""
-        pos = {a: k for k, a in enumerate(self.mesh_axes)}
+        """:attr:`Decisions.merged_sums` as mesh-axis indices."""
+        d = self.decided
+        pos = {a: k for k, a in enumerate(d.mesh_axes)}
         try:
-            return tuple(tuple(pos[a] for a in names) for names in self.merged_sums)
+            return tuple(tuple(pos[a] for a in names) for names in d.merged_sums)
         except KeyError as e:
             raise PlanError(f"the plan merges sums over axis {e.args[0]!r}, which its mesh "
-                            f"{self.mesh_axes} does not have: make the plan again") from None
+                            f"{d.mesh_axes} does not have: make the plan again") from None
 
     # --- JSON ---------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
+        """The file format (version :data:`PLAN_VERSION`): one flat object, whatever group a
+        field is in."""
+        d, pr, pv = self.decided, self.predicted, self.provenance
         return {
             "version": self.version,
-            "model": self.model,
-            "mesh": {"shape": list(self.mesh_shape), "axes": list(self.mesh_axes),
-                     "device": self.device},
-            "params": {k: format_spec(v) for k, v in self.params.items()},
-            "inputs": {k: format_spec(v) for k, v in self.inputs.items()},
-            "input_shapes": self.input_shapes,
-            "cost": self.cost.to_json(),
-            "memory_budget": self.memory_budget,
-            "memory_limit_source": self.memory_limit_source,
-            "precision": self.precision.to_json(),
-            "recompute": self.recompute.to_json(),
-            "param_state": self.param_state.to_json(),
-            **({"schedule": self.pipeline.to_json(),
-                "stages": [asdict(st) for st in self.pipeline.stages]}
-               if self.pipeline is not None else {}),
-            "first_bucket_bytes": self.first_bucket_bytes,
-            "merged_sums": [list(a) for a in self.merged_sums],
-            "solver": asdict(self.solver),
-            "timings": self.timings,
-            "collectives": [asdict(c) for c in self.collectives],
-            "missing_rules": self.missing_rules,
-            "references": {k: v.to_json() for k, v in self.references.items()},
+            "model": pv.model,
+            "mesh": {"shape": list(d.mesh_shape), "axes": list(d.mesh_axes),
+                     "device": d.device},
+            "params": {k: format_spec(v) for k, v in d.params.items()},
+            "inputs": {k: format_spec(v) for k, v in d.inputs.items()},
+            "input_shapes": d.input_shapes,
+            "cost": pr.cost.to_json(),
+            "memory_budget": pv.memory_budget,
+            "memory_limit_source": pv.memory_limit_source,
+            "precision": d.precision.to_json(),
+            "recompute": d.recompute.to_json(),
+            "param_state": d.param_state.to_json(),
+            **({"schedule": d.pipeline.to_json(),
+                "stages": [asdict(st) for st in d.pipeline.stages]}
+               if d.pipeline is not None else {}),
+            "first_bucket_bytes": d.first_bucket_bytes,
+            "merged_sums": [list(a) for a in d.merged_sums],
+            "solver": asdict(pv.solver),
+            "timings": pv.timings,
+            "collectives": [asdict(c) for c in pr.collectives],
+            "missing_rules": pv.missing_rules,
+            "references": {k: v.to_json() for k, v in pv.references.items()},
             "nodes": {
                 k: {"in": [format_spec(s) for s in v.ins], "out": [format_spec(s) for s in v.outs],
                     **({"impl": list(v.impls)} if v.impls else {}),
                     **({"raw_out": [format_spec(s) for s in v.raw_outs]} if v.raw_outs else {})}
-                for k, v in self.nodes.items()
+                for k, v in d.nodes.items()
             },
         }
 
@@ -287,8 +351,7 @@ class Plan:
                     f"plan version {version} is not supported (this autopar reads version "
                     f"{PLAN_VERSION}): make the plan again with `autopar plan ... --json`"
                 )
-            return cls(
-                model=d.get("model", ""),
+            decided = Decisions(
                 mesh_shape=tuple(d["mesh"]["shape"]),
                 mesh_axes=tuple(d["mesh"]["axes"]),
                 device=d["mesh"].get("device", ""),
@@ -301,15 +364,7 @@ class Plan:
                                      tuple(parse_spec(s) for s in v.get("raw_out", ())))
                     for k, v in d.get("nodes", {}).items()
                 },
-                collectives=tuple(CollectiveUse(**c) for c in d.get("collectives", [])),
-                cost=PlanCost.from_json(d["cost"]),
-                solver=SolverInfo(**d["solver"]),
-                timings=dict(d.get("timings", {})),
-                missing_rules=dict(d.get("missing_rules", {})),
-                references={k: PlanCost.from_json(v) for k, v in d.get("references", {}).items()},
                 input_shapes=dict(d.get("input_shapes", {})),
-                memory_budget=d.get("memory_budget"),
-                memory_limit_source=d.get("memory_limit_source", ""),
                 precision=Precision.from_json(d.get("precision")),
                 recompute=Recompute.from_json(d.get("recompute")),
                 param_state=ParamState.from_json(d.get("param_state")),
@@ -317,8 +372,21 @@ class Plan:
                           if "schedule" in d else None),
                 first_bucket_bytes=int(d["first_bucket_bytes"]),
                 merged_sums=tuple(tuple(a) for a in d.get("merged_sums", ())),
-                version=version,
             )
+            predicted = Predictions(
+                cost=PlanCost.from_json(d["cost"]),
+                collectives=tuple(CollectiveUse(**c) for c in d.get("collectives", [])),
+            )
+            provenance = Provenance(
+                solver=SolverInfo(**d["solver"]),
+                model=d.get("model", ""),
+                references={k: PlanCost.from_json(v) for k, v in d.get("references", {}).items()},
+                timings=dict(d.get("timings", {})),
+                missing_rules=dict(d.get("missing_rules", {})),
+                memory_budget=d.get("memory_budget"),
+                memory_limit_source=d.get("memory_limit_source", ""),
+            )
+            return cls(decided, predicted, provenance, version=version)
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as e:

@@ -107,14 +107,14 @@ def plan_pipeline(
 
     Returns:
         A :class:`~autopar.planning.planner.Planned` whose plan's placements are one stage's
-        on the stage submesh; ``plan.pipeline`` holds the stages and schedule.
+        on the stage submesh; ``plan.decided.pipeline`` holds the stages and schedule.
 
     Example::
 
         mesh = Mesh((2, 4), ("pp", "dp"), "h100")
         planned = plan_pipeline(model, mesh, (tokens, targets),
                                 options=Options.of(schedule="1F1B", microbatches=8))
-        planned.plan.pipeline.stages
+        planned.plan.decided.pipeline.stages
     """
     options = options if options is not None else Options()
     fixed = options.pipeline
@@ -165,7 +165,7 @@ def plan_pipeline(
             failures.append(f"m={m}: {e}")
             continue
         for k in ("build_s", "solve_s", "references_s"):
-            timings[k] += planned.plan.timings.get(k, 0.0)
+            timings[k] += planned.plan.provenance.timings.get(k, 0.0)
         t2 = time.perf_counter()
         # the solver's layout, then each reference layout (as completed in its own
         # recomputation mode), weighed alike as pipelines: the fastest that fits is kept,
@@ -183,7 +183,7 @@ def plan_pipeline(
                 # a layout that fits no split is shown split at its best with no limit
                 shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
                                         for sched in scheds], key=lambda o: o.step_s)
-                got = _pipeline_cost(planned.plan.references[name], shown)
+                got = _pipeline_cost(planned.plan.provenance.references[name], shown)
                 if name not in ref_costs or got.step_s < ref_costs[name].step_s:
                     ref_costs[name] = got
             for opt in fitting:
@@ -205,11 +205,14 @@ def plan_pipeline(
     pipe = _pipeline_record(mesh.axes[axis], best.option, best.profile, n_blocks, weighed_all,
                             best.overheads, kept=best.reference)
     plan = planned.plan
-    plan = replace(plan, cost=_pipeline_cost(plan.cost, best.option), pipeline=pipe,
-                   timings=timings, memory_budget=limit,
-                   references=ref_costs,
-                   memory_limit_source=source, model=model_name or plan.model,
-                   input_shapes=_full_shapes(plan.input_shapes, batch))
+    pv = plan.provenance
+    plan = replace(
+        plan,
+        decided=replace(plan.decided, pipeline=pipe,
+                        input_shapes=_full_shapes(plan.decided.input_shapes, batch)),
+        predicted=replace(plan.predicted, cost=_pipeline_cost(plan.predicted.cost, best.option)),
+        provenance=replace(pv, timings=timings, memory_budget=limit, references=ref_costs,
+                           memory_limit_source=source, model=model_name or pv.model))
     return replace(planned, plan=plan)
 
 
@@ -262,7 +265,7 @@ def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]
                   ) -> tuple[float, float]:
     """(step, bubble) a pipeline plan predicts for other block ranges than its own, with its
     schedule and stage layout: to weigh a hand-made split (equal block counts) against it."""
-    pipe = planned.plan.pipeline
+    pipe = planned.plan.decided.pipeline
     if pipe is None:
         raise PlanError("predict_split needs a pipeline plan (made by plan_pipeline)")
     axis = pipeline_axis(mesh)

@@ -23,7 +23,16 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.placements import Spec
-from autopar.ir.plan import NodePlacement, Plan, PlanCost, Recompute, SolverInfo
+from autopar.ir.plan import (
+    Decisions,
+    NodePlacement,
+    Plan,
+    PlanCost,
+    Predictions,
+    Provenance,
+    Recompute,
+    SolverInfo,
+)
 from autopar.ir.precision import Precision
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.cost.buckets import first_bucket_bytes
@@ -665,17 +674,19 @@ def assemble_plan(
     if pg.proxy is not None:  # untraced layers take the placements of the layer they stand for
         params = {name: params[pg.proxy.traced_name(name)] for name in pg.all_param_names}
     return Plan(
-        model=model_name, mesh_shape=mesh.shape, mesh_axes=mesh.axes, device=mesh.device.name,
-        params=params, inputs=inputs, nodes=nodes, collectives=tuple(scored.collectives),
-        cost=scored.cost, solver=solver, timings={k: round(v, 4) for k, v in timings.items()},
-        missing_rules=dict(sp.missing_rules), references=references,
-        input_shapes=input_shapes, memory_budget=memory_budget,
-        first_bucket_bytes=first_bucket_bytes(mesh.device),
-        merged_sums=tuple(tuple(mesh.axes[k] for k in axes)
-                          for axes in cm.merged_sums(mesh)),
-        precision=pg.precision or Precision(), memory_limit_source=limit_source,
-        recompute=recompute or Recompute(),
-        param_state=zero_stages.param_state(pg, sp, choice),
+        Decisions(
+            mesh_shape=mesh.shape, mesh_axes=mesh.axes, device=mesh.device.name,
+            params=params, inputs=inputs, nodes=nodes, input_shapes=input_shapes,
+            precision=pg.precision or Precision(), recompute=recompute or Recompute(),
+            param_state=zero_stages.param_state(pg, sp, choice),
+            first_bucket_bytes=first_bucket_bytes(mesh.device),
+            merged_sums=tuple(tuple(mesh.axes[k] for k in axes)
+                              for axes in cm.merged_sums(mesh))),
+        Predictions(cost=scored.cost, collectives=tuple(scored.collectives)),
+        Provenance(solver=solver, model=model_name, references=references,
+                   timings={k: round(v, 4) for k, v in timings.items()},
+                   missing_rules=dict(sp.missing_rules), memory_budget=memory_budget,
+                   memory_limit_source=limit_source),
     )
 
 
@@ -687,16 +698,16 @@ def with_recompute(graph: PlanGraph, plan: Plan, mode: Mode | str, mesh: Mesh) -
     :class:`~autopar.planning.modes.Mode` or its label (a recompute mode, with ``+zero3`` to
     re-gather parameters in the backward too, ``+zero1`` to all-reduce the gradients of split
     parameters whole)."""
-    if plan.recompute.nodes:
+    if plan.decided.recompute.nodes:
         raise PlanError("with_recompute takes a plan that recomputes nothing")
     mode = Mode.of(mode)
     mpg = mode_graph(graph, mode)
-    offload = "auto" if plan.param_state.offloaded else "none"
-    sp = sharding_problem.build(mpg, mesh, plan.memory_budget, share_layers=False,
+    offload = "auto" if plan.decided.param_state.offloaded else "none"
+    sp = sharding_problem.build(mpg, mesh, plan.provenance.memory_budget, share_layers=False,
                                 offload=offload, zero1=mode.whole_grads)
     choice = []
     for i, n in enumerate(sp.nodes):
-        place = plan.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
+        place = plan.decided.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
         want = (place.ins, place.outs, place.impls, place.raw_outs)
         ks = [k for k, s in enumerate(sp.strategies[i])
               if (s.ins, s.outs, s.impls, s.raw_outs) == want]
@@ -704,9 +715,10 @@ def with_recompute(graph: PlanGraph, plan: Plan, mode: Mode | str, mesh: Mesh) -
             raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
                             "was the plan made for this graph?")
         choice.append(ks[0])
-    base = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False,
+    base = sharding_problem.build(graph, mesh, plan.provenance.memory_budget,
+                                  share_layers=False,
                                   offload=offload, zero1=mode.whole_grads)
     rec = recompute_record(mode.label, mode.recompute, mpg, sp, choice, base)
-    return assemble_plan(mpg, sp, choice, plan.model, mesh, plan.solver, dict(plan.timings),
-                         dict(plan.references), plan.memory_budget, plan.memory_limit_source,
-                         rec)
+    pv = plan.provenance
+    return assemble_plan(mpg, sp, choice, pv.model, mesh, pv.solver, dict(pv.timings),
+                         dict(pv.references), pv.memory_budget, pv.memory_limit_source, rec)

@@ -137,7 +137,7 @@ def search_shapes(
                                         microbatch_choices=1, trace_cache=cache)
         except PlanError as e:
             return ShapeResult(s, math.inf, math.inf, None, str(e).split(";")[0])
-        c = planned.plan.cost
+        c = planned.plan.predicted.cost
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
     results = forked_map(plan_one, shapes, options.search.workers)

@@ -80,21 +80,21 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
         if check is not None:
             check(s, pinned, plan, mesh, plans[-1] if plans else None, prev)
         for name, spec in pinned.pins.items():  # a plan given may place them otherwise
-            if tuple(plan.nodes[name].outs[0]) != tuple(spec):
+            if tuple(plan.decided.nodes[name].outs[0]) != tuple(spec):
                 what = next(n for n in pinned.graph.nodes if n.name == name).meta["autopar"]
                 label = what.param_name or pinned.input_names[what.input_index]
                 raise PlanError(
                     f"stage {s}'s plan places {label} as "
-                    f"{spec_str(plan.nodes[name].outs[0])} but the pipeline gives it as "
+                    f"{spec_str(plan.decided.nodes[name].outs[0])} but the pipeline gives it as "
                     f"{spec_str(spec)}: make the stage's plan from "
                     "the graph it is handed, whose boundary (and shared weights) are pinned")
         for name in tied:
-            if s in tied[name] and name in plan.params:
-                want = placed.setdefault(name, tuple(plan.params[name]))
-                if tuple(plan.params[name]) != want:
+            if s in tied[name] and name in plan.decided.params:
+                want = placed.setdefault(name, tuple(plan.decided.params[name]))
+                if tuple(plan.decided.params[name]) != want:
                     raise PlanError(
                         f"stage {s}'s plan places the shared weight {name} as "
-                        f"{spec_str(plan.params[name])}, stage {tied[name][0]}'s as "
+                        f"{spec_str(plan.decided.params[name])}, stage {tied[name][0]}'s as "
                         f"{spec_str(want)}: the copies' gradients are summed piece by piece, "
                         "so every stage holding it must place it alike; pin it so "
                         "(autopar.capture.stage.pin_boundary(graph, mesh, params=...))")
@@ -111,13 +111,13 @@ def pinned_stage_plans(plan: Plan, time_limit_s: float
     """The stage plans of a pipeline plan whose stages run one each: each stage's plan with
     its parameters placed as the pipeline plan's stage layout places them and the rest
     (activations, collectives) solved on the stage's own graph (:func:`solve_stage`)."""
-    ps_ = plan.param_state
+    ps_ = plan.decided.param_state
     zero = 3 if ps_.regathered else 1 if ps_.zero1 else 2  # of the parameters it splits
 
     def stage_plan(stage: int, graph: PlanGraph, mesh: Mesh) -> Plan:
-        params = plan.params
+        params = plan.decided.params
         pins = {n: params[n] for n in graph.param_names if n in params}
         return solve_stage(None, pin_boundary(graph, mesh, pins), mesh, time_limit_s,
-                           f"{plan.model} stage {stage}", zero=zero)
+                           f"{plan.provenance.model} stage {stage}", zero=zero)
 
     return stage_plan

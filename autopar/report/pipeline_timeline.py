@@ -27,7 +27,7 @@ RECOMPUTING = ("backward", "backward_input")
 
 def pipeline_timeline(plan: Plan) -> tuple[list[TraceEvent], float]:
     """Every rank's events and the span (module docstring), from the plan alone."""
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     assert pipe is not None
     sched, times, rank_sync, speed = planned_stages(plan)
     again = {st.index: st.recompute_s for st in pipe.stages}
@@ -57,6 +57,6 @@ def write_pipeline_timeline(plan: Plan, path: Any) -> float:
     """Write the predicted pipelined step of ``plan`` to ``path``; returns its span."""
     evs, span = pipeline_timeline(plan)
     write_trace(evs, path, {"autopar": "predicted", "step_s": span,
-                            "plan_step_s": plan.cost.step_s,
+                            "plan_step_s": plan.predicted.cost.step_s,
                             "note": "one process per pipeline rank"})
     return span

@@ -18,7 +18,7 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 def _grouped_params(plan: Plan) -> list[tuple[str, str, int]]:
     """Parameters whose names differ only by a layer index and share a layout, folded."""
     groups: dict[tuple[str, str], int] = {}
-    for name, spec in plan.params.items():
+    for name, spec in plan.decided.params.items():
         key = (_LAYER_INDEX.sub(".*.", name), spec_str(spec))
         groups[key] = groups.get(key, 0) + 1
     return [(name, spec, n) for (name, spec), n in groups.items()]
@@ -52,12 +52,12 @@ def text_table(headers: list[str], rows: list[list[str]], justify: str = "left",
 
 def plan_table(plan: Plan, max_params: int = 40) -> str:
     mesh = " x ".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
-    shapes = ", ".join(f"{k} {v}" for k, v in plan.input_shapes.items())
-    c = plan.cost
+    shapes = ", ".join(f"{k} {v}" for k, v in plan.decided.input_shapes.items())
+    c = plan.predicted.cost
     budget = _limit(plan)
-    s = plan.solver
+    s = plan.provenance.solver
     lines = [
-        f"autopar plan: {plan.model or 'model'} on {mesh} ({plan.device}); inputs {shapes}",
+        f"autopar plan: {plan.provenance.model or 'model'} on {mesh} ({plan.decided.device}); inputs {shapes}",
         f"predicted step {fmt_time(c.step_s)} = compute {fmt_time(c.compute_s)} + "
         f"communication {fmt_time(c.comm_s)}; memory {fmt_bytes(c.mem_bytes)} per device{budget}",
         f"solver: {s.status} ({s.method}) in {s.time_s:.2f} s; {s.variables} variables for "
@@ -66,55 +66,55 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
         "recompute: " + recompute_line(plan),
         "parameter state: " + param_state_line(plan),
     ]
-    if plan.timings:
-        t = plan.timings
+    if plan.provenance.timings:
+        t = plan.provenance.timings
         lines.append(
             "planning time: " + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in t.items())
         )
-    if plan.pipeline is not None:
+    if plan.decided.pipeline is not None:
         lines += [""] + pipeline_lines(plan)
     lines += ["", "inputs:"]
     lines += text_table(["input", "shape", "placement"],
-                        [[k, str(plan.input_shapes.get(k, "")), spec_str(v)]
-                         for k, v in plan.inputs.items()])
+                        [[k, str(plan.decided.input_shapes.get(k, "")), spec_str(v)]
+                         for k, v in plan.decided.inputs.items()])
     grouped = _grouped_params(plan)
-    lines += ["", f"parameters ({len(plan.params)}; layers folded as *):"]
+    lines += ["", f"parameters ({len(plan.decided.params)}; layers folded as *):"]
     rows = [[name + (f"  (x{n})" if n > 1 else ""), spec] for name, spec, n in grouped[:max_params]]
-    axes = "per stage-mesh axis" if plan.pipeline is not None else "per mesh axis"
+    axes = "per stage-mesh axis" if plan.decided.pipeline is not None else "per mesh axis"
     lines += text_table(["parameter", f"placement {axes}"], rows)
     if len(grouped) > max_params:
         lines.append(f"  ... {len(grouped) - max_params} more")
     lines += ["", "collectives per step" + (" of one stage, one microbatch (gradient syncs once "
-                                             "per step):" if plan.pipeline is not None else ":")]
-    if plan.collectives:
+                                             "per step):" if plan.decided.pipeline is not None else ":")]
+    if plan.predicted.collectives:
         lines += text_table(
             ["collective", "axis", "count", "bytes/device", "time", "why"],
             [[x.kind, x.axis, str(x.count), fmt_bytes(x.bytes), fmt_time(x.time_s), x.reason]
-             for x in plan.collectives],
+             for x in plan.predicted.collectives],
         )
     else:
         lines.append("  none")
-    if any(x.reason == "gradient sync" for x in plan.collectives):
+    if any(x.reason == "gradient sync" for x in plan.predicted.collectives):
         from autopar.passes.cost.cost_model import BUCKET_BYTES
 
-        first, rest = fmt_bytes(plan.first_bucket_bytes), fmt_bytes(BUCKET_BYTES)
+        first, rest = fmt_bytes(plan.decided.first_bucket_bytes), fmt_bytes(BUCKET_BYTES)
         lines.append("  gradient buckets, filled in reverse parameter order: " + (
             f"{rest} each (communication does not overlap compute on this device)"
-            if plan.first_bucket_bytes >= BUCKET_BYTES else
+            if plan.decided.first_bucket_bytes >= BUCKET_BYTES else
             f"the first closes at {first}, so its collective starts early, the others at "
             f"{rest}"))
-    if plan.missing_rules:
-        ops = ", ".join(f"{k} (x{v})" for k, v in sorted(plan.missing_rules.items()))
+    if plan.provenance.missing_rules:
+        ops = ", ".join(f"{k} (x{v})" for k, v in sorted(plan.provenance.missing_rules.items()))
         lines += ["", f"ops with no sharding rule, planned replicated: {ops}"]
-    if plan.references:
+    if plan.provenance.references:
         lines += ["", "reference plans, scored by the same cost model:"]
         rows = []
-        limit = plan.memory_budget
+        limit = plan.provenance.memory_budget
 
         def fits(mem: float) -> str:
             return "yes" if limit is None or mem <= limit * (1 + 1e-9) else "no"
 
-        for name, rc in sorted(plan.references.items(), key=lambda kv: kv[1].step_s):
+        for name, rc in sorted(plan.provenance.references.items(), key=lambda kv: kv[1].step_s):
             ratio = rc.step_s / c.step_s if c.step_s else float("nan")
             rows.append([name, fmt_time(rc.step_s), fmt_time(rc.compute_s), fmt_time(rc.comm_s),
                          fmt_bytes(rc.mem_bytes), fits(rc.mem_bytes), f"{ratio:.2f}x"])
@@ -126,15 +126,15 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
 
 
 def _limit(plan: Plan) -> str:
-    if plan.memory_budget is None:
+    if plan.provenance.memory_budget is None:
         return " (no memory limit)"
-    src = plan.memory_limit_source
+    src = plan.provenance.memory_limit_source
     why = "" if src in ("", "given") else f": {src}"
-    return f" (limit {fmt_bytes(plan.memory_budget)}{why})"
+    return f" (limit {fmt_bytes(plan.provenance.memory_budget)}{why})"
 
 
 def precision_line(plan: Plan) -> str:
-    p = plan.precision
+    p = plan.decided.precision
     if not p.mixed:
         return "fp32"
     line = (f"{p.name} compute; fp32 master weights and optimizer state; softmax, norms and the "
@@ -143,13 +143,13 @@ def precision_line(plan: Plan) -> str:
 
 
 def recompute_line(plan: Plan) -> str:
-    r = plan.recompute
+    r = plan.decided.recompute
     asked = f" (asked: {r.asked})" if r.asked != r.mode else ""
     if r.mode == "none" or not r.nodes:
         return "none" + asked
     counts = sorted(set(r.per_layer.values()))
     each = f"{counts[0]} ops in each of" if len(counts) == 1 else f"{len(r.nodes)} ops over"
-    share = f" ({r.time_s / plan.cost.step_s:.1%} of the step)" if plan.cost.step_s else ""
+    share = f" ({r.time_s / plan.predicted.cost.step_s:.1%} of the step)" if plan.predicted.cost.step_s else ""
     return (f"{r.mode}{asked}: {each} {len(r.per_layer)} traced layers "
             f"({_ranges(sorted(r.per_layer))}); costs {fmt_time(r.time_s)}{share}, saves "
             f"{fmt_bytes(r.saved_bytes)} at the peak")
@@ -160,12 +160,12 @@ def param_state_line(plan: Plan) -> str:
     optimizer state offloaded to the host."""
     from autopar.ir.param_state import STAGE_NAMES
 
-    ps = plan.param_state
+    ps = plan.decided.param_state
     groups: dict[tuple[int, tuple[str, ...]], int] = {}
     for name, stage in ps.stages.items():
         key = (stage, ps.axes.get(name, ()))
         groups[key] = groups.get(key, 0) + 1
-    total = len(plan.params)
+    total = len(plan.decided.params)
     parts = [f"{STAGE_NAMES[stage]} over {','.join(axes)} for {n} of {total}"
              for (stage, axes), n in sorted(groups.items())]
     rest = total - sum(groups.values())
@@ -173,7 +173,7 @@ def param_state_line(plan: Plan) -> str:
         parts.append(f"split for compute on every axis (no state repeated) for {rest}")
     line = "; ".join(parts) or "none"
     if ps.offloaded:
-        share = f" ({ps.offload_s / plan.cost.step_s:.1%} of the step)" if plan.cost.step_s else ""
+        share = f" ({ps.offload_s / plan.predicted.cost.step_s:.1%} of the step)" if plan.predicted.cost.step_s else ""
         line += (f"; optimizer state of {len(ps.offloaded)} parameters offloaded to host memory "
                  f"({fmt_bytes(ps.offload_bytes)} per device; costs {fmt_time(ps.offload_s)}"
                  f"{share})")
@@ -193,18 +193,18 @@ def _ranges(xs: list[int]) -> str:
 
 def plan_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
     """What differs between two plans of one model: placements and predicted cost."""
-    lines = [f"{name_a}: step {fmt_time(a.cost.step_s)}, memory {fmt_bytes(a.cost.mem_bytes)}",
-             f"{name_b}: step {fmt_time(b.cost.step_s)}, memory {fmt_bytes(b.cost.mem_bytes)}"]
-    if a.mesh_shape != b.mesh_shape:
-        lines.append(f"meshes differ: {a.mesh_shape} vs {b.mesh_shape}")
+    lines = [f"{name_a}: step {fmt_time(a.predicted.cost.step_s)}, memory {fmt_bytes(a.predicted.cost.mem_bytes)}",
+             f"{name_b}: step {fmt_time(b.predicted.cost.step_s)}, memory {fmt_bytes(b.predicted.cost.mem_bytes)}"]
+    if a.decided.mesh_shape != b.decided.mesh_shape:
+        lines.append(f"meshes differ: {a.decided.mesh_shape} vs {b.decided.mesh_shape}")
     rows = []
-    for key in sorted(set(a.inputs) | set(b.inputs)):
-        pa, pb = a.inputs.get(key), b.inputs.get(key)
+    for key in sorted(set(a.decided.inputs) | set(b.decided.inputs)):
+        pa, pb = a.decided.inputs.get(key), b.decided.inputs.get(key)
         if pa != pb:
             rows.append([f"input {key}", spec_str(pa) if pa else "-", spec_str(pb) if pb else "-"])
     folded: dict[tuple[str, str, str], int] = {}
-    for key in sorted(set(a.params) | set(b.params)):
-        pa, pb = a.params.get(key), b.params.get(key)
+    for key in sorted(set(a.decided.params) | set(b.decided.params)):
+        pa, pb = a.decided.params.get(key), b.decided.params.get(key)
         if pa != pb:
             k = (_LAYER_INDEX.sub(".*.", key), spec_str(pa) if pa else "-",
                  spec_str(pb) if pb else "-")
@@ -217,9 +217,9 @@ def plan_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
 
 def pipeline_lines(plan: Plan) -> list[str]:
     """The stages, schedule, microbatches and bubble of a pipeline plan."""
-    pp = plan.pipeline
+    pp = plan.decided.pipeline
     assert pp is not None
-    stage_axes = " x ".join(f"{a}={n}" for a, n in zip(plan.mesh_axes, plan.mesh_shape))
+    stage_axes = " x ".join(f"{a}={n}" for a, n in zip(plan.decided.mesh_axes, plan.decided.mesh_shape))
     lines = [
         f"pipeline: {pp.size} ranks on axis {pp.axis}, schedule {pp.schedule} with "
         f"{pp.virtual} stage(s) per rank, {pp.microbatches} microbatches; each stage on a "

@@ -28,10 +28,10 @@ event). Where the device's communication overlaps compute
 (``DeviceProfile.comm_overlaps_compute``), gradient syncs and the loss's all-reduce run on
 the comm lane beside the backward; otherwise they serialise, as gloo does on the CPU cores.
 
-**The total and the plan's cost.** ``plan.cost.step_s`` is the serial sum of compute and
+**The total and the plan's cost.** ``plan.predicted.cost.step_s`` is the serial sum of compute and
 communication: the cost model credits no overlap (``bucket_fill`` explains why full buckets
 keep their full price). So where communication serialises, the timeline's span equals
-``plan.cost.step_s`` (to float rounding); where it overlaps, the span is shorter by the
+``plan.predicted.cost.step_s`` (to float rounding); where it overlaps, the span is shorter by the
 gradient-sync time hidden behind the backward (``Timeline.hidden_s``), and span plus hidden
 equals ``step_s``. The loss's all-reduce is drawn at its price, as the plan counts it: 0 where
 the backward hides it (its unhidden length is in its ``args``), at most the profile's
@@ -155,12 +155,12 @@ def predicted_timeline(planned: Planned, ops: bool = False, max_ranks: int = MAX
     mesh = sp.mesh
     if overlap is None:
         overlap = mesh.device.comm_overlaps_compute
-    if planned.plan.pipeline is not None:  # ranks differ: the schedule's replay, per rank
+    if planned.plan.decided.pipeline is not None:  # ranks differ: the schedule's replay, per rank
         from autopar.report.pipeline_timeline import pipeline_timeline
 
         events, span = pipeline_timeline(planned.plan)
-        p = planned.plan.pipeline.size
-        return Timeline(events, span, planned.plan.cost.step_s, 0.0, p,
+        p = planned.plan.decided.pipeline.size
+        return Timeline(events, span, planned.plan.predicted.cost.step_s, 0.0, p,
                         p * int(np.prod(mesh.shape)), overlap, pipeline=True)
     items = _items(pg, sp, choice, overlap)
     one, hidden = _schedule(_expand(items, pg), overlap, ops)
@@ -169,7 +169,7 @@ def predicted_timeline(planned: Planned, ops: bool = False, max_ranks: int = MAX
     ranks = max(1, min(world, max_ranks))
     events = [TraceEvent(e.name, e.start_s, e.dur_s, r, e.lane, e.cat, e.args)
               for r in range(ranks) for e in one]
-    return Timeline(events, span, planned.plan.cost.step_s, hidden, ranks, world, overlap)
+    return Timeline(events, span, planned.plan.predicted.cost.step_s, hidden, ranks, world, overlap)
 
 
 def write_timeline(planned: Planned, path: str | Path, ops: bool = False,
@@ -190,12 +190,12 @@ def planned_from_plan(graph: PlanGraph, plan: Plan, mesh: Mesh) -> Planned:
     from autopar.planning.planner import Planned
     from autopar.solver import Solution
 
-    offload = "auto" if plan.param_state.offloaded else "none"
-    sp = sharding_problem.build(graph, mesh, plan.memory_budget, share_layers=False,
-                                offload=offload, zero1=plan.param_state.zero1)
+    offload = "auto" if plan.decided.param_state.offloaded else "none"
+    sp = sharding_problem.build(graph, mesh, plan.provenance.memory_budget, share_layers=False,
+                                offload=offload, zero1=plan.decided.param_state.zero1)
     choice = []
     for i, n in enumerate(sp.nodes):
-        place = plan.nodes.get(n.name)
+        place = plan.decided.nodes.get(n.name)
         if place is None:
             raise PlanError(f"the plan has no placement for node {n.name!r}: it was made for "
                             "another graph")
@@ -206,7 +206,7 @@ def planned_from_plan(graph: PlanGraph, plan: Plan, mesh: Mesh) -> Planned:
             raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
                             "was the plan made for this graph?")
         choice.append(ks[0])
-    sol = Solution((), plan.cost.step_s, True, "given", 0.0, "given")
+    sol = Solution((), plan.predicted.cost.step_s, True, "given", 0.0, "given")
     return Planned(plan, graph, sp, sol, choice)
 
 

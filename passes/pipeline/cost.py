@@ -261,7 +261,7 @@ def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[
     """A pipeline plan's schedule, each stage's times (as the plan replayed them), each
     rank's gradient sync and the ranks' speeds: what its predicted timeline draws, from the
     plan alone."""
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     if pipe is None:
         raise PlanError("not a pipeline plan (made by plan_pipeline)")
     sched = PipelineSchedule(pipe.schedule, pipe.size, pipe.virtual, pipe.microbatches)

@@ -155,7 +155,7 @@ class PipelineModule(nn.Module):
         rank = dist.get_rank()  # the events carry it: one process per rank in the trace
         write_trace(pipeline_trace_events(self.runner.last_step_events),
                     d / f"trace_rank{rank}.json", {"autopar": "measured", "rank": rank})
-        if rank == 0 and self.plan is not None and self.plan.pipeline is not None:
+        if rank == 0 and self.plan is not None and self.plan.decided.pipeline is not None:
             from autopar.report.pipeline_timeline import write_pipeline_timeline
 
             write_pipeline_timeline(self.plan, d / "predicted.json")
@@ -192,15 +192,15 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
     runs offloaded optimizer state or fp16's loss scaling; stage programs run autopar's GPT-2
     and Llama-3 stages in fp32, without recomputation, under any schedule (one that splits
     the backward runs a program's backward whole in its input action)."""
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     assert pipe is not None
     fix_fit = ("give a larger memory_budget (--memory-budget), more pipeline stages or "
                "smaller micro-batches")
-    if plan.param_state.offloaded:
+    if plan.decided.param_state.offloaded:
         raise PlanError(f"the plan keeps the optimizer state of "
-                        f"{len(plan.param_state.offloaded)} parameters on the host, which "
+                        f"{len(plan.decided.param_state.offloaded)} parameters on the host, which "
                         f"pipeline stages do not do: plan with offload='none', or {fix_fit}")
-    prec, mode = plan.precision, plan.recompute.mode
+    prec, mode = plan.decided.precision, plan.decided.recompute.mode
     if prec.loss_scaling:
         raise PlanError(f"the plan computes in {prec.name}, whose dynamic loss scaling pipeline "
                         "stages do not do yet: plan it with precision='bf16' (--precision "
@@ -221,7 +221,7 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
                             "precision='fp32' and recompute='none', or use a mesh without a "
                             "'pp' axis")
         return
-    why = ("its stage mesh has a 'tp' axis" if "tp" in plan.mesh_axes else
+    why = ("its stage mesh has a 'tp' axis" if "tp" in plan.decided.mesh_axes else
            "its stage layout splits parameters over dp (ZeRO/FSDP)")
     if prec.mixed or mode != "none":
         what = [f"computes in {prec.name}"] * prec.mixed + \
@@ -242,9 +242,9 @@ def runnable_option(plan: Plan) -> ScheduleOption | None:
     """Where the planner chose a schedule the plan's stages cannot run (a split backward
     under selective recomputation), the fastest option it weighed that they can; None where
     its choice runs."""
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     assert pipe is not None
-    if plan.recompute.mode != "selective" or not splits_backward(pipe.schedule):
+    if plan.decided.recompute.mode != "selective" or not splits_backward(pipe.schedule):
         return None
     fit = [o for o in pipe.options if math.isfinite(o.step_s)
            and not splits_backward(o.schedule)]
@@ -255,7 +255,7 @@ def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequen
                fixed: dict[str, Any]) -> None:
     """A given plan was made for this model, these inputs, this mesh and the ``fixed``
     pipeline choices (schedule, microbatches, virtual: the caller's, None where not given)."""
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     if pipe is None:
         raise PlanError("the plan has no pipeline section (it was made for a mesh without a "
                         "'pp' axis): make it for this mesh (autopar plan ... --mesh "
@@ -263,17 +263,17 @@ def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequen
     axis = pipeline_axis(mesh)
     sub = stage_mesh(mesh, axis) if axis is not None else None
     if sub is None or mesh.axes[axis] != pipe.axis or mesh.shape[axis] != pipe.size or \
-            tuple(sub.shape) != tuple(plan.mesh_shape) or tuple(sub.axes) != tuple(plan.mesh_axes):
+            tuple(sub.shape) != tuple(plan.decided.mesh_shape) or tuple(sub.axes) != tuple(plan.decided.mesh_axes):
         made = ",".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
         raise PlanError(f"the plan was made for mesh {made} but runs on {_mesh_text(mesh)}: "
                         "make the plan for this mesh, or run on the mesh it was made for")
     n_blocks = len(ps.find_blocks(model)[1])
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    if pipe.stages[-1].end_block != n_blocks or set(plan.params) != names:
-        raise PlanError(f"the plan was made for another model ({plan.model or 'unnamed'}, "
+    if pipe.stages[-1].end_block != n_blocks or set(plan.decided.params) != names:
+        raise PlanError(f"the plan was made for another model ({plan.provenance.model or 'unnamed'}, "
                         f"{pipe.stages[-1].end_block} blocks; this one has {n_blocks}): make the "
                         "plan for this model")
-    planned = [list(s) for s in plan.input_shapes.values()]
+    planned = [list(s) for s in plan.decided.input_shapes.values()]
     if planned != [list(s) for s in shapes]:
         raise PlanError(f"the plan was made for inputs of shapes {planned}, the example inputs "
                         f"have {[list(s) for s in shapes]}: make the plan for these shapes")
@@ -297,7 +297,7 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
     plan says (:func:`check_runnable`, the stage placement, the model)."""
     check_runnable(plan, model)
     inputs = PipelineInputs.of(args, kwargs)
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     assert pipe is not None
     info = schedule_info(pipe.schedule)
     placement = stage_placement(pipe.size, len(pipe.stages), info.placement)
@@ -318,9 +318,9 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
     if plan_runs_as_program(plan):
         options = {"frontend": "module"}
     else:
-        options["precision"] = plan.precision  # as the SPMD runtime runs them (planned_stage)
-        options["recompute"] = plan.recompute.mode
-        if family == "hf" or plan.precision.mixed or plan.recompute.mode != "none":
+        options["precision"] = plan.decided.precision  # as the SPMD runtime runs them (planned_stage)
+        options["recompute"] = plan.decided.recompute.mode
+        if family == "hf" or plan.decided.precision.mixed or plan.decided.recompute.mode != "none":
             # autopar's stages: Hugging Face decoders' (torch's splitter drops their rotary
             # inputs with some transformers releases and fails to export 3 stages with
             # others), and the only ones a plan's precision and recomputation reach

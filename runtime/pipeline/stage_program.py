@@ -90,7 +90,7 @@ class StageProgram(ParallelModule):
         if graph.stage is None:
             raise PlanError("a StageProgram runs a pipeline stage's graph "
                             "(autopar.capture.stage.capture_stage), not a whole step's")
-        if plan.precision.loss_scaling:
+        if plan.decided.precision.loss_scaling:
             raise PlanError("fp16 with dynamic loss scaling does not run in pipeline stages "
                             "yet: plan them in bf16 or fp32")
         super().__init__(stage, submesh, graph, plan, None, compile)
@@ -202,9 +202,9 @@ def check_stage_plan(s: int, graph: PlanGraph, plan: Plan, mesh: Mesh,
     input in the layout the previous stage's plan sends its output in."""
     from autopar.runtime.lower import validate
 
-    if tuple(plan.mesh_shape) != tuple(mesh.shape) or tuple(plan.mesh_axes) != tuple(mesh.axes):
+    if tuple(plan.decided.mesh_shape) != tuple(mesh.shape) or tuple(plan.decided.mesh_axes) != tuple(mesh.axes):
         raise PlanError(
-            f"stage {s}'s plan was made for mesh {dict(zip(plan.mesh_axes, plan.mesh_shape))} "
+            f"stage {s}'s plan was made for mesh {dict(zip(plan.decided.mesh_axes, plan.decided.mesh_shape))} "
             f"but the stage runs on {dict(zip(mesh.axes, mesh.shape))} (the mesh's axes other "
             "than pp): plan it for that submesh")
     validate(graph, plan)
@@ -214,8 +214,8 @@ def check_stage_plan(s: int, graph: PlanGraph, plan: Plan, mesh: Mesh,
         return
     prev_st = prev_graph.stage
     assert prev_st is not None and prev_st.output_grad is not None
-    sent = tuple(prev_plan.nodes[prev_st.output_grad].outs[0])
-    got = tuple(plan.nodes[st.input].outs[0])
+    sent = tuple(prev_plan.decided.nodes[prev_st.output_grad].outs[0])
+    got = tuple(plan.decided.nodes[st.input].outs[0])
     if sent != got:
         raise PlanError(
             f"stage {s}'s plan receives its input as {spec_str(got)} but stage {s - 1}'s plan "
@@ -254,7 +254,7 @@ def local_example(inputs: StageInputs, plan: Plan, graph: PlanGraph, device: tor
              and n.meta["autopar"].role == "input"]
     out = []
     for node, shape, dtype in list(zip(nodes, inputs.shapes, inputs.dtypes))[:count]:
-        piece = local_shape(tuple(shape), plan.nodes[node.name].outs[0], tuple(plan.mesh_shape))
+        piece = local_shape(tuple(shape), plan.decided.nodes[node.name].outs[0], tuple(plan.decided.mesh_shape))
         t = torch.zeros(piece, dtype=getattr(torch, dtype), device=device)
         out.append(t.requires_grad_(t.is_floating_point()))
     return tuple(out)
@@ -299,7 +299,7 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
     stages = []
     for s in local:
         graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path)
-        graph = apply_recompute(graph, plans[s].recompute.nodes)  # as the plan was made
+        graph = apply_recompute(graph, plans[s].decided.recompute.nodes)  # as the plan was made
         programs[s] = prog = StageProgram(mods[s], submesh, graph, plans[s])
         # the program's backward is one lowered piece: under a schedule that splits it (ZBV,
         # DualPipeV, InterleavedZeroBubble) the input action runs it whole, as torch does for

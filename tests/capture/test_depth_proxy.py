@@ -55,4 +55,4 @@ def test_proxy_plan_lists_every_parameter():
     model = preset.build("meta")
     planned = make_plan(model, Mesh((2,), ("dp",)), preset.example_inputs(4, 32),
                         options=Options.of(time_limit_s=5, max_layers=4))
-    assert set(planned.plan.params) == {n for n, _ in model.named_parameters()}
+    assert set(planned.plan.decided.params) == {n for n, _ in model.named_parameters()}

@@ -242,7 +242,7 @@ def test_low_precision_training_tracks_fp32(precision: str) -> None:
         warnings.simplefilter("always", LossScaleWarning)
         pm = autopar.parallelize(model, mesh_for((2,)), drawn[0], time_limit_s=2.0,
                                  precision=cfg.options.precision.compute)
-        assert pm.plan.precision.name == precision
+        assert pm.plan.decided.precision.name == precision
         par = tc._train(pm, tc._adamw(pm, cfg), drawn_sampler, cfg, None, 0.0)
     base, _ = tc._baseline(cfg)
     diffs = [abs(p - b) / abs(b) for p, b in zip(par.losses, base.losses)]

@@ -232,14 +232,14 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
     from autopar.passes.cost.reshard_route import route
 
     lowered = pm._active[1]
-    mesh = Mesh(lowered.mesh_shape, lowered.plan.mesh_axes, "cpu")
+    mesh = Mesh(lowered.mesh_shape, lowered.plan.decided.mesh_axes, "cpu")
     merged = lowered.plan.merged_axes()  # sums over these axis sets run as one collective
     out: dict[tuple[str, str], list] = {}
     deviates = False
     edges = [(m, a, b) for m, a, b, _ in lowered.edges()]
     syncs = []  # bucketed syncs: one collective per bucket and axis, as grad_sync runs
     for group, kind in sync_groups(lowered.grad_moves(), mesh.shape, lowered.bucketed,
-                                   lowered.plan.first_bucket_bytes):
+                                   lowered.plan.decided.first_bucket_bytes):
         if kind is None:
             syncs.append((group[0].meta, group[0].src, group[0].dst))
             continue
@@ -264,7 +264,7 @@ def routed_totals(pm: nn.Module) -> tuple[dict[tuple[str, str], tuple[int, float
 
 
 def planned_totals(plan: Plan) -> dict[tuple[str, str, str], tuple[int, float]]:
-    return {(c.kind, c.axis, c.reason): (c.count, c.bytes) for c in plan.collectives}
+    return {(c.kind, c.axis, c.reason): (c.count, c.bytes) for c in plan.predicted.collectives}
 
 
 def check_collectives(records: list, pm: nn.Module, what: str = "") -> None:

@@ -33,7 +33,7 @@ def test_a_pipeline_plan_covers_every_block_once_and_fits():
     model, inputs = gpt(n_layer=8)
     mesh = Mesh((2, 2), ("pp", "dp"), "cpu")
     plan = plan_pipeline(model, mesh, inputs, model_name="gpt").plan
-    pipe = plan.pipeline
+    pipe = plan.decided.pipeline
     assert pipe is not None and pipe.size == 2
     assert len(pipe.stages) == 2 * pipe.virtual
     assert pipe.stages[0].first_block == 0 and pipe.stages[-1].end_block == 8
@@ -41,9 +41,9 @@ def test_a_pipeline_plan_covers_every_block_once_and_fits():
     assert pipe.stages[0].first and pipe.stages[-1].last
     assert 8 % pipe.microbatches == 0
     # the placements are one stage's, on the mesh less its pipeline axis
-    assert plan.mesh_axes == ("dp",) and plan.full_mesh == ((2, 2), ("pp", "dp"))
-    assert plan.cost.step_s == pytest.approx(pipe.step_s)
-    assert plan.cost.mem_bytes == max(pipe.rank_memory_bytes) <= plan.memory_budget
+    assert plan.decided.mesh_axes == ("dp",) and plan.full_mesh == ((2, 2), ("pp", "dp"))
+    assert plan.predicted.cost.step_s == pytest.approx(pipe.step_s)
+    assert plan.predicted.cost.mem_bytes == max(pipe.rank_memory_bytes) <= plan.provenance.memory_budget
     per_rank = [0.0] * pipe.size
     for st in pipe.stages:
         per_rank[st.rank] += st.memory_bytes
@@ -58,10 +58,10 @@ def test_the_plan_round_trips_through_json_and_prints_its_stages(tmp_path):
     path = tmp_path / "p.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["schedule"]["schedule"] == planned.plan.pipeline.schedule
-    assert len(doc["stages"]) == len(planned.plan.pipeline.stages)
+    assert doc["schedule"]["schedule"] == planned.plan.decided.pipeline.schedule
+    assert len(doc["stages"]) == len(planned.plan.decided.pipeline.stages)
     back = Plan.load(path)
-    assert back.pipeline == planned.plan.pipeline
+    assert back.decided.pipeline == planned.plan.decided.pipeline
     table = plan_table(back)
     assert "pipeline: 2 ranks on axis pp" in table and "embedding + block" in table
     assert "on pp=2 x dp=2" in table
@@ -79,11 +79,11 @@ def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
     model, inputs = gpt(n_layer=4)
     mesh = Mesh((2,), ("pp",), "cpu")
     zbv = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble")).plan
-    pipe = zbv.pipeline
+    pipe = zbv.decided.pipeline
     assert (pipe.action_s, pipe.post_s) == (cpu.action_s, cpu.post_s)
     # one process per rank on 2 cores: a core each, no speed-up
     assert pipe.speed == () and all(st.split_s > 0 for st in pipe.stages)
-    one = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="1F1B")).plan.pipeline
+    one = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="1F1B")).plan.decided.pipeline
     assert all(st.split_s == 0 for st in one.stages)  # a whole backward: nothing to split
     # the timeline, redrawn from the plan alone, ends where the plan's replay did
     _, span = pipeline_timeline(zbv)
@@ -98,7 +98,7 @@ def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes,
     model, inputs = gpt(n_layer=4)
     mesh = Mesh(shape, axes, "cpu")
     planned = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble"))
-    pipe = planned.plan.pipeline
+    pipe = planned.plan.decided.pipeline
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          stage_mesh(mesh, 0).data_parallel_size)
     # the stage kind the planner priced is the one the runtime reads off the plan made
@@ -141,10 +141,10 @@ def test_a_tied_head_is_held_and_summed_by_both_end_stages():
     assert prof.pre.state_bytes >= table and prof.post.state_bytes >= table
     assert prof.pre.forward_s > 0
     # the copies' gradients are summed across the two ranks once per step: both pay it
-    ends = one.plan.pipeline.stages
+    ends = one.plan.decided.pipeline.stages
     assert ends[0].sync_s == ends[-1].sync_s > 0
     # a V keeps both ends on rank 0: nothing to sum across ranks
-    v = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble")).plan.pipeline
+    v = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="ZBVZeroBubble")).plan.decided.pipeline
     assert v.stages[0].rank == v.stages[-1].rank and v.stages[0].sync_s == 0
 
 
@@ -155,10 +155,10 @@ def test_a_heavy_head_gets_fewer_blocks_than_equal_counts():
     model, inputs = gpt(n_layer=8, vocab=16384)
     mesh = Mesh((2,), ("pp",), "cpu")
     planned = plan_pipeline(model, mesh, inputs, options=Options.of(schedule="1F1B"))
-    stages = planned.plan.pipeline.stages
+    stages = planned.plan.decided.pipeline.stages
     assert stages[-1].blocks < stages[0].blocks
     equal_step, _ = predict_split(planned, mesh, [(0, 4), (4, 8)])
-    assert planned.plan.pipeline.step_s < equal_step
+    assert planned.plan.decided.pipeline.step_s < equal_step
 
 
 def test_the_stage_profile_adds_up_to_its_plan():
@@ -170,7 +170,7 @@ def test_the_stage_profile_adds_up_to_its_plan():
     prof = stage_profile(planned.problem, planned.node_choice, 4, 2)
     parts = [(prof.pre, 1), (prof.block, 4), (prof.post, 1)]
     total = sum((c.time_s + c.sync_s) * k for c, k in parts)
-    assert total == pytest.approx(planned.plan.cost.step_s, rel=1e-6)
+    assert total == pytest.approx(planned.plan.predicted.cost.step_s, rel=1e-6)
     assert 0.0 < prof.weight_share < 1.0
     assert prof.block.state_bytes > 0 and prof.block.saved_bytes > 0
 
@@ -180,7 +180,7 @@ def test_fixed_choices_are_kept():
     mesh = Mesh((2,), ("pp",), "cpu")
     pipe = plan_pipeline(model, mesh, inputs,
                          options=Options.of(schedule="interleaved1f1b", microbatches=4,
-                                            virtual=2)).plan.pipeline
+                                            virtual=2)).plan.decided.pipeline
     assert (pipe.schedule, pipe.virtual, pipe.microbatches) == ("Interleaved1F1B", 2, 4)
     assert [st.rank for st in pipe.stages] == [0, 1, 0, 1]
 
@@ -225,7 +225,7 @@ def test_the_shape_search_is_the_best_of_planning_each_shape_alone():
             else:
                 plan = plan_pipeline(model, mesh, inputs, microbatch_choices=1,
                                      options=Options.of(max_layers=4, time_limit_s=2.0)).plan
-            steps.append((plan.cost.step_s, s))
+            steps.append((plan.predicted.cost.step_s, s))
         except PlanError:
             steps.append((math.inf, s))
     best_step, best_shape = min(steps, key=lambda x: x[0])
@@ -260,8 +260,8 @@ def test_llama3_405b_on_1024_gpus_gets_real_stages_that_fit():
     model, inputs = preset.build("meta"), preset.example_inputs(128, 8192, "meta")
     plan = plan_pipeline(model, Mesh((8, 16, 8), ("pp", "dp", "tp"), "h100"), inputs,
                          options=Options.of(max_layers=4, time_limit_s=5.0)).plan
-    pipe = plan.pipeline
-    assert plan.precision.name == "bf16"
+    pipe = plan.decided.pipeline
+    assert plan.decided.precision.name == "bf16"
     assert len(pipe.stages) == 8 * pipe.virtual
     assert pipe.stages[-1].end_block == 126 and pipe.microbatches >= 8
     assert max(pipe.rank_memory_bytes) <= 74 * GiB

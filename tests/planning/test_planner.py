@@ -44,7 +44,7 @@ LLAMA_ROW = ("attention.wo.weight", "feed_forward.w2.weight")
 def test_small_batch_on_a_tp_mesh_gives_megatron_column_then_row(name, changes, column, row):
     # one sequence of 1024 tokens through layers of GPT-2 XL / Llama-3 8B width
     planned = _plan(name, Mesh((8,), ("tp",)), batch=1, seq=1024, **changes)
-    params = planned.plan.params
+    params = planned.plan.decided.params
     for pname, spec in params.items():
         if pname.endswith(column):
             assert spec == (S(0),), f"{pname} should be column-parallel, got {spec}"
@@ -60,10 +60,10 @@ def test_large_batch_gives_data_parallelism():
     # the batch may arrive whole and be sliced locally (free): what matters is that the
     # matmuls run on batch shards
     mms = [n for n in planned.graph.nodes() if n.target is torch.ops.aten.addmm.default]
-    assert mms and all(plan.nodes[n.name].ins[1] == (S(0),) for n in mms)
-    replicated = sum(spec == (R,) for spec in plan.params.values())
-    assert replicated >= 0.9 * len(plan.params)
-    assert any(c.kind == "all_reduce" and c.reason == "gradient sync" for c in plan.collectives)
+    assert mms and all(plan.decided.nodes[n.name].ins[1] == (S(0),) for n in mms)
+    replicated = sum(spec == (R,) for spec in plan.decided.params.values())
+    assert replicated >= 0.9 * len(plan.decided.params)
+    assert any(c.kind == "all_reduce" and c.reason == "gradient sync" for c in plan.predicted.collectives)
 
 
 def test_memory_budget_below_replicated_state_shards_parameters():
@@ -75,13 +75,13 @@ def test_memory_budget_below_replicated_state_shards_parameters():
     budget = 0.5 * state
     tight = _plan("gpt2-tiny", mesh, batch=8, seq=32, budget=budget,
                   n_layer=4, d_model=1024, n_head=8)
-    assert tight.plan.cost.mem_bytes <= budget
+    assert tight.plan.predicted.cost.mem_bytes <= budget
     sizes = {n.meta["autopar"].param_name: n.meta["autopar"].out.nbytes
              for n in tight.graph.nodes() if n.meta["autopar"].role == "param"}
-    sharded = sum(sizes[n] for n, s in tight.plan.params.items()
+    sharded = sum(sizes[n] for n, s in tight.plan.decided.params.items()
                   if any(isinstance(p, Shard) for p in s))
     assert sharded >= 0.5 * sum(sizes.values())  # at least half the state is split
-    assert tight.plan.cost.step_s >= free.plan.cost.step_s
+    assert tight.plan.predicted.cost.step_s >= free.plan.predicted.cost.step_s
 
 
 def test_infeasible_budget_is_a_clear_error():
@@ -115,9 +115,9 @@ def test_activations_over_the_limit_suggest_a_batch_that_fits():
 
 def test_default_limit_is_the_devices_memory_less_its_reserve():
     planned = _plan("gpt2-tiny", Mesh((2,), ("dp",), "cpu"), batch=4, seq=32)
-    assert planned.plan.memory_budget == 14 * 2**30  # cpu profile: 16 GiB less 2 GiB
+    assert planned.plan.provenance.memory_budget == 14 * 2**30  # cpu profile: 16 GiB less 2 GiB
     assert "cpu's 16.00 GiB less a 2.00 GiB reserve" in plan_table(planned.plan)
-    assert planned.plan.precision.name == "fp32"  # the cpu profile's default
+    assert planned.plan.decided.precision.name == "fp32"  # the cpu profile's default
 
 
 def test_plan_round_trips_through_json(tmp_path):
@@ -140,7 +140,7 @@ def test_plan_round_trips_through_json(tmp_path):
     assert "predicted step" in plan_table(loaded)
     # gloo on CPU cores: one bucket size, also after a JSON round trip
     on_cpu = _plan("llama3-tiny", Mesh((2,), ("dp",), "cpu"), batch=4, seq=32).plan
-    assert on_cpu.first_bucket_bytes == BUCKET_BYTES
+    assert on_cpu.decided.first_bucket_bytes == BUCKET_BYTES
     assert Plan.from_json(json.loads(json.dumps(on_cpu.to_json()))) == on_cpu
 
 
@@ -149,8 +149,8 @@ def test_a_plan_records_which_sums_run_as_one_collective():
     ranks beats two over 2 at any size); the plan records it, keeps it through JSON, lists
     such collectives on ``dp+tp``, and a plan JSON without the record sums axis by axis."""
     plan = _plan("llama3-tiny", Mesh((2, 2), ("dp", "tp"), "cpu"), batch=4, seq=32).plan
-    assert plan.merged_sums == (("dp", "tp"),) and plan.merged_axes() == ((0, 1),)
-    assert {c.axis for c in plan.collectives} <= {"dp", "tp", "dp+tp"}
+    assert plan.decided.merged_sums == (("dp", "tp"),) and plan.merged_axes() == ((0, 1),)
+    assert {c.axis for c in plan.predicted.collectives} <= {"dp", "tp", "dp+tp"}
     doc = plan.to_json()
     assert Plan.from_json(json.loads(json.dumps(doc))) == plan
     del doc["merged_sums"]
@@ -160,7 +160,7 @@ def test_a_plan_records_which_sums_run_as_one_collective():
         Plan.from_json(doc).merged_axes()
     # NVLink: the extra ring steps of one ring over 8 cost more than the overheads saved
     assert _plan("llama3-tiny", Mesh((2, 4), ("dp", "tp")), batch=4, seq=32
-                 ).plan.merged_sums == ()
+                 ).plan.decided.merged_sums == ()
 
 
 def test_plan_json_errors_name_the_fix(tmp_path):
@@ -195,13 +195,13 @@ def test_a_reference_that_places_repeated_layers_differently_is_still_scored():
     ref = REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp")
     planned = make_plan(model, mesh, preset.example_inputs(8, 1), references={"megatron_tp": ref},
                         options=Options.of(time_limit_s=5))
-    assert "megatron_tp" in planned.plan.references
+    assert "megatron_tp" in planned.plan.provenance.references
     choice = planned.reference_choices["megatron_tp"]
     for name, spec in ref.params.items():
         node = planned.graph.param_node(name)
         i = [n.name for n in planned.problem.nodes].index(node.name)
         assert planned.problem.strategies[i][choice[i]].outs[0] == spec
-    assert planned.plan.cost.step_s <= planned.plan.references["megatron_tp"].step_s * (1 + 1e-9)
+    assert planned.plan.predicted.cost.step_s <= planned.plan.provenance.references["megatron_tp"].step_s * (1 + 1e-9)
 
 
 def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
@@ -219,15 +219,15 @@ def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
     refs = {"fsdp": REFERENCE_PLANS["fsdp"](model, mesh.shape, mesh.axes, "mlp", batch_size=256)}
     own = make_plan(model, mesh, (x, x), references=refs,
                     options=Options.of(time_limit_s=5, min_gain=0.0))
-    ref_cost = own.plan.references["fsdp"].step_s
-    gap = ref_cost / own.plan.cost.step_s - 1
+    ref_cost = own.plan.provenance.references["fsdp"].step_s
+    gap = ref_cost / own.plan.predicted.cost.step_s - 1
     assert 0 < gap < 5 * MIN_GAIN  # close, so the margin decides
     kept = make_plan(model, mesh, (x, x), references=refs,
                      options=Options.of(time_limit_s=5, min_gain=2 * gap))
-    assert kept.plan.cost.step_s == pytest.approx(ref_cost)
-    assert "kept fsdp" in kept.plan.solver.method
-    assert kept.plan.params["layers.0.weight"] != (R,)
-    assert own.plan.params["layers.0.weight"] == (R,)
+    assert kept.plan.predicted.cost.step_s == pytest.approx(ref_cost)
+    assert "kept fsdp" in kept.plan.provenance.solver.method
+    assert kept.plan.decided.params["layers.0.weight"] != (R,)
+    assert own.plan.decided.params["layers.0.weight"] == (R,)
 
 
 def test_a_sweep_answer_the_exact_solve_cannot_beat_is_reported_optimal(monkeypatch):
@@ -293,7 +293,7 @@ def test_references_completed_on_forked_processes_equal_the_sequential_ones():
     one = make_plan(model, mesh, inputs, references=refs, options=Options.of(time_limit_s=2.0)).plan
     two = make_plan(model, mesh, inputs, references=refs,
                     options=Options.of(time_limit_s=2.0, workers=2)).plan
-    assert one.references == two.references and one.cost == two.cost
+    assert one.provenance.references == two.provenance.references and one.predicted.cost == two.predicted.cost
     assert forked_map(lambda x: x * x, [1, 2, 3], 2) == [1, 4, 9]
 
 

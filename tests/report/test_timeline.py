@@ -67,7 +67,7 @@ def _collective_counts(events) -> Counter:
 
 
 def _plan_counts(plan) -> Counter:
-    return Counter({(c.kind, c.axis, c.reason): c.count for c in plan.collectives})
+    return Counter({(c.kind, c.axis, c.reason): c.count for c in plan.predicted.collectives})
 
 
 @pytest.mark.parametrize("case", ["cpu", "h100"])
@@ -85,7 +85,7 @@ def test_trace_is_chrome_json_with_ranks_and_lanes(planned, tmp_path, case):
     xs = [e for e in evs if e["ph"] == "X"]
     assert xs and all({"name", "cat", "ts", "dur", "pid", "tid", "args"} <= set(e) for e in xs)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in xs)
-    assert doc["otherData"]["plan_step_s"] == planned(case).plan.cost.step_s
+    assert doc["otherData"]["plan_step_s"] == planned(case).plan.predicted.cost.step_s
     # SPMD: both ranks draw the same program
     strip = [[(e["name"], e["ts"], e["dur"], e["tid"]) for e in xs if e["pid"] == r]
              for r in (0, 1)]
@@ -105,7 +105,7 @@ def test_trace_is_chrome_json_with_ranks_and_lanes(planned, tmp_path, case):
 def test_total_matches_the_plans_cost_and_collectives_its_counts(planned, case):
     p = planned(case)
     tl = predicted_timeline(p)
-    step = p.plan.cost.step_s
+    step = p.plan.predicted.cost.step_s
     if p.problem.mesh.device.comm_overlaps_compute:
         # the cost model adds communication to compute; the picture hides gradient syncs
         # behind the backward: span + hidden is the plan's price
@@ -117,7 +117,7 @@ def test_total_matches_the_plans_cost_and_collectives_its_counts(planned, case):
     rank0 = tl.rank_events(0)
     assert _collective_counts(rank0) == _plan_counts(p.plan)
     busy = sum(e.dur_s for e in rank0 if e.cat == "collective")
-    assert busy == pytest.approx(p.plan.cost.comm_s, rel=1e-6, abs=1e-12)
+    assert busy == pytest.approx(p.plan.predicted.cost.comm_s, rel=1e-6, abs=1e-12)
 
 
 def test_every_layer_has_its_forward_and_backward(planned):

@@ -5,7 +5,7 @@ One spawn of 4 processes runs several configurations in turn (process start-up d
 dp x tp on a GPT (also with dropout, its masks drawn whole on every rank), and the solver's own
 plan made on rank 0 and broadcast. For each, every rank
 trains 3 AdamW steps and compares with the single-device run it also does itself, and counts
-the collectives it executed per step against ``plan.collectives``. Then a state dict saved
+the collectives it executed per step against ``plan.predicted.collectives``. Then a state dict saved
 with ``torch.distributed.checkpoint`` is loaded into a fresh parallelized model.
 
 Plans for the reference layouts are made once in the parent (the solver is not guaranteed
@@ -101,7 +101,7 @@ def _worker(rank: int, port: int, plans: dict, out_dir: str, configs: list = CON
                 "executed": sorted(map(list, _flat(collective_totals(records)))),
                 "planned": sorted(map(list, _flat(planned_totals(pm.plan)))),
                 "compiled runs": _compiled_runs(pm),
-                "recomputed": len(pm.plan.recompute.nodes),
+                "recomputed": len(pm.plan.decided.recompute.nodes),
                 "bits": _digest(got),
             }
             if name == "2d-gpt" and not compile:

@@ -109,7 +109,7 @@ def test_gpt_with_dropout_equals_single_device(mesh_shape, source: str) -> None:
     plan = reference_plan(model, "gpt2", source, mesh_for(mesh_shape), inputs)
     assert plan is not None
     # dropout traces as bernoulli_ on CPU; the plan shards it
-    assert any(i == "random_whole_draw" for p in plan.nodes.values() for i in p.impls)
+    assert any(i == "random_whole_draw" for p in plan.decided.nodes.values() for i in p.impls)
     got, want, _ = run_case(model, inputs, mesh_shape, plan)
     assert_same_training(got, want, what=f"gpt2 with dropout, {source} on {mesh_shape}")
 
@@ -194,12 +194,12 @@ def test_a_plan_resharding_an_input_written_in_place_is_refused() -> None:
     mesh = mesh_for((2,))
     with fake_world(2):
         plan = autopar.parallelize(model, mesh, inputs, time_limit_s=2.0).plan
-    bn = next(k for k in plan.nodes if k.startswith("native_batch_norm") and "backward" not in k)
-    place = plan.nodes[bn]
+    bn = next(k for k in plan.decided.nodes if k.startswith("native_batch_norm") and "backward" not in k)
+    place = plan.decided.nodes[bn]
     moved = tuple((Shard(0),) if i in (3, 4) and spec != (Shard(0),) else
                   ((R,) if i in (3, 4) else spec) for i, spec in enumerate(place.ins))
     bad = Plan.from_json(plan.to_json())
-    bad.nodes[bn] = NodePlacement(moved, place.outs, place.impls, place.raw_outs)
+    bad.decided.nodes[bn] = NodePlacement(moved, place.outs, place.impls, place.raw_outs)
     fresh = _ConvBN()
     with fake_world(2), pytest.raises(PlanError, match="writes its input .* in place"):
         autopar.parallelize(fresh, mesh, inputs, plan=bad)
@@ -225,7 +225,7 @@ def test_megatron_rows_all_reduce_inside_the_op_once() -> None:
     # weights wide against the batch, so that moving activations beats gathering weights
     model, inputs, plan = _mlp_with_reference("megatron_tp", (4,), 64, 512, 8)
     plan = Plan.from_json(plan.to_json())
-    reduced = [name for name, p in plan.nodes.items() if p.raw_outs]
+    reduced = [name for name, p in plan.decided.nodes.items() if p.raw_outs]
     assert reduced, "megatron_tp's row-parallel outputs are reduced in the op"
     got, want, pm = run_case(model, inputs, (4,), plan)
     assert_same_training(got, want, what="megatron_tp with in-op all-reduces")
@@ -241,7 +241,7 @@ def test_fsdp_gradients_reduce_scatter_in_buckets() -> None:
     check_collectives(got["collectives"][-1], pm, "fsdp with bucketed reduce-scatters")
     scattered = [r for r in got["collectives"][-1]
                  if r.kind == "reduce_scatter" and r.reason == "gradient sync"]
-    sharded = [p for p in plan.params.values() if any(isinstance(x, Shard) for x in p)]
+    sharded = [p for p in plan.decided.params.values() if any(isinstance(x, Shard) for x in p)]
     assert 0 < len(scattered) < len(sharded)
 
 
@@ -313,8 +313,8 @@ def test_gradient_buckets_are_sized_for_the_device(device: str, syncs: int) -> N
     inputs = (torch.randn(8, 64), torch.randn(8, 64))
     plan = reference_plan(model, "mlp", "data_parallel", Mesh((2,), ("dp",), device), inputs)
     assert plan is not None
-    assert (plan.first_bucket_bytes == FIRST_BUCKET_BYTES) == (device != "cpu")
-    predicted = [c for c in plan.collectives if c.reason == "gradient sync"]
+    assert (plan.decided.first_bucket_bytes == FIRST_BUCKET_BYTES) == (device != "cpu")
+    predicted = [c for c in plan.predicted.collectives if c.reason == "gradient sync"]
     assert [(c.kind, c.count) for c in predicted] == [("all_reduce", syncs)]
     got, want, pm = run_case(model, inputs, (2,), plan, steps=2)
     assert_same_training(got, want, what=f"data parallel, buckets sized for {device}")

@@ -55,7 +55,7 @@ def _plan(model, inputs, offload: str):
 def test_offloaded_state_lives_off_the_parameters_and_trains_as_one_device():
     model, inputs = _case()
     plan = _plan(model, inputs, "optimizer")
-    assert set(plan.param_state.offloaded) == set(plan.params)
+    assert set(plan.decided.param_state.offloaded) == set(plan.decided.params)
     torch.manual_seed(RNG_SEED)
     want = train_single(copy.deepcopy(model), inputs, STEPS)
     with fake_world(WORLD):
@@ -70,7 +70,7 @@ def test_offloaded_state_lives_off_the_parameters_and_trains_as_one_device():
 def test_a_plan_that_offloads_nothing_gets_the_plain_optimizer():
     model, inputs = _case()
     plan = _plan(model, inputs, "none")
-    assert not plan.param_state.offloaded
+    assert not plan.decided.param_state.offloaded
     with fake_world(WORLD):
         pm = autopar.parallelize(copy.deepcopy(model), mesh_for((WORLD,)), inputs, plan=plan)
         assert type(pm.make_optimizer(torch.optim.SGD, lr=0.1)) is torch.optim.SGD
@@ -129,14 +129,14 @@ def test_zero1_all_reduces_whole_gradients_and_trains_as_one_device():
 
     def syncs(plan: Plan) -> dict[str, float]:  # kind -> predicted time
         out: dict[str, float] = {}
-        for c in plan.collectives:
+        for c in plan.predicted.collectives:
             if c.reason == "gradient sync":
                 out[c.kind] = out.get(c.kind, 0.0) + c.time_s
         return out
 
     assert "reduce_scatter" in syncs(base) and "reduce_scatter" not in syncs(z1)
     assert syncs(z1)["all_reduce"] > syncs(base)["reduce_scatter"]
-    assert z1.param_state.zero1 and 1 in set(z1.param_state.stages.values())
+    assert z1.decided.param_state.zero1 and 1 in set(z1.decided.param_state.stages.values())
     assert "ZeRO-1" in plan_table(z1)
     torch.manual_seed(RNG_SEED)
     want = train_single(copy.deepcopy(model), inputs, 2)

@@ -44,7 +44,7 @@ def _train(model, plan, inputs, mesh, steps=2):
         torch.manual_seed(RNG_SEED)
         got = train_parallel(pm, inputs, steps)
         for records in got["collectives"]:
-            check_collectives(records, pm, f"{plan.recompute.mode}")
+            check_collectives(records, pm, f"{plan.decided.recompute.mode}")
     return got
 
 
@@ -77,8 +77,8 @@ def test_recompute_is_bitwise_the_same_training(name, mesh_shape, source, mode):
         if base is None:
             return
     plan = with_recompute(graph, base, mode, mesh)
-    assert plan.recompute.mode == mode.split("+")[0] and plan.recompute.nodes
-    assert plan.param_state.regathered == mode.endswith("+zero3")
+    assert plan.decided.recompute.mode == mode.split("+")[0] and plan.decided.recompute.nodes
+    assert plan.decided.param_state.regathered == mode.endswith("+zero3")
     what = f"{name} {mesh_shape} {source} {mode}"
     _assert_bitwise(_train(model, plan, inputs, mesh), _train(model, base, inputs, mesh), what)
 
@@ -96,7 +96,7 @@ def test_full_recompute_reruns_the_layers_collectives():
         return sum(c.count for c in p.collectives if c.reason == "resharding")
 
     assert count(plan) > count(base)
-    assert plan.recompute.time_s > 0 and plan.cost.step_s > base.cost.step_s
+    assert plan.decided.recompute.time_s > 0 and plan.predicted.cost.step_s > base.predicted.cost.step_s
 
 
 def test_modes_mark_what_they_say():
@@ -128,10 +128,10 @@ def test_recompute_saves_memory_at_a_price():
     base = make_plan(model, mesh, graph=graph,
                      options=Options.of(recompute="none", time_limit_s=2.0)).plan
     full = with_recompute(graph, base, "full", mesh)
-    assert full.cost.mem_bytes < base.cost.mem_bytes
-    assert full.recompute.saved_bytes == pytest.approx(base.cost.mem_bytes - full.cost.mem_bytes,
+    assert full.predicted.cost.mem_bytes < base.predicted.cost.mem_bytes
+    assert full.decided.recompute.saved_bytes == pytest.approx(base.predicted.cost.mem_bytes - full.predicted.cost.mem_bytes,
                                                        rel=1e-6)
-    assert full.cost.step_s > base.cost.step_s
+    assert full.predicted.cost.step_s > base.predicted.cost.step_s
 
 
 def test_auto_recomputes_only_when_the_limit_binds():
@@ -142,8 +142,8 @@ def test_auto_recomputes_only_when_the_limit_binds():
     inputs = preset.example_inputs(8, 64, "cpu")
     mesh = autopar.Mesh((2,), ("dp",), "h100")
     free = make_plan(model, mesh, inputs, options=Options.of(time_limit_s=2.0)).plan
-    assert free.recompute.mode == "none" and free.recompute.asked == "auto"
-    graph = capture(model, inputs, precision=free.precision)
+    assert free.decided.recompute.mode == "none" and free.decided.recompute.asked == "auto"
+    graph = capture(model, inputs, precision=free.decided.precision)
 
     def lean(mode):
         g = apply_recompute(graph, recompute_nodes(graph, mode))
@@ -154,5 +154,5 @@ def test_auto_recomputes_only_when_the_limit_binds():
     assert lean("full") < budget
     tight = make_plan(model, mesh, inputs,
                       options=Options.of(time_limit_s=2.0, memory_budget=budget)).plan
-    assert tight.recompute.mode in ("selective", "full") and tight.recompute.asked == "auto"
-    assert tight.cost.mem_bytes <= budget and tight.recompute.saved_bytes > 0
+    assert tight.decided.recompute.mode in ("selective", "full") and tight.decided.recompute.asked == "auto"
+    assert tight.predicted.cost.mem_bytes <= budget and tight.decided.recompute.saved_bytes > 0

@@ -39,7 +39,7 @@ def _mlp_plan(axis: str, reference: str, **kw):
 
 
 def _kinds(planned) -> list[tuple[str, str, int]]:
-    return sorted((c.kind, c.reason, c.count) for c in planned.plan.collectives)
+    return sorted((c.kind, c.reason, c.count) for c in planned.plan.predicted.collectives)
 
 
 def test_tensor_parallel_plan_drops_the_nearly_empty_bucket(monkeypatch) -> None:
@@ -89,8 +89,8 @@ def test_one_plans_fill_does_not_overcharge_a_reference_whose_buckets_fill() -> 
                      references={n: ref(n) for n in ("data_parallel", "megatron_tp")},
                      options=Options.of(time_limit_s=5))
     assert both.problem.bucket_fill  # repriced for the TP plan
-    assert both.plan.references["data_parallel"].step_s == pytest.approx(
-        alone.plan.references["data_parallel"].step_s, rel=1e-9)
+    assert both.plan.provenance.references["data_parallel"].step_s == pytest.approx(
+        alone.plan.provenance.references["data_parallel"].step_s, rel=1e-9)
 
 
 def test_a_reference_completion_is_repriced_when_another_plan_wins() -> None:
@@ -107,7 +107,7 @@ def test_a_reference_completion_is_repriced_when_another_plan_wins() -> None:
     ref = REFERENCE_PLANS["megatron_tp"](model, mesh.shape, mesh.axes, "mlp", batch_size=256)
     planned = make_plan(model, mesh, (x, x), references={"megatron_tp": ref},
                         options=Options.of(time_limit_s=5))
-    assert "megatron_tp" not in planned.plan.solver.method  # the solver's own plan won
+    assert "megatron_tp" not in planned.plan.provenance.solver.method  # the solver's own plan won
     completion = assemble_plan(planned.graph, planned.problem,
                                planned.reference_choices["megatron_tp"], "MLP", mesh,
                                SolverInfo("reference", 0.0, "megatron_tp"), {}, {}, None)

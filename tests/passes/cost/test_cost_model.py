@@ -106,7 +106,7 @@ def test_solver_keeps_the_loss_partial_rather_than_gather_mid_step_on_cpu():
     x = torch.empty(256, 256, device="meta")
     plan = make_plan(model, Mesh((4,), ("dp",), "cpu"), (x, torch.empty_like(x)), model_name="MLP",
                      options=Options.of(time_limit_s=10)).plan
-    reasons = sorted((c.kind, c.reason) for c in plan.collectives)
+    reasons = sorted((c.kind, c.reason) for c in plan.predicted.collectives)
     assert reasons == [("all_reduce", "gradient sync"), ("all_reduce", "loss")]
 
 

@@ -33,7 +33,7 @@ def _build():
 
 
 def _plan(case: tuple[str, str, str]) -> tuple[str, float, float]:
-    """(plan JSON, plan.cost.mem_bytes, the model's peak with buffers) for a reference."""
+    """(plan JSON, plan.predicted.cost.mem_bytes, the model's peak with buffers) for a reference."""
     from autopar.api import complete_plan
     from autopar.capture.joint import capture
     from autopar.ir.precision import Precision
@@ -50,9 +50,9 @@ def _plan(case: tuple[str, str, str]) -> tuple[str, float, float]:
     graph = capture(model, inputs, precision=Precision(precision))
     plan = complete_plan(graph, mesh, ref.params, ref.inputs, Options.of(time_limit_s=10.0),
                          mode=recompute)
-    sp = sharding_problem.build(apply_recompute(graph, plan.recompute.nodes), mesh)
-    full = peak_memory(*step_usage(sp, plan_choice(sp, plan.nodes)))[0]
-    return json.dumps(plan.to_json()), plan.cost.mem_bytes, full
+    sp = sharding_problem.build(apply_recompute(graph, plan.decided.recompute.nodes), mesh)
+    full = peak_memory(*step_usage(sp, plan_choice(sp, plan.decided.nodes)))[0]
+    return json.dumps(plan.to_json()), plan.predicted.cost.mem_bytes, full
 
 
 def _measure(plans: list[str]) -> list[int]:

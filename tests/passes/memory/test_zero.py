@@ -59,19 +59,19 @@ def test_zero3_gathers_again_in_the_backward_and_holds_less(tiny):
     model, inputs, graph = tiny
     held = _fsdp(model, inputs, graph, mode="none")
     again = with_recompute(graph, held, "none+zero3", MESH)
-    stages_held = set(held.param_state.stages.values())
-    assert 2 in stages_held and not held.param_state.regathered
-    assert again.param_state.regathered
-    weights = [p for p in held.params if p.endswith("wq.weight")]
-    assert all(held.param_state.stages[p] == 2 and again.param_state.stages[p] == 3
+    stages_held = set(held.decided.param_state.stages.values())
+    assert 2 in stages_held and not held.decided.param_state.regathered
+    assert again.decided.param_state.regathered
+    weights = [p for p in held.decided.params if p.endswith("wq.weight")]
+    assert all(held.decided.param_state.stages[p] == 2 and again.decided.param_state.stages[p] == 3
                for p in weights)
-    assert all(again.param_state.axes[p] == ("dp",) for p in weights)
+    assert all(again.decided.param_state.axes[p] == ("dp",) for p in weights)
 
     def gathers(plan: Plan) -> float:  # bytes (a layer's backward gathers go out as one)
-        return sum(c.bytes for c in plan.collectives if c.reason == "parameter gather")
+        return sum(c.bytes for c in plan.predicted.collectives if c.reason == "parameter gather")
 
     assert gathers(again) > gathers(held)
-    assert again.cost.mem_bytes < held.cost.mem_bytes
+    assert again.predicted.cost.mem_bytes < held.predicted.cost.mem_bytes
     assert "ZeRO-3" in plan_table(again) and "ZeRO-2" in plan_table(held)
 
 
@@ -81,7 +81,7 @@ def test_data_parallel_parameters_are_stage_0(tiny):
 
     ddp = complete_plan(graph, MESH, {n: (Replicate(),) for n, _ in model.named_parameters()},
                         options=Options.of(memory_budget=float("inf"), time_limit_s=2.0))
-    assert set(ddp.param_state.stages.values()) == {0}
+    assert set(ddp.decided.param_state.stages.values()) == {0}
     assert "replicated (DDP) over dp" in plan_table(ddp)
 
 
@@ -92,12 +92,12 @@ def test_auto_picks_the_faster_stage_that_fits(tiny):
     forced3 = make_plan(model, MESH, graph=graph,
                         options=Options.of(memory_budget=float("inf"), time_limit_s=2.0, zero=3,
                                            recompute="none"))
-    assert free.plan.cost.step_s <= forced3.plan.cost.step_s * (1 + 1e-9)
+    assert free.plan.predicted.cost.step_s <= forced3.plan.predicted.cost.step_s * (1 + 1e-9)
     # under a limit the ZeRO-2 plan misses, the planner weighs re-gathering too
-    limit = forced3.plan.cost.mem_bytes * 1.01
+    limit = forced3.plan.predicted.cost.mem_bytes * 1.01
     tight = make_plan(model, MESH, graph=graph,
                       options=Options.of(memory_budget=limit, time_limit_s=2.0, recompute="none"))
-    assert tight.plan.cost.mem_bytes <= limit
+    assert tight.plan.predicted.cost.mem_bytes <= limit
 
 
 def test_offload_moves_the_optimizer_state_and_pays_the_host_link(tiny):
@@ -108,11 +108,11 @@ def test_offload_moves_the_optimizer_state_and_pays_the_host_link(tiny):
     moved = make_plan(model, MESH, graph=graph,
                       options=Options.of(memory_budget=float("inf"), time_limit_s=2.0,
                                          recompute="none", offload="optimizer")).plan
-    ps = moved.param_state
-    assert set(ps.offloaded) == set(moved.params) and not kept.param_state.offloaded
+    ps = moved.decided.param_state
+    assert set(ps.offloaded) == set(moved.decided.params) and not kept.decided.param_state.offloaded
     assert ps.offload_s > 0 and ps.offload_bytes > 0
-    assert moved.cost.step_s >= ps.offload_s
-    assert moved.cost.mem_bytes < kept.cost.mem_bytes
+    assert moved.predicted.cost.step_s >= ps.offload_s
+    assert moved.predicted.cost.mem_bytes < kept.predicted.cost.mem_bytes
     assert "offloaded to host memory" in plan_table(moved)
     assert Plan.from_json(moved.to_json()) == moved
     # priced with the profile's host link: a slower link costs more
@@ -134,7 +134,7 @@ def test_offload_is_chosen_only_where_nothing_fits_without(tiny):
     on_host = leanest(sharding_problem.build(lean, MESH, offload="optimizer"))[0]
     assert on_host < on_device
     roomy = make_plan(model, MESH, graph=graph, options=Options.of(time_limit_s=5.0)).plan
-    assert not roomy.param_state.offloaded  # 74 GiB: nothing to offload
+    assert not roomy.decided.param_state.offloaded  # 74 GiB: nothing to offload
     limit = on_device * 0.99  # below any plan with all the state on the device
     assert limit > on_host
     with pytest.raises(PlanError):
@@ -142,9 +142,9 @@ def test_offload_is_chosen_only_where_nothing_fits_without(tiny):
                   options=Options.of(memory_budget=limit, time_limit_s=5.0, offload="none"))
     planned = make_plan(model, MESH, graph=graph,
                         options=Options.of(memory_budget=limit, time_limit_s=5.0)).plan
-    assert planned.param_state.offloaded and planned.cost.mem_bytes <= limit
+    assert planned.decided.param_state.offloaded and planned.predicted.cost.mem_bytes <= limit
     # it costs time, so only some of the state goes: as much as the limit needs
-    assert len(planned.param_state.offloaded) < len(planned.params)
+    assert len(planned.decided.param_state.offloaded) < len(planned.decided.params)
 
 
 def test_bad_stage_and_offload_names_say_what_to_use(tiny):

@@ -69,8 +69,8 @@ def test_bf16_plan_prices_the_real_dtypes():
                      options=Options.of(precision="fp32", recompute="none", time_limit_s=2.0)).plan
     bf16 = make_plan(model, mesh, inputs,
                      options=Options.of(precision="bf16", recompute="none", time_limit_s=2.0)).plan
-    assert bf16.precision == Precision("bf16") and fp32.precision == Precision("fp32")
-    assert bf16.cost.compute_s < fp32.cost.compute_s  # bf16 matmul rates, half the bytes
+    assert bf16.decided.precision == Precision("bf16") and fp32.decided.precision == Precision("fp32")
+    assert bf16.predicted.cost.compute_s < fp32.predicted.cost.compute_s  # bf16 matmul rates, half the bytes
     reduced = make_plan(model, mesh, inputs,
                         options=Options.of(precision="bf16", reduce_dtype="bf16", recompute="none",
                                            time_limit_s=2.0)).plan
@@ -99,7 +99,7 @@ def test_low_precision_training_stays_near_fp32(precision, mesh_shape, reduce):
     model, inputs = _llama()
     want = train_single(copy.deepcopy(model), inputs, STEPS)
     got, pm = _train_precision(model, inputs, mesh_shape, precision, reduce_dtype=reduce)
-    assert pm.plan.precision.name == precision
+    assert pm.plan.decided.precision.name == precision
     for i, (g, w) in enumerate(zip(got["losses"], want["losses"])):
         err = abs(g.item() - w.item()) / abs(w.item())
         assert err < TOLERANCE[precision], f"{precision} step {i}: {g.item()} vs {w.item()}"
@@ -114,7 +114,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     with fake_world(mesh.size):
         pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, precision="fp16",
                                  time_limit_s=2.0)
-        assert any(c.reason == "loss scaling" for c in pm.plan.collectives)
+        assert any(c.reason == "loss scaling" for c in pm.plan.predicted.collectives)
         opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
         before = {n: p.full_tensor().clone() for n, p in pm.named_parameters()}
         pm.loss_scale.scale = 2.0**40  # beyond fp16's range: the seed itself overflows

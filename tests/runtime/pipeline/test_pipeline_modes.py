@@ -225,7 +225,7 @@ def _worker(configs: list) -> dict:
                                      example_inputs=(x, y), time_limit_s=2.0,
                                      precision=precision, recompute=recompute,
                                      schedule=schedule, microbatches=m)
-            assert (pm.plan.precision.name, pm.plan.recompute.mode) == (precision, recompute)
+            assert (pm.plan.decided.precision.name, pm.plan.decided.recompute.mode) == (precision, recompute)
             runner, module = pm.runner, pm
             step = _steps(pm, x, y)
         else:

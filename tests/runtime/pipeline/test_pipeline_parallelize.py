@@ -110,9 +110,9 @@ def _worker(plan_path: str) -> dict:
     want = _reference(copy.deepcopy(model), lambda m: m(x, y), CLIP)
     mesh = autopar.Mesh((2, 2), ("pp", "dp"), "cpu")
     pm = autopar.parallelize(model, mesh, example_inputs=(x, y), time_limit_s=5.0)
-    assert isinstance(pm, PipelineModule) and pm.plan.pipeline is not None
+    assert isinstance(pm, PipelineModule) and pm.plan.decided.pipeline is not None
     _train(pm, lambda m: m(x, y), CLIP, want, "gpt2 planned")
-    pipe = pm.plan.pipeline
+    pipe = pm.plan.decided.pipeline
     report["gpt2"] = {"schedule": pipe.schedule, "runtime": pm.runner.schedule_name,
                       "microbatches": pm.runner.n_microbatches,
                       "ranges": [list(r) for r in pm.runner.ranges],
@@ -145,9 +145,9 @@ def _worker(plan_path: str) -> dict:
     pm = autopar.parallelize(model, autopar.Mesh((2, 2), ("pp", "tp"), "cpu"),
                              example_inputs=(x, y), time_limit_s=5.0)
     _train(pm, lambda m: m(x, y), CLIP, want, "gpt2 pp x tp")
-    report["tp"] = {"schedule": pm.plan.pipeline.schedule, "runtime": pm.runner.schedule_name,
+    report["tp"] = {"schedule": pm.plan.decided.pipeline.schedule, "runtime": pm.runner.schedule_name,
                     "programs": pm.runner.programs,
-                    "stages": len(pm.plan.pipeline.stages), "stage_plans": len(pm.runner.plans)}
+                    "stages": len(pm.plan.decided.pipeline.stages), "stage_plans": len(pm.runner.plans)}
 
     # 4. Hugging Face Llama
     model = _hf_llama()

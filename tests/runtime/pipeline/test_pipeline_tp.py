@@ -140,7 +140,7 @@ def _worker(configs: list, references: dict) -> dict:
             "events": [tuple(e) for e in runner.last_step_events],
             # how many parameters each stage's plan splits over tp (Megatron's: many)
             "tp_split": {s: sum(not isinstance(spec[-1], Replicate)
-                                for spec in p.plan.params.values())
+                                for spec in p.plan.decided.params.values())
                          for s, p in runner.stage_modules.items()},
             "synced": synced,  # stage -> gradient-sync collectives run in the last step
         }
@@ -162,7 +162,7 @@ def _check_collectives(config: str, stage: int, prog, n_microbatches: int) -> in
     Returns how many gradient-sync collectives ran."""
     ran = prog.collectives.totals(by_reason=True)
     per_step = {}
-    for c in prog.plan.collectives:
+    for c in prog.plan.predicted.collectives:
         times = 1 if c.reason == "gradient sync" else n_microbatches
         per_step[(c.kind, c.axis, c.reason)] = (c.count * times, c.bytes * times)
     assert ran == per_step, (config, stage, ran, per_step)
@@ -248,11 +248,11 @@ def test_stage_plan_keeps_its_pins_and_prices_the_boundary() -> None:
     plan = make_plan(mods[0], mesh, graph=g0,
                      options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S)).plan
     for name, spec in g0.pins.items():
-        assert plan.nodes[name].outs[0] == spec
-    y_spec = plan.nodes[g0.loss_node].outs[0]
-    boundary = [c for c in plan.collectives if c.reason == "stage boundary"]
+        assert plan.decided.nodes[name].outs[0] == spec
+    y_spec = plan.decided.nodes[g0.loss_node].outs[0]
+    boundary = [c for c in plan.predicted.collectives if c.reason == "stage boundary"]
     assert bool(boundary) == (y_spec != (S(0), R)), (y_spec, boundary)
-    assert not any(c.reason == "loss" for c in plan.collectives)  # no loss on this stage
+    assert not any(c.reason == "loss" for c in plan.predicted.collectives)  # no loss on this stage
     with pytest.raises(PlanError, match="not pinned.*pin_boundary"):
         make_plan(mods[0], mesh, graph=dataclasses.replace(g0, pins={}),
                   options=Options.of(memory_budget=math.inf, time_limit_s=PLAN_S))

@@ -1,0 +1,66 @@
+"""The Plan's groups and its file: decided / predicted / provenance in memory, one flat JSON
+object on disk, and a file of another version refused with what to do."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.ir.errors import PlanError
+from autopar.ir.placements import Replicate, Shard
+from autopar.ir.plan import (
+    PLAN_VERSION,
+    CollectiveUse,
+    Decisions,
+    NodePlacement,
+    Plan,
+    PlanCost,
+    Predictions,
+    Provenance,
+    SolverInfo,
+)
+
+
+def _small_plan() -> Plan:
+    spec = (Shard(0),)
+    return Plan(
+        Decisions(mesh_shape=(2,), mesh_axes=("dp",), device="cpu",
+                  params={"w": (Replicate(),)}, inputs={"x": spec},
+                  nodes={"mm": NodePlacement((spec, (Replicate(),)), (spec,))},
+                  input_shapes={"x": [8, 4]}, merged_sums=(("dp",),)),
+        Predictions(PlanCost(1e-3, 8e-4, 2e-4, 1024.0),
+                    (CollectiveUse("all_reduce", "dp", 1, 64.0, 2e-4, "gradient sync"),)),
+        Provenance(SolverInfo("optimal", 0.1, "ilp"), model="tiny",
+                   references={"data_parallel": PlanCost(1e-3, 8e-4, 2e-4, 1024.0)},
+                   timings={"solve_s": 0.1}, memory_budget=2.0**30,
+                   memory_limit_source="given"),
+    )
+
+
+def test_the_groups_round_trip_through_one_flat_json_object(tmp_path):
+    plan = _small_plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["version"] == PLAN_VERSION
+    assert {"mesh", "params", "nodes", "cost", "collectives", "solver", "references",
+            "memory_budget"} <= set(doc)  # the file is as before the grouping
+    back = Plan.load(path)
+    assert back == plan
+    assert back.decided.params == {"w": (Replicate(),)}
+    assert back.predicted.cost.step_s == 1e-3 and back.provenance.model == "tiny"
+    assert back.merged_axes() == ((0,),) and back.full_mesh == ((2,), ("dp",))
+
+
+def test_a_plan_file_of_another_version_is_refused_saying_which_and_what_to_do(tmp_path):
+    doc = _small_plan().to_json()
+    doc["version"] = PLAN_VERSION - 1
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlanError) as e:
+        Plan.load(path)
+    message = str(e.value)
+    assert f"plan version {PLAN_VERSION - 1} is not supported" in message
+    assert f"this autopar reads version {PLAN_VERSION}" in message
+    assert "make the plan again with `autopar plan ... --json`" in message
