@@ -43,8 +43,8 @@ from autopar.capture.depth_proxy import longest_block_list, stage_representative
 from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
-from autopar.ir.pipeline_mesh import pipeline_axis, stage_mesh
 from autopar.ir.options import Options
+from autopar.ir.pipeline_mesh import pipeline_axis, stage_mesh
 from autopar.ir.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
 from autopar.passes.pipeline.cost import (
     Option,
