@@ -1,4 +1,4 @@
-"""Gradient buckets repriced at their real fill (passes.bucket_fill)."""
+"""Gradient buckets repriced at their real fill (passes/problem/bucket_fill.py)."""
 
 from __future__ import annotations
 
