@@ -205,9 +205,6 @@ def test_import_cycles_finds_a_cycle_and_only_it() -> None:
     assert import_cycles(graph) == [["a", "b", "c"]]
 
 
-@pytest.mark.xfail(strict=False, reason="autopar.api <-> autopar.runtime.pipeline.module, "
-                   "runtime.pipeline.runner: the runtime's pipeline stages plan through api "
-                   "(being untangled by its owner)")
 def test_no_module_import_cycles() -> None:
     cycles = import_cycles(import_graph())
     assert not cycles, "module import cycles (imports inside functions count):\n" + "\n".join(
