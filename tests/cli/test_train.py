@@ -48,9 +48,45 @@ def test_bad_option_through_the_console_script() -> None:
     r = subprocess.run([sys.executable, "-m", "autopar.cli", "train", "--nproc", "3"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == [
-        "autopar: error: --nproc 3 does not match mesh dp=2,tp=2 of 4 devices: use --nproc 4 "
+    assert r.stderr.strip().splitlines() == [  # the default mesh (pp=2,dp=2 since it pipelines)
+        "autopar: error: --nproc 3 does not match mesh pp=2,dp=2 of 4 devices: use --nproc 4 "
         "or a mesh of 3 devices"]
+
+
+def test_the_default_plan_pipelines_the_model_the_same_way_every_time() -> None:
+    """``autopar train`` with no options shows parallelism: its plan cuts the model into 2
+    pipeline stages on different ranks (a dp=2,tp=2 plan of this model replicates every
+    parameter on the cpu profile), found fast and alike on every planning (no processes: the
+    planner on the default config, as rank 0 runs it)."""
+    import argparse
+    import time
+
+    import autopar
+    from autopar.cli import train as tc
+    from autopar.ir.mesh import Mesh
+    from autopar.report.table import plan_table
+
+    parser = argparse.ArgumentParser()
+    tc.register(parser.add_subparsers())
+    cfg = tc.validate(parser.parse_args(["train"]))
+    assert cfg.mesh_text == "pp=2,dp=2" and cfg.nproc == 4
+    model = tc.build_model(cfg)
+    sampler = BatchSampler.from_corpus(cfg.batch, cfg.seq, cfg.seed)
+    example = tc._micro_batches(sampler.batch(0), cfg)[0]
+    mesh = Mesh(cfg.mesh_shape, cfg.mesh_axes, "cpu")
+    tables = []
+    for _ in range(2):
+        t = time.perf_counter()
+        plan = autopar.plan_pipeline(model, mesh, example, options=cfg.options).plan
+        assert time.perf_counter() - t < 30  # about 1 s here
+        tables.append([ln for ln in plan_table(plan).splitlines()  # less the times it took
+                       if not ln.startswith(("solver:", "planning time:"))])
+    assert tables[0] == tables[1]
+    text = "\n".join(tables[0])
+    assert "pipeline: 2 ranks on axis pp" in text and "each stage on a dp=2 submesh" in text
+    stages = text.split("time/microbatch")[1].splitlines()[2:4]
+    assert [ln.split()[:2] for ln in stages] == [["0", "0"], ["1", "1"]]  # stage, rank
+    assert "embedding + block 0" in stages[0] and "block 1 + head" in stages[1]
 
 
 # --- corpus -------------------------------------------------------------------------------------

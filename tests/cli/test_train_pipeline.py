@@ -30,7 +30,8 @@ from harness.spmd import train_usage_error
      "16 microbatches do not divide the batch of 8"),  # each call is one pipeline step
     (["--mesh", "pp=2,dp=2", "--schedule", "pipedream"],
      "unknown pipeline schedule 'pipedream': use one of GPipe, 1F1B"),
-    (["--schedule", "1F1B"], "--schedule, --microbatches and --virtual need a pipeline axis"),
+    (["--mesh", "dp=2,tp=2", "--schedule", "1F1B"],
+     "--schedule, --microbatches and --virtual need a pipeline axis"),
     (["--mesh", "pp=2,ep=2"], "pipelines run on mesh axes 'pp', 'dp' and 'tp'; ep=2 is not"),
     (["--mesh", "pp=2,dp=2", "--compile"], "--compile does not apply to pipelines yet"),
     # bf16 and recomputation run on stages replicated over dp (test_pipeline_modes.py)
