@@ -175,7 +175,8 @@ def parallelize(
     check_plan_mesh(the_plan, amesh)
     if the_plan.provenance.missing_rules:
         warnings.warn(
-            "no sharding rule for " + ", ".join(sorted(the_plan.provenance.missing_rules)) + ": these ops "
+            "no sharding rule for " + ", ".join(sorted(the_plan.provenance.missing_rules))
+            + ": these ops "
             "run replicated (whole on every rank), which is correct but may be slow",
             stacklevel=2)
     if the_plan.decided.param_state.offloaded:
@@ -198,7 +199,8 @@ def parallelize(
 def _is_pipeline(mesh: Mesh, plan: Plan | None) -> bool:
     from autopar.planning.pipeline import pipeline_axis
 
-    return pipeline_axis(mesh) is not None or (plan is not None and plan.decided.pipeline is not None)
+    return pipeline_axis(mesh) is not None or (
+        plan is not None and plan.decided.pipeline is not None)
 
 
 def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwargs: dict | None,
@@ -358,9 +360,10 @@ def _warn_if_priced_for_another_device(mesh: Mesh, device_type: str) -> None:
 
 
 def check_plan_mesh(plan: Plan, mesh: Mesh) -> None:
-    if tuple(plan.decided.mesh_shape) != tuple(mesh.shape) or tuple(plan.decided.mesh_axes) != tuple(mesh.axes):
+    d = plan.decided
+    if tuple(d.mesh_shape) != tuple(mesh.shape) or tuple(d.mesh_axes) != tuple(mesh.axes):
         raise PlanError(
-            f"the plan was made for mesh {dict(zip(plan.decided.mesh_axes, plan.decided.mesh_shape))} but runs on "
+            f"the plan was made for mesh {dict(zip(d.mesh_axes, d.mesh_shape))} but runs on "
             f"{dict(zip(mesh.axes, mesh.shape))}: make the plan for this mesh, or run on the "
             "mesh it was made for")
 
@@ -382,8 +385,8 @@ def plan_mode(plan: Plan) -> Mode:
     from autopar.planning.modes import Mode
 
     ps = plan.decided.param_state
-    return Mode(plan.decided.recompute.mode, regather=bool(ps.regathered), whole_grads=bool(ps.zero1),
-                offload=bool(ps.offloaded))
+    return Mode(plan.decided.recompute.mode, regather=bool(ps.regathered),
+                whole_grads=bool(ps.zero1), offload=bool(ps.offloaded))
 
 
 def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],

@@ -573,7 +573,8 @@ def validate(pg: PlanGraph, plan: Plan) -> None:
         if n.op == "call_function" and n.target is not operator.getitem:
             inputs = tensor_inputs(n)
             for i in mutated_inputs(n):
-                src = plan.decided.nodes[inputs[i].name].outs[0] if inputs[i].name in plan.decided.nodes else None
+                placed = plan.decided.nodes.get(inputs[i].name)
+                src = placed.outs[0] if placed is not None else None
                 if src is not None and tuple(src) != tuple(place.ins[i]):
                     raise PlanError(
                         f"plan node {n.name!r} ({facts.op}) writes its input {inputs[i].name!r} "
@@ -623,7 +624,8 @@ Totals = dict[tuple[str, str, str], list]
 def grad_sync_mode(lowered: LoweredGraph) -> bool:
     """``True`` if the plan lists gradient syncs bucketed, ``False`` if one per gradient;
     :class:`PlanError` if its collectives fit this graph neither way."""
-    listed = {(c.kind, c.axis, c.reason): [c.count, c.bytes] for c in lowered.plan.predicted.collectives}
+    listed = {(c.kind, c.axis, c.reason): [c.count, c.bytes]
+              for c in lowered.plan.predicted.collectives}
     for bucketed in (False, True):
         if _same(predicted(lowered, bucketed), listed):
             return bucketed

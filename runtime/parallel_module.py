@@ -164,8 +164,8 @@ class ParallelModule(nn.Module):
         self._device = torch.device(device_mesh.device_type)  # inputs follow (nccl: cuda)
         self.collectives = CollectiveCounter()
         coord = tuple(device_mesh.get_coordinate())
-        self._comm = Comm(device_mesh, tuple(plan.decided.mesh_axes), tuple(plan.decided.mesh_shape), coord,
-                          self.collectives)
+        self._comm = Comm(device_mesh, tuple(plan.decided.mesh_axes),
+                          tuple(plan.decided.mesh_shape), coord, self.collectives)
         self._replan = replan
         self._profile: Any = None  # a step to profile (runtime.profiling.arm), else None
         self._programs: dict[tuple, tuple[PlanGraph, LoweredGraph]] = {}

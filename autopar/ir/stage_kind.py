@@ -33,5 +33,6 @@ def runs_as_program(mesh_axes: Sequence[str], mesh_shape: Sequence[int],
 def plan_runs_as_program(plan: Plan) -> bool:
     """:func:`runs_as_program` of a pipeline plan's stages (every stage runs the layout the
     plan's placements give on the stage submesh)."""
-    return runs_as_program(plan.decided.mesh_axes, plan.decided.mesh_shape, plan.decided.params.values(),
-                           plan.decided.param_state.zero1)
+    d = plan.decided
+    return runs_as_program(d.mesh_axes, d.mesh_shape, d.params.values(),
+                           d.param_state.zero1)

@@ -57,7 +57,8 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
     budget = _limit(plan)
     s = plan.provenance.solver
     lines = [
-        f"autopar plan: {plan.provenance.model or 'model'} on {mesh} ({plan.decided.device}); inputs {shapes}",
+        f"autopar plan: {plan.provenance.model or 'model'} on {mesh} ({plan.decided.device}); "
+        f"inputs {shapes}",
         f"predicted step {fmt_time(c.step_s)} = compute {fmt_time(c.compute_s)} + "
         f"communication {fmt_time(c.comm_s)}; memory {fmt_bytes(c.mem_bytes)} per device{budget}",
         f"solver: {s.status} ({s.method}) in {s.time_s:.2f} s; {s.variables} variables for "
@@ -84,8 +85,9 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
     lines += text_table(["parameter", f"placement {axes}"], rows)
     if len(grouped) > max_params:
         lines.append(f"  ... {len(grouped) - max_params} more")
+    piped = plan.decided.pipeline is not None
     lines += ["", "collectives per step" + (" of one stage, one microbatch (gradient syncs once "
-                                             "per step):" if plan.decided.pipeline is not None else ":")]
+                                             "per step):" if piped else ":")]
     if plan.predicted.collectives:
         lines += text_table(
             ["collective", "axis", "count", "bytes/device", "time", "why"],
@@ -149,7 +151,8 @@ def recompute_line(plan: Plan) -> str:
         return "none" + asked
     counts = sorted(set(r.per_layer.values()))
     each = f"{counts[0]} ops in each of" if len(counts) == 1 else f"{len(r.nodes)} ops over"
-    share = f" ({r.time_s / plan.predicted.cost.step_s:.1%} of the step)" if plan.predicted.cost.step_s else ""
+    step = plan.predicted.cost.step_s
+    share = f" ({r.time_s / step:.1%} of the step)" if step else ""
     return (f"{r.mode}{asked}: {each} {len(r.per_layer)} traced layers "
             f"({_ranges(sorted(r.per_layer))}); costs {fmt_time(r.time_s)}{share}, saves "
             f"{fmt_bytes(r.saved_bytes)} at the peak")
@@ -173,7 +176,8 @@ def param_state_line(plan: Plan) -> str:
         parts.append(f"split for compute on every axis (no state repeated) for {rest}")
     line = "; ".join(parts) or "none"
     if ps.offloaded:
-        share = f" ({ps.offload_s / plan.predicted.cost.step_s:.1%} of the step)" if plan.predicted.cost.step_s else ""
+        step = plan.predicted.cost.step_s
+        share = f" ({ps.offload_s / step:.1%} of the step)" if step else ""
         line += (f"; optimizer state of {len(ps.offloaded)} parameters offloaded to host memory "
                  f"({fmt_bytes(ps.offload_bytes)} per device; costs {fmt_time(ps.offload_s)}"
                  f"{share})")
@@ -193,8 +197,9 @@ def _ranges(xs: list[int]) -> str:
 
 def plan_diff(a: Plan, b: Plan, name_a: str = "A", name_b: str = "B") -> str:
     """What differs between two plans of one model: placements and predicted cost."""
-    lines = [f"{name_a}: step {fmt_time(a.predicted.cost.step_s)}, memory {fmt_bytes(a.predicted.cost.mem_bytes)}",
-             f"{name_b}: step {fmt_time(b.predicted.cost.step_s)}, memory {fmt_bytes(b.predicted.cost.mem_bytes)}"]
+    ca, cb = a.predicted.cost, b.predicted.cost
+    lines = [f"{name_a}: step {fmt_time(ca.step_s)}, memory {fmt_bytes(ca.mem_bytes)}",
+             f"{name_b}: step {fmt_time(cb.step_s)}, memory {fmt_bytes(cb.mem_bytes)}"]
     if a.decided.mesh_shape != b.decided.mesh_shape:
         lines.append(f"meshes differ: {a.decided.mesh_shape} vs {b.decided.mesh_shape}")
     rows = []
@@ -219,7 +224,8 @@ def pipeline_lines(plan: Plan) -> list[str]:
     """The stages, schedule, microbatches and bubble of a pipeline plan."""
     pp = plan.decided.pipeline
     assert pp is not None
-    stage_axes = " x ".join(f"{a}={n}" for a, n in zip(plan.decided.mesh_axes, plan.decided.mesh_shape))
+    stage_axes = " x ".join(f"{a}={n}"
+                            for a, n in zip(plan.decided.mesh_axes, plan.decided.mesh_shape))
     lines = [
         f"pipeline: {pp.size} ranks on axis {pp.axis}, schedule {pp.schedule} with "
         f"{pp.virtual} stage(s) per rank, {pp.microbatches} microbatches; each stage on a "

@@ -263,14 +263,16 @@ def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequen
     axis = pipeline_axis(mesh)
     sub = stage_mesh(mesh, axis) if axis is not None else None
     if sub is None or mesh.axes[axis] != pipe.axis or mesh.shape[axis] != pipe.size or \
-            tuple(sub.shape) != tuple(plan.decided.mesh_shape) or tuple(sub.axes) != tuple(plan.decided.mesh_axes):
+            tuple(sub.shape) != tuple(plan.decided.mesh_shape) or \
+            tuple(sub.axes) != tuple(plan.decided.mesh_axes):
         made = ",".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
         raise PlanError(f"the plan was made for mesh {made} but runs on {_mesh_text(mesh)}: "
                         "make the plan for this mesh, or run on the mesh it was made for")
     n_blocks = len(ps.find_blocks(model)[1])
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     if pipe.stages[-1].end_block != n_blocks or set(plan.decided.params) != names:
-        raise PlanError(f"the plan was made for another model ({plan.provenance.model or 'unnamed'}, "
+        named = plan.provenance.model or "unnamed"
+        raise PlanError(f"the plan was made for another model ({named}, "
                         f"{pipe.stages[-1].end_block} blocks; this one has {n_blocks}): make the "
                         "plan for this model")
     planned = [list(s) for s in plan.decided.input_shapes.values()]
@@ -318,7 +320,8 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
     if plan_runs_as_program(plan):
         options = {"frontend": "module"}
     else:
-        options["precision"] = plan.decided.precision  # as the SPMD runtime runs them (planned_stage)
+        # as the SPMD runtime runs them (planned_stage)
+        options["precision"] = plan.decided.precision
         options["recompute"] = plan.decided.recompute.mode
         if family == "hf" or plan.decided.precision.mixed or plan.decided.recompute.mode != "none":
             # autopar's stages: Hugging Face decoders' (torch's splitter drops their rotary

@@ -202,9 +202,10 @@ def check_stage_plan(s: int, graph: PlanGraph, plan: Plan, mesh: Mesh,
     input in the layout the previous stage's plan sends its output in."""
     from autopar.runtime.lower import validate
 
-    if tuple(plan.decided.mesh_shape) != tuple(mesh.shape) or tuple(plan.decided.mesh_axes) != tuple(mesh.axes):
+    d = plan.decided
+    if tuple(d.mesh_shape) != tuple(mesh.shape) or tuple(d.mesh_axes) != tuple(mesh.axes):
         raise PlanError(
-            f"stage {s}'s plan was made for mesh {dict(zip(plan.decided.mesh_axes, plan.decided.mesh_shape))} "
+            f"stage {s}'s plan was made for mesh {dict(zip(d.mesh_axes, d.mesh_shape))} "
             f"but the stage runs on {dict(zip(mesh.axes, mesh.shape))} (the mesh's axes other "
             "than pp): plan it for that submesh")
     validate(graph, plan)
@@ -254,7 +255,8 @@ def local_example(inputs: StageInputs, plan: Plan, graph: PlanGraph, device: tor
              and n.meta["autopar"].role == "input"]
     out = []
     for node, shape, dtype in list(zip(nodes, inputs.shapes, inputs.dtypes))[:count]:
-        piece = local_shape(tuple(shape), plan.decided.nodes[node.name].outs[0], tuple(plan.decided.mesh_shape))
+        piece = local_shape(tuple(shape), plan.decided.nodes[node.name].outs[0],
+                            tuple(plan.decided.mesh_shape))
         t = torch.zeros(piece, dtype=getattr(torch, dtype), device=device)
         out.append(t.requires_grad_(t.is_floating_point()))
     return tuple(out)
