@@ -237,8 +237,9 @@ def _built(name: str, p: int, v: int, m: int):
     """torch's schedule object for ``p`` ranks, built from stand-in stages (the attributes
     the schedules' constructors read; ``submod=None`` skips their torch.compile check)."""
     n = p * v
-    cls = schedule_info(name).torch_class()
-    local = (0, n - 1) if name in V_SHAPED else tuple(k * p for k in range(v))
+    info = schedule_info(name)
+    cls = info.torch_class()
+    local = tuple(s for s in range(n) if _stage_rank(info, p, s) == 0)  # rank 0's stages
     stages = [SimpleNamespace(num_stages=n, group_size=p, group_rank=0, stage_index=s,
                               submod=None, stage_index_to_group_rank=None) for s in local]
     try:
