@@ -5,6 +5,7 @@ comparison (its table laid out by :func:`autopar.report.table.text_table`, ``ric
 from __future__ import annotations
 
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -56,9 +57,13 @@ class Progress:
         # off a terminal tqdm never draws (delay=inf): it keeps the count and the clock, and
         # update() prints its line (the rate then is the mean since the start, tqdm's
         # smoothed one being updated only as it draws)
+        # a terminal that tells its width: tqdm trims the line to it (tqdm draws nothing at
+        # 0 columns, what a pseudo-terminal of no size reports)
+        sized = self.tty and _columns(self.stream) > 0
         self._bar = _Bar(total=total, desc=label, file=self.stream, bar_format=fmt, ascii=".#",
-                         mininterval=0.1, leave=True, dynamic_ncols=self.tty,
-                         delay=0 if self.tty else math.inf, tokens_per_step=tokens_per_step)
+                         mininterval=0.1, leave=True, dynamic_ncols=sized,
+                         ncols=None if sized else 1000, delay=0 if self.tty else math.inf,
+                         tokens_per_step=tokens_per_step)
 
     def update(self, step: int, loss: float) -> None:
         """``step`` counts from 1; ``loss`` is that step's loss."""
@@ -69,6 +74,13 @@ class Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _columns(stream: TextIO) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or not a terminal
+        return 0
 
 
 def format_rate(x: float) -> str:
