@@ -314,8 +314,9 @@ def sweep_table(sw: dict) -> tuple[str, list[str]]:
         p = r["plan"]
         cells = [f"{r['fit'][n].step_s * 1e3:.1f}" if n in r["fit"] else "-" for n in names]
         ok = "yes" if not r["slower"] else "NO: slower than " + ", ".join(sorted(r["slower"]))
-        rows.append([str(r["gib"]), f"{p.cost.step_s * 1e3:.1f}", p.recompute.mode,
-                     f"{p.cost.mem_bytes / GiB:.1f}", *cells, ok])
+        rows.append([str(r["gib"]), f"{p.predicted.cost.step_s * 1e3:.1f}",
+                     p.decided.recompute.mode, f"{p.predicted.cost.mem_bytes / GiB:.1f}",
+                     *cells, ok])
     for n in ["autopar", *names]:
         fits = [r["gib"] for r in sw["rows"] if r["plan"] is not None
                 and (n == "autopar" or n in r["fit"])]
@@ -325,7 +326,7 @@ def sweep_table(sw: dict) -> tuple[str, list[str]]:
         low = min(fits)
         below = [g for g in SWEEP_BUDGETS_GIB if g < low]
         at = next(r for r in sw["rows"] if r["gib"] == low)
-        peak = (at["plan"].cost if n == "autopar" else at["fit"][n]).mem_bytes / GiB
+        peak = (at["plan"].predicted.cost if n == "autopar" else at["fit"][n]).mem_bytes / GiB
         notes.append(f"{n}: fits from {low} GiB (peak {peak:.1f} GiB there)"
                      + (f", not at {max(below)} GiB" if below else
                         ", at every swept budget"))

@@ -42,7 +42,7 @@ class GradSyncSchedule:
                  first_bucket_bytes: float, reduce_dtype: torch.dtype | None = None) -> None:
         """``reads``: value name -> the last backward step that reads it; ``moves``: the
         gradients that must move (``index`` into ``grad_names``); buckets filled as the plan
-        priced them (``Plan.first_bucket_bytes``); ``reduce_dtype``: the dtype gradients are
+        priced them (``Plan.decided.first_bucket_bytes``); ``reduce_dtype``: the dtype gradients are
         summed in, where it is not their own (None: their own)."""
         self.grad_names = grad_names
         self.reduce_dtype = reduce_dtype

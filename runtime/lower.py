@@ -3,7 +3,7 @@
 Every rank walks the same node list. Before a node runs, each tensor input is moved from its
 producer's output spec to the spec the node's strategy needs (:mod:`.redistribute`, one
 reshard per producer->consumer edge, exactly the edges the scorer priced, so the collectives
-executed are the ones :attr:`Plan.collectives` predicted); then the op runs on local shards
+executed are the ones :attr:`Plan.predicted.collectives` predicted); then the op runs on local shards
 through :func:`localize.local_call`, the same entry point the rule validator uses (or, for the
 many ops with no rank-aware kernel and no global sizes in their arguments, directly). A
 strategy that all-reduces its partial result inside the op (``Strategy.raw_outs``, Megatron's
@@ -613,7 +613,7 @@ def _input_nodes(n: fx.Node) -> list[fx.Node]:
 
 
 # Does the plan fit this program? Tensor sizes enter the byte counts, so re-deriving
-# :attr:`Plan.collectives` from the graph's tensors catches a plan made for other parameter or
+# :attr:`Plan.predicted.collectives` from the graph's tensors catches a plan made for other parameter or
 # activation shapes (a plan records node names and specs, not every shape). It also tells how
 # the plan priced gradient syncs: one collective per gradient, or DDP-style buckets
 # (:mod:`autopar.passes.cost.buckets`), which the runtime then issues the same way.

@@ -75,7 +75,7 @@ class Comm:
                  coord: tuple[Any, ...], counter: CollectiveCounter,
                  merged: tuple[tuple[int, ...], ...] = ()) -> None:
         """``merged``: the axis sets whose sums run as one all-reduce over the flattened group
-        (``Plan.merged_sums``); their groups are made here, on every rank at once."""
+        (``Plan.decided.merged_sums``); their groups are made here, on every rank at once."""
         self.device_mesh = device_mesh
         self.axes = axes
         self.shape = shape

@@ -12,7 +12,7 @@ each closed once it holds ``BUCKET_BYTES`` of local data. Where communication ov
 (:func:`first_bucket_bytes`), the first closes at ``FIRST_BUCKET_BYTES``, so that its
 collective starts early in the backward, as DDP does; where it does not (gloo on CPU cores the
 model computes on), that early bucket would only add a collective, so the first is as large
-as the others. The plan records the first bucket's size (``Plan.first_bucket_bytes``).
+as the others. The plan records the first bucket's size (``Plan.decided.first_bucket_bytes``).
 
 **Parameter gathers.** The plain all-gathers of parameters that one layer's ops need in one
 phase go out as one all-gather (:func:`gather_groups`).

@@ -84,7 +84,7 @@ def merged_sums(mesh: Mesh) -> tuple[tuple[int, ...], ...]:
     per-byte cost, ``2(N-1)/N`` over the slowest bandwidth, both at most the per-axis
     collectives' sums). On ``cpu`` (gloo: a large fixed cost per collective) a 2x2 mesh
     merges; on GPU profiles the extra ring steps, or a slower link on one axis, keep the
-    sums axis by axis. The plan records the result (``Plan.merged_sums``) and the runtime
+    sums axis by axis. The plan records the result (``Plan.decided.merged_sums``) and the runtime
     follows it."""
     return _merged_sums(mesh.shape, mesh.bandwidth, mesh.latency, mesh.device.collective_overhead)
 

@@ -236,7 +236,7 @@ def _view_chain_ends(sp: ShardingProblem, live: list[tuple[int, int]]) -> list[i
 
 
 def plan_choice(sp: ShardingProblem, nodes: dict) -> list[int]:
-    """The strategy index of every node of ``sp`` that a plan's placements (``Plan.nodes``:
+    """The strategy index of every node of ``sp`` that a plan's placements (``Plan.decided.nodes``:
     name -> ins, outs, raw_outs) pick, for :func:`step_usage` on a plan made elsewhere."""
     out = []
     for i, n in enumerate(sp.nodes):

@@ -1,6 +1,6 @@
 """Optimizer state in host memory, for the parameters a plan offloads (ZeRO-Offload's way).
 
-A plan that offloads (``Plan.param_state.offloaded``, :mod:`autopar.passes.memory.zero`) was priced
+A plan that offloads (``Plan.decided.param_state.offloaded``, :mod:`autopar.passes.memory.zero`) was priced
 with those parameters' optimizer state off the device: each step their gradients go to the
 host, the host's optimizer step updates a host copy of the parameter, and the result comes
 back. :class:`OffloadedOptimizer` does exactly that around any torch optimizer class:

@@ -76,7 +76,7 @@ def test_bf16_plan_prices_the_real_dtypes():
                                            time_limit_s=2.0)).plan
 
     def sync_bytes(p):
-        return sum(c.bytes for c in p.collectives if c.reason == "gradient sync")
+        return sum(c.bytes for c in p.predicted.collectives if c.reason == "gradient sync")
 
     assert sync_bytes(reduced) == pytest.approx(sync_bytes(bf16) / 2)
 
