@@ -286,6 +286,15 @@ class Plan:
     provenance: Provenance
     version: int = PLAN_VERSION
 
+    def __getattr__(self, name: str) -> Any:
+        # only for names the class lacks: a field read as before the grouping says where it is
+        for group, cls in (("decided", Decisions), ("predicted", Predictions),
+                           ("provenance", Provenance)):
+            if name in cls.__dataclass_fields__:
+                raise AttributeError(f"'Plan' object has no attribute {name!r}: it is "
+                                     f"plan.{group}.{name} (the {cls.__name__} group)")
+        raise AttributeError(f"'Plan' object has no attribute {name!r}")
+
     @property
     def full_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The whole mesh's shape and axes, the pipeline axis (outermost) included."""

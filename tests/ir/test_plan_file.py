@@ -64,3 +64,12 @@ def test_a_plan_file_of_another_version_is_refused_saying_which_and_what_to_do(t
     assert f"plan version {PLAN_VERSION - 1} is not supported" in message
     assert f"this autopar reads version {PLAN_VERSION}" in message
     assert "make the plan again with `autopar plan ... --json`" in message
+
+
+def test_a_field_read_the_old_way_says_which_group_holds_it():
+    plan = _small_plan()
+    with pytest.raises(AttributeError, match=r"it is plan\.predicted\.cost"):
+        plan.cost  # noqa: B018
+    with pytest.raises(AttributeError, match=r"it is plan\.decided\.params"):
+        plan.params  # noqa: B018
+    assert not hasattr(plan, "no_such_field")
