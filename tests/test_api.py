@@ -278,3 +278,13 @@ def test_bucketed_gradient_syncs_run_as_the_plan_lists_them() -> None:
     check_collectives(got["collectives"][-1], pm)
     syncs = [r for r in got["collectives"][-1] if r.reason == "gradient sync"]
     assert len(syncs) == 1  # 8 gradients, one bucket
+
+
+def test_options_come_as_a_value_or_as_keywords_and_an_unknown_one_is_named() -> None:
+    model, inputs = _mlp()
+    with pytest.raises(TypeError, match=r"unknown option memory_limit: autopar's options are "
+                                        r"memory_budget, recompute"):
+        autopar.parallelize(model, mesh_for((1,)), inputs, memory_limit=2**30)
+    with pytest.raises(PlanError, match=r"unknown recompute mode 'most'"):
+        autopar.parallelize(model, mesh_for((1,)), inputs,
+                            options=autopar.Options.of(time_limit_s=1.0), recompute="most")
