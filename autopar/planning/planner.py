@@ -21,7 +21,7 @@ from autopar.capture.joint import capture
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
-from autopar.ir.options import Options
+from autopar.ir.options import Options, SearchOptions
 from autopar.ir.placements import Spec
 from autopar.ir.plan import (
     Decisions,
@@ -139,8 +139,6 @@ def make_plan(
     """
     options = options if options is not None else Options()
     mem, search = options.memory, options.search
-    time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
-    recompute, zero, offload = mem.recompute, mem.zero, mem.offload
     limit, limit_source = memory_limit(mem.budget, mesh.device)
     t0 = time.perf_counter()
     if graph is None:
@@ -157,17 +155,16 @@ def make_plan(
     runs: dict[Mode, _ModeRun] = {}
 
     seeds: list[_ModeRun] = []  # plans the recomputing modes start from
-    stored = "none" if offload == "auto" else offload  # offload offered from the start?
+    # offload offered from the start?
+    stored = "none" if mem.offload == "auto" else mem.offload
 
     def run(mode: Mode, own: bool) -> _ModeRun:
-        runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}),
-                                time_limit_s, min_gain, own, timings,
-                                seed=seeds[0] if seeds else None, offload=stored,
-                                prices_of=next(iter(runs.values())).sp if runs else None,
-                                workers=workers)
+        runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), search, own,
+                                timings, seed=seeds[0] if seeds else None, offload=stored,
+                                prices_of=next(iter(runs.values())).sp if runs else None)
         return runs[mode]
 
-    candidates = candidate_modes(recompute, zero)
+    candidates = candidate_modes(mem.recompute, mem.zero)
     first = run(candidates[0], own=True)  # also the start of the other modes' searches
     if first.choice is not None:
         seeds.append(first)
@@ -175,8 +172,9 @@ def make_plan(
         # nothing fits without recomputing: the other modes start from the layout that is
         # fastest with no limit (the solver alone, from the leanest start, can stall far
         # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
-        free = _plan_mode(pg, mesh, candidates[0], None, {}, time_limit_s / 2, min_gain, True,
-                          timings)
+        free = _plan_mode(pg, mesh, candidates[0], None, {},
+                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1),
+                          True, timings)
         if free.choice is not None:
             seeds.append(free)
     # recomputation and re-gathering pay only where memory binds: a plan well inside the
@@ -184,7 +182,7 @@ def make_plan(
     if not first.fits or (limit is not None and first.peak > AUTO_SLACK * limit):
         for mode in candidates[1:]:
             run(mode, own=True)
-    if offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
+    if mem.offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
         for mode in candidates:
@@ -195,7 +193,8 @@ def make_plan(
     asked = [r for m, r in runs.items() if m.base in candidates]
     fitting = [r for r in asked if r.choice is not None and r.fits]
     if not fitting:
-        raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs, time_limit_s))
+        raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs,
+                                       search.time_limit_s))
     best = min(fitting, key=lambda r: r.step_s)
     references_cost = {name: c for r in runs.values() for name, c in r.refs.cost.items()}
     timings["total_s"] = time.perf_counter() - t0
@@ -208,7 +207,7 @@ def make_plan(
                    len(sp.nodes), sp.shared_layers,
                    float(evaluate(sp.problem, sol.assignment)[0])),
         timings, references_cost, limit, limit_source=limit_source,
-        recompute=recompute_record(recompute, best.mode.recompute, best.pg, sp,
+        recompute=recompute_record(mem.recompute, best.mode.recompute, best.pg, sp,
                                    best.choice, _unrecomputed(pg, mesh, best.mode, runs, stored)),
     )
     ref_runs = {name: r for r in runs.values() for name in r.refs.choices}
@@ -224,7 +223,7 @@ def make_plan(
             SolverInfo("feasible", 0.0, f"kept {name}", r.sp.problem.num_nodes,
                        len(r.sp.nodes), r.sp.shared_layers, c.step_s),
             timings, references_cost, limit, limit_source=limit_source,
-            recompute=recompute_record(recompute, r.mode.recompute, r.pg, r.sp, choice,
+            recompute=recompute_record(mem.recompute, r.mode.recompute, r.pg, r.sp, choice,
                                        _unrecomputed(pg, mesh, r.mode, runs, stored)))
         return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices)
 
@@ -266,15 +265,15 @@ def _unrecomputed(pg: PlanGraph, mesh: Mesh, mode: Mode, runs: dict[Mode, _ModeR
 
 
 def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
-               references: dict[str, Any], time_limit_s: float, min_gain: float, own: bool,
+               references: dict[str, Any], search: SearchOptions, own: bool,
                timings: dict[str, float], seed: _ModeRun | None = None,
-               offload: str = "none", prices_of: ShardingProblem | None = None,
-               workers: int = 1) -> _ModeRun:
+               offload: str = "none", prices_of: ShardingProblem | None = None) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
-    only the given reference layouts, completed and scored in that mode. ``seed``: another
-    mode's plan, a start for the solver (its placements, each copy as its original).
-    ``offload``: whether parameters may keep their optimizer state on the host
-    (:func:`autopar.passes.problem.sharding_problem.build`)."""
+    only the given reference layouts, completed and scored in that mode, within ``search``'s
+    time limit, margin and workers. ``seed``: another mode's plan, a start for the solver
+    (its placements, each copy as its original). ``offload``: whether parameters may keep
+    their optimizer state on the host (:func:`autopar.passes.problem.sharding_problem.build`)."""
+    time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
     mpg = mode_graph(pg, mode)
     t1 = time.perf_counter()
     sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=mode.whole_grads,
