@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -35,6 +36,13 @@ class _Bar(tqdm):
         rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else 0.0)
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
         return {**d, "loss": loss, "tok_s": format_rate(rate * self.tokens_per_step)}
+
+
+# tqdm's default lock is a multiprocessing semaphore, made on a process's first bar; torch.fx's
+# interpreter draws one (it uses tqdm where installed) in every rank that traces a pipeline
+# stage, and the launched ranks' semaphores were reported leaked at exit. A process draws one
+# bar at a time, so a thread lock serves (set on tqdm itself: torch's bars are plain tqdm's)
+tqdm.set_lock(threading.RLock())
 
 
 class Progress:

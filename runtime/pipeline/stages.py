@@ -30,6 +30,7 @@ the runner sums their gradients (:func:`tied_names` finds them).
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -196,7 +197,11 @@ def traced_stages(model: nn.Module, mb_example: tuple, block_path: str, ranges: 
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     split_spec = {f"{block_path}.{a}": SplitPoint.BEGINNING for a, _ in ranges[1:]}
-    with _export_friendly(model):
+    with _export_friendly(model), warnings.catch_warnings():
+        # torch's own splitter deep-copies pytree specs through a deprecated isinstance check
+        # (torch 2.13); nothing the user can act on
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`",
+                                category=FutureWarning)
         pipe = pipeline(model, mb_args=mb_example, split_spec=split_spec)
     if pipe.num_stages != len(ranges):
         raise PlanError(
