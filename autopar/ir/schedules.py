@@ -15,6 +15,7 @@ The order of :data:`SCHEDULES` is the order the planner weighs them in.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from autopar.ir.errors import PlanError
 
 LOOP, V = "loop", "v"  # stage placements

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+
 from torch import nn
 
 from autopar.capture.stage import StageInputs, output_meta, pin_boundary, trace_stage

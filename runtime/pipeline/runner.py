@@ -41,9 +41,8 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.precision import Precision
 from autopar.ir.precision import resolve as resolve_precision
-from autopar.ir.schedules import ScheduleInfo
+from autopar.ir.schedules import ScheduleInfo, stage_placement
 from autopar.ir.schedules import schedule as schedule_info
-from autopar.ir.schedules import stage_placement
 from autopar.runtime import _compat
 from autopar.runtime.pipeline import stages as ps
 from autopar.runtime.pipeline.events import StageEvent, bubble_fraction, chrome_trace, instrument

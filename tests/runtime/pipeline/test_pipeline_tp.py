@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 from harness.spmd import EPS, LR, fake_group, four_block_model, rel_err
 
+from autopar.api import build_pipeline  # plans the stages, then builds (runtime)
 from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.placements import R, Replicate, S
 from autopar.models import get_preset
 from autopar.runtime.pipeline import stages as ps
-from autopar.api import build_pipeline  # plans the stages, then builds (runtime)
 
 WORLD = 8
 TOL = 1e-5
@@ -202,8 +202,7 @@ def test_pipeline_stages_run_their_plans() -> None:
 
 def _stage_graphs(preset: str, mesh: Mesh):
     """Both stages of a 2-stage split, captured with their boundary pinned on ``mesh``."""
-    from autopar.capture.stage import pin_boundary
-    from autopar.capture.stage import StageInputs, trace_stage
+    from autopar.capture.stage import StageInputs, pin_boundary, trace_stage
 
     model, _ = _build(preset)
     path = ps.find_blocks(model)[0]
@@ -298,9 +297,8 @@ def test_meshes_frontends_and_schedules_that_cannot_run() -> None:
 def test_a_shared_weight_must_be_placed_alike_on_its_stages() -> None:
     """GPT-2's embedding, tied to its head, is pinned on the last stage to the layout the
     first stage's plan gave it; a stage plan placing it otherwise is refused."""
-    from autopar.capture.stage import pin_boundary
+    from autopar.capture.stage import StageInputs, pin_boundary
     from autopar.planning.planner import make_plan
-    from autopar.capture.stage import StageInputs
     from autopar.planning.stage_plans import plan_stages
 
     model, _ = _build("gpt2-tiny")
