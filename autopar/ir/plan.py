@@ -26,10 +26,20 @@ from autopar.ir.precision import Precision
 # precision (the graph's casts) and recomputation are part of what runs. An older plan's
 # collectives would not match what now runs. 6: parameters' ZeRO stages (views re-gathered in
 # the backward) and optimizer state offloaded to the host. 7: pipeline stages and schedule
-# (``Plan.decided.pipeline``; the placements are then a stage's, on the stage submesh). The
-# grouping of a Plan's fields in memory (decided, predicted, provenance) leaves the file as
-# version 7 wrote it: one flat object.
-PLAN_VERSION = 7
+# (``Plan.decided.pipeline``; the placements are then a stage's, on the stage submesh). 8: the
+# file groups its fields as the Plan does (``decided``, ``predicted``, ``provenance``); a
+# version 7 file holds the same fields in one flat object and is read as it is.
+PLAN_VERSION = 8
+READ_VERSIONS = (7, PLAN_VERSION)
+# which group of a version 8 file each field of the flat (version 7) object goes to
+_GROUP_OF = {
+    **dict.fromkeys(("mesh", "params", "inputs", "input_shapes", "precision", "recompute",
+                     "param_state", "schedule", "stages", "first_bucket_bytes", "merged_sums",
+                     "nodes"), "decided"),
+    **dict.fromkeys(("cost", "collectives"), "predicted"),
+    **dict.fromkeys(("model", "memory_budget", "memory_limit_source", "solver", "timings",
+                     "missing_rules", "references"), "provenance"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +286,9 @@ class Plan:
     - ``provenance`` (:class:`Provenance`): how it was found: the solver, the reference
       layouts weighed, the planning time, the memory limit it was held to.
 
-    ``version`` is the file format's (:data:`PLAN_VERSION`); :meth:`from_json` refuses another,
-    saying which it is and how to make the plan again. Frozen; ``to_json``/``from_json``
+    ``version`` is the file format's (:data:`PLAN_VERSION`); :meth:`from_json` reads that and
+    version 7 (the same fields, ungrouped) and refuses another, saying which it is and how to
+    make the plan again. Frozen; ``to_json``/``from_json``
     round-trip it exactly (``save``/``load`` through a file).
     """
 
@@ -316,11 +327,17 @@ class Plan:
     # --- JSON ---------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        """The file format (version :data:`PLAN_VERSION`): one flat object, whatever group a
-        field is in."""
+        """The file format (version :data:`PLAN_VERSION`): ``version`` and one object per
+        group, ``decided``, ``predicted`` and ``provenance``."""
+        doc: dict[str, Any] = {"version": PLAN_VERSION, "decided": {}, "predicted": {},
+                               "provenance": {}}
+        for key, value in self._fields_json().items():
+            doc[_GROUP_OF[key]][key] = value
+        return doc
+
+    def _fields_json(self) -> dict[str, Any]:
         d, pr, pv = self.decided, self.predicted, self.provenance
         return {
-            "version": self.version,
             "model": pv.model,
             "mesh": {"shape": list(d.mesh_shape), "axes": list(d.mesh_axes),
                      "device": d.device},
@@ -352,14 +369,17 @@ class Plan:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Plan:
+    def from_json(cls, doc: dict[str, Any]) -> Plan:
         try:
-            version = int(d["version"])
-            if version != PLAN_VERSION:
+            version = int(doc["version"])
+            if version not in READ_VERSIONS:
                 raise PlanError(
-                    f"plan version {version} is not supported (this autopar reads version "
-                    f"{PLAN_VERSION}): make the plan again with `autopar plan ... --json`"
+                    f"plan version {version} is not supported (this autopar reads versions "
+                    f"{' and '.join(map(str, READ_VERSIONS))}): make the plan again with "
+                    "`autopar plan ... --json`"
                 )
+            d = doc if version == 7 else {**doc["decided"], **doc["predicted"],
+                                          **doc["provenance"]}
             decided = Decisions(
                 mesh_shape=tuple(d["mesh"]["shape"]),
                 mesh_axes=tuple(d["mesh"]["axes"]),
@@ -395,7 +415,7 @@ class Plan:
                 memory_budget=d.get("memory_budget"),
                 memory_limit_source=d.get("memory_limit_source", ""),
             )
-            return cls(decided, predicted, provenance, version=version)
+            return cls(decided, predicted, provenance)
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError) as e:

@@ -20,6 +20,7 @@ def test_plan_writes_the_documented_json(tmp_path, capsys):
     assert code == 0, err
     assert "predicted step" in out and "reference plans" in out
     doc = json.loads(path.read_text())
+    doc = {"version": doc["version"], **doc["decided"], **doc["predicted"], **doc["provenance"]}
     for key in ("version", "mesh", "params", "cost", "solver", "references"):
         assert key in doc
     assert doc["mesh"]["shape"] == [2, 2] and doc["mesh"]["axes"] == ["dp", "tp"]

@@ -1,5 +1,6 @@
-"""The Plan's groups and its file: decided / predicted / provenance in memory, one flat JSON
-object on disk, and a file of another version refused with what to do."""
+"""The Plan's groups and its file: decided / predicted / provenance in memory and on disk, a
+version 7 file (the same fields, ungrouped) read as it is, any other version refused with what
+to do."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from autopar.ir.errors import PlanError
 from autopar.ir.placements import Replicate, Shard
 from autopar.ir.plan import (
+    _GROUP_OF,
     PLAN_VERSION,
     CollectiveUse,
     Decisions,
@@ -38,14 +40,16 @@ def _small_plan() -> Plan:
     )
 
 
-def test_the_groups_round_trip_through_one_flat_json_object(tmp_path):
+def test_the_groups_round_trip_through_the_json_file(tmp_path):
     plan = _small_plan()
     path = tmp_path / "plan.json"
     plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == PLAN_VERSION
-    assert {"mesh", "params", "nodes", "cost", "collectives", "solver", "references",
-            "memory_budget"} <= set(doc)  # the file is as before the grouping
+    assert doc["version"] == PLAN_VERSION == 8
+    assert set(doc) == {"version", "decided", "predicted", "provenance"}
+    assert {"mesh", "params", "nodes"} <= set(doc["decided"])
+    assert {"cost", "collectives"} == set(doc["predicted"])
+    assert {"solver", "references", "memory_budget"} <= set(doc["provenance"])
     back = Plan.load(path)
     assert back == plan
     assert back.decided.params == {"w": (Replicate(),)}
@@ -53,16 +57,29 @@ def test_the_groups_round_trip_through_one_flat_json_object(tmp_path):
     assert back.merged_axes() == ((0,),) and back.full_mesh == ((2,), ("dp",))
 
 
+def _flat(doc: dict) -> dict:
+    """The version 7 file of the same plan: its groups' fields in one object."""
+    return {"version": 7, **doc["decided"], **doc["predicted"], **doc["provenance"]}
+
+
+def test_a_version_7_file_is_read_as_the_same_plan(tmp_path):
+    plan = _small_plan()
+    path = tmp_path / "v7.json"
+    path.write_text(json.dumps(_flat(plan.to_json())))
+    assert Plan.load(path) == plan
+    assert set(_GROUP_OF) >= set(_flat(plan.to_json())) - {"version"}  # every field has a group
+
+
 def test_a_plan_file_of_another_version_is_refused_saying_which_and_what_to_do(tmp_path):
-    doc = _small_plan().to_json()
-    doc["version"] = PLAN_VERSION - 1
+    doc = _flat(_small_plan().to_json())
+    doc["version"] = 6
     path = tmp_path / "old.json"
     path.write_text(json.dumps(doc))
     with pytest.raises(PlanError) as e:
         Plan.load(path)
     message = str(e.value)
-    assert f"plan version {PLAN_VERSION - 1} is not supported" in message
-    assert f"this autopar reads version {PLAN_VERSION}" in message
+    assert "plan version 6 is not supported" in message
+    assert "this autopar reads versions 7 and 8" in message
     assert "make the plan again with `autopar plan ... --json`" in message
 
 

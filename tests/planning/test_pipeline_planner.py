@@ -58,8 +58,8 @@ def test_the_plan_round_trips_through_json_and_prints_its_stages(tmp_path):
     path = tmp_path / "p.json"
     planned.plan.save(path)
     doc = json.loads(path.read_text())
-    assert doc["schedule"]["schedule"] == planned.plan.decided.pipeline.schedule
-    assert len(doc["stages"]) == len(planned.plan.decided.pipeline.stages)
+    assert doc["decided"]["schedule"]["schedule"] == planned.plan.decided.pipeline.schedule
+    assert len(doc["decided"]["stages"]) == len(planned.plan.decided.pipeline.stages)
     back = Plan.load(path)
     assert back.decided.pipeline == planned.plan.decided.pipeline
     table = plan_table(back)

@@ -207,7 +207,7 @@ def test_plan_timeline_option_writes_the_trace(tmp_path, capsys):
     assert code == 0, err
     assert f"written to {out}" in stdout
     doc = json.loads(out.read_text())
-    plan = json.loads(plan_path.read_text())
+    plan = json.loads(plan_path.read_text())["predicted"]
     assert doc["otherData"]["plan_step_s"] == plan["cost"]["step_s"]
     assert doc["otherData"]["step_s"] == pytest.approx(plan["cost"]["step_s"], rel=1e-6)
     names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "X"}
@@ -249,10 +249,9 @@ def test_a_pipeline_stage_without_the_loss_has_a_predicted_timeline():
 
     import torch
 
-    from autopar.capture.stage import pin_boundary
+    from autopar.capture.stage import StageInputs, pin_boundary, trace_stage
     from autopar.ir.mesh import Mesh
     from autopar.runtime.pipeline import stages
-    from autopar.capture.stage import StageInputs, trace_stage
 
     preset = get_preset("gpt2-tiny").replace(n_layer=4)
     torch.manual_seed(0)

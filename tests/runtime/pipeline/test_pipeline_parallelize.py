@@ -193,7 +193,7 @@ def test_parallelize_pipelines_equal_one_device(tmp_path) -> None:
         assert math.prod(shape) == WORLD
     assert len({json.dumps(rep["devices"]) for rep in reports}) == 1  # one shape on every rank
     saved = json.loads(open(plan_path).read())
-    assert saved["schedule"]["schedule"] == reports[0]["gpt2"]["schedule"]
+    assert saved["decided"]["schedule"]["schedule"] == reports[0]["gpt2"]["schedule"]
 
 
 # --- no processes ---------------------------------------------------------------------------
