@@ -19,7 +19,7 @@ from autopar.ir.units import fmt_bytes
 if TYPE_CHECKING:
     from autopar.ir.graph import PlanGraph
     from autopar.ir.mesh import Mesh
-    from autopar.passes.problem.sharding_problem import ShardingProblem
+    from autopar.passes.problem.types import ShardingProblem
 
 
 def memory_limit(budget: float | None, device: DeviceProfile) -> tuple[float | None, str]:

@@ -43,8 +43,8 @@ from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
 from autopar.passes.problem.edge_costs import edge_collectives
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
-from autopar.passes.problem.sharding_problem import ShardingProblem
 from autopar.passes.problem.step_memory import step_usage
+from autopar.passes.problem.types import ShardingProblem
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
