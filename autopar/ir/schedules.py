@@ -27,7 +27,9 @@ class ScheduleInfo:
     ``key``: its short lower-case name (what the runtime reports it as); ``aliases``: more
     spellings accepted for it. torch's conditions on the microbatch count ``m``:
     ``fills_every_stage``, at least one per stage (else ``fewer_microbatches`` is the
-    schedule to suggest); ``rounds_of_p``, ``m`` runs in rounds of ``p``."""
+    schedule to suggest); ``rounds_of_p``, ``m`` runs in rounds of ``p``.
+    ``forwards_first``: every forward runs before any backward, so a rank holds every
+    microbatch's activations at once."""
 
     name: str
     placement: str
@@ -38,6 +40,7 @@ class ScheduleInfo:
     fills_every_stage: bool = False
     fewer_microbatches: str = ""
     rounds_of_p: bool = False
+    forwards_first: bool = False
 
     @property
     def torch_class_name(self) -> str:
@@ -67,14 +70,14 @@ class ScheduleInfo:
 
 
 SCHEDULE_TABLE: tuple[ScheduleInfo, ...] = (
-    ScheduleInfo("GPipe", LOOP, 1, False, "gpipe"),
+    ScheduleInfo("GPipe", LOOP, 1, False, "gpipe", forwards_first=True),
     ScheduleInfo("1F1B", LOOP, 1, False, "1f1b", fills_every_stage=True,
                  fewer_microbatches="GPipe"),
     ScheduleInfo("Interleaved1F1B", LOOP, None, False, "interleaved_1f1b", ("interleaved",),
                  rounds_of_p=True),
     ScheduleInfo("InterleavedZeroBubble", LOOP, None, True, "interleaved_zb",
                  rounds_of_p=True),
-    ScheduleInfo("LoopedBFS", LOOP, None, False, "looped_bfs"),
+    ScheduleInfo("LoopedBFS", LOOP, None, False, "looped_bfs", forwards_first=True),
     ScheduleInfo("ZBVZeroBubble", V, 2, True, "zbv", ("zbvzerobubble",)),
     ScheduleInfo("DualPipeV", V, 2, True, "dualpipev", fills_every_stage=True,
                  fewer_microbatches="ZBVZeroBubble"),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.schedules import schedule as schedule_info
 from autopar.passes.cost.cost_model import collective_time
 from autopar.passes.pipeline.schedule import (
     SCHEDULES,
@@ -126,9 +127,10 @@ def schedule_options(names: Sequence[str], p: int, m: int, n_blocks: int,
 
 def stand_in_flight(scheds: Sequence[PipelineSchedule]) -> float:
     """Microbatches of one stage's activations the busiest rank holds, over the schedules
-    to weigh. GPipe and LoopedBFS hold every microbatch: they count only where nothing else
-    runs, or every other schedule's stand-in would be planned needlessly lean."""
-    pool = [s for s in scheds if s.name not in ("GPipe", "LoopedBFS")] or list(scheds)
+    to weigh. Schedules that run every forward first (GPipe, LoopedBFS) hold every
+    microbatch: they count only where nothing else runs, or every other schedule's stand-in
+    would be planned needlessly lean."""
+    pool = [s for s in scheds if not schedule_info(s.name).forwards_first] or list(scheds)
     worst = 1.0
     for s in pool:
         held = schedule_in_flight(s)
