@@ -75,6 +75,20 @@ def init_from_env(
 
     Idempotent. With no ``RANK``/``WORLD_SIZE`` set (plain ``python script.py``) it creates a
     one-process group on a free local port, so the same script runs without a launcher.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; None picks NCCL where CUDA is available, else gloo.
+        collective_timeout_s: how long a collective may wait before the group fails it.
+
+    Returns:
+        This process's :class:`DistInfo`: rank, world size, local rank, backend and device
+        (its GPU under NCCL, bound from ``LOCAL_RANK``; the CPU under gloo).
+
+    Example:
+        >>> import autopar
+        >>> info = autopar.init_from_env()  # under torchrun --nproc-per-node 4 ...
+        >>> info.world_size  # doctest: +SKIP
+        4
     """
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:

@@ -51,6 +51,21 @@ def text_table(headers: list[str], rows: list[list[str]], justify: str = "left",
 
 
 def plan_table(plan: Plan, max_params: int = 40) -> str:
+    """``plan`` as the text ``autopar plan`` prints.
+
+    Args:
+        plan: any plan (made, loaded from JSON, or a parallel module's ``.plan``).
+        max_params: how many parameter rows to list (repeated layers are folded as ``*``).
+
+    Returns:
+        The table: the predicted step, memory and solver lines, precision, recomputation and
+        parameter state, the pipeline's stages where it has any, and every input's and
+        parameter's placement per mesh axis, the collectives per step and the references.
+
+    Example:
+        >>> import autopar
+        >>> print(autopar.plan_table(autopar.Plan.load("plan.json")))  # doctest: +SKIP
+    """
     mesh = " x ".join(f"{a}={n}" for a, n in zip(*reversed(plan.full_mesh)))
     shapes = ", ".join(f"{k} {v}" for k, v in plan.decided.input_shapes.items())
     c = plan.predicted.cost
