@@ -17,7 +17,7 @@ torch.distributed. What a user needs is here:
 """
 
 from autopar.ir.devices import PROFILES, DeviceProfile, get_profile
-from autopar.ir.errors import AutoparError, CaptureError, LaunchError, MeshError, PlanError
+from autopar.ir.errors import AutoparError, CaptureError, MeshError, PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import (
     MemoryOptions,
@@ -41,6 +41,7 @@ _LAZY = {
     "plan_pipeline": "autopar.planning.pipeline",
     "Mode": "autopar.planning.modes",
     "init_from_env": "autopar.runtime.launch",
+    "LaunchError": "autopar.runtime.launch",
 }
 
 __all__ = [

@@ -39,8 +39,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from autopar.ir.errors import AutoparError, LaunchError, MeshError
+from autopar.ir.errors import AutoparError, MeshError
 from autopar.ir.mesh import Mesh
+
+
+class LaunchError(AutoparError):
+    """A launched rank failed, timed out or died; ``rank`` and ``child_traceback`` say where."""
+
+    def __init__(self, message: str, rank: int | None = None, child_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.child_traceback = child_traceback
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,3 @@ class PlanError(AutoparError, ValueError):
 
 class MeshError(AutoparError, ValueError):
     """The mesh does not fit the model, the inputs or the process group."""
-
-
-class LaunchError(AutoparError):
-    """A launched rank failed, timed out or died; ``rank`` and ``child_traceback`` say where."""
-
-    def __init__(self, message: str, rank: int | None = None, child_traceback: str = "") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.child_traceback = child_traceback
