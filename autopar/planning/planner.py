@@ -707,13 +707,7 @@ def with_recompute(graph: PlanGraph, plan: Plan, mode: Mode | str, mesh: Mesh) -
     choice = []
     for i, n in enumerate(sp.nodes):
         place = plan.decided.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
-        want = (place.ins, place.outs, place.impls, place.raw_outs)
-        ks = [k for k, s in enumerate(sp.strategies[i])
-              if (s.ins, s.outs, s.impls, s.raw_outs) == want]
-        if not ks:
-            raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
-                            "was the plan made for this graph?")
-        choice.append(ks[0])
+        choice.append(sp.strategy_index(i, place))
     base = sharding_problem.build(graph, mesh, plan.provenance.memory_budget,
                                   share_layers=False,
                                   offload=offload, zero1=mode.whole_grads)

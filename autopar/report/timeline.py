@@ -199,13 +199,7 @@ def planned_from_plan(graph: PlanGraph, plan: Plan, mesh: Mesh) -> Planned:
         if place is None:
             raise PlanError(f"the plan has no placement for node {n.name!r}: it was made for "
                             "another graph")
-        want = (place.ins, place.outs, place.impls, place.raw_outs)
-        ks = [k for k, s in enumerate(sp.strategies[i])
-              if (s.ins, s.outs, s.impls, s.raw_outs) == want]
-        if not ks:
-            raise PlanError(f"node {n.name}: the plan's placement is none of its strategies; "
-                            "was the plan made for this graph?")
-        choice.append(ks[0])
+        choice.append(sp.strategy_index(i, place))
     sol = Solution((), plan.predicted.cost.step_s, True, "given", 0.0, "given")
     return Planned(plan, graph, sp, sol, choice)
 

@@ -10,7 +10,9 @@ import numpy as np
 import torch
 import torch.fx as fx
 
+from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
+from autopar.ir.plan import NodePlacement
 from autopar.passes.strategies.registry import Strategy
 from autopar.solver.problem import Problem
 
@@ -68,6 +70,15 @@ class ShardingProblem:
     var_root: list[int] = field(default_factory=list)  # variable -> its template root node
     problem: Problem | None = None
     shared_layers: int = 0
+
+    def strategy_index(self, i: int, place: NodePlacement) -> int:
+        """Which of node ``i``'s strategies places it as a plan's ``place`` does."""
+        want = (place.ins, place.outs, place.impls, place.raw_outs)
+        for k, s in enumerate(self.strategies[i]):
+            if (s.ins, s.outs, s.impls, s.raw_outs) == want:
+                return k
+        raise PlanError(f"node {self.nodes[i].name}: the plan's placement is none of its "
+                        "strategies; was the plan made for this graph?")
 
     def expand(self, assignment: tuple[int, ...] | list[int]) -> list[int]:
         """Strategy index of every node from one strategy per solver variable."""
