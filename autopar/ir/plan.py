@@ -286,7 +286,7 @@ class Plan:
     - ``provenance`` (:class:`Provenance`): how it was found: the solver, the reference
       layouts weighed, the planning time, the memory limit it was held to.
 
-    ``version`` is the file format's (:data:`PLAN_VERSION`); :meth:`from_json` reads that and
+    The file is versioned (:data:`PLAN_VERSION`); :meth:`from_json` reads that version and
     version 7 (the same fields, ungrouped) and refuses another, saying which it is and how to
     make the plan again. Frozen; ``to_json``/``from_json``
     round-trip it exactly (``save``/``load`` through a file).
@@ -295,7 +295,6 @@ class Plan:
     decided: Decisions
     predicted: Predictions
     provenance: Provenance
-    version: int = PLAN_VERSION
 
     def __getattr__(self, name: str) -> Any:
         # only for names the class lacks: a field read as before the grouping says where it is
