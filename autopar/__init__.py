@@ -12,12 +12,14 @@ torch.distributed. What a user needs is here:
   (``Options.of(memory_budget=..., recompute="full")``); ``Mode``: a planner mode;
 - ``Mesh`` (abstract: axis names, sizes, a device profile) and ``get_profile``;
 - ``init_from_env()``: the process group from torchrun's variables;
+- ``autopar.checkpoint``: ``save`` / ``load`` a run (model, optimizer, schedule, step, data
+  position, random state) on any mesh, committed atomically;
 - the errors, all ``AutoparError``: ``CaptureError``, ``PlanError``, ``MeshError``,
-  ``LaunchError``.
+  ``CheckpointError``, ``LaunchError``.
 """
 
 from autopar.ir.devices import PROFILES, DeviceProfile, get_profile
-from autopar.ir.errors import AutoparError, CaptureError, MeshError, PlanError
+from autopar.ir.errors import AutoparError, CaptureError, CheckpointError, MeshError, PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import (
     MemoryOptions,
@@ -45,7 +47,7 @@ _LAZY = {
 }
 
 __all__ = [
-    "PROFILES", "AutoparError", "CaptureError", "DeviceProfile", "LaunchError", "MemoryOptions",
+    "PROFILES", "AutoparError", "CaptureError", "CheckpointError", "DeviceProfile", "LaunchError", "MemoryOptions",
     "Mesh", "MeshError", "Options", "Partial", "PipelineOptions", "Plan", "PlanError",
     "PrecisionOptions", "R", "Replicate", "S", "SearchOptions", "Shard", "get_profile",
     "plan_table", *_LAZY,

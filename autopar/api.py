@@ -242,7 +242,7 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
     tokens, targets = inputs.split(args, kwargs or {})
     runner = build_pipeline(model, (tokens, targets), device_mesh, **build, stage_plans=asked,
                             plan_time_limit_s=options.search.time_limit_s)
-    return pm.PipelineModule(runner, plan, inputs)
+    return pm.PipelineModule(runner, plan, inputs, model_keys=list(model.state_dict()))
 
 
 def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,

@@ -17,3 +17,8 @@ class PlanError(AutoparError, ValueError):
 
 class MeshError(AutoparError, ValueError):
     """The mesh does not fit the model, the inputs or the process group."""
+
+
+class CheckpointError(AutoparError, ValueError):
+    """A checkpoint cannot be saved or loaded as asked (none committed, damaged, another
+    model's); nothing of the model, the optimizer or the last committed checkpoint is lost."""

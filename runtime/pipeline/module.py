@@ -25,6 +25,7 @@ never run as something else.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,15 +109,21 @@ class PipelineModule(nn.Module):
     returns the single-device mean loss on every rank; its ``backward`` delivers the step's
     gradients. ``stages.<s>`` holds stage ``s`` under the whole model's names
     (``stages.1.layers.3.attention.wq.weight``); a tied weight has one copy per stage.
-    Clip gradients with :meth:`clip_grad_norm_` (torch's own would see this rank's stages
-    only). ``plan``: the pipeline plan it runs, where ``parallelize`` made it."""
+    ``state_dict()`` and ``load_state_dict()`` speak the single-device model's names
+    (``layers.3.attention.wq.weight``): this rank's stages' entries, which a whole model's state
+    dict (the plain model's, a Hugging Face model's own weights) loads into. Clip gradients
+    with :meth:`clip_grad_norm_` (torch's own would see this rank's stages only). ``plan``: the
+    pipeline plan it runs, where ``parallelize`` made it. ``model_keys``: every state-dict key
+    of the whole model (``load_state_dict(strict=True)`` refuses others; None: not checked)."""
 
     def __init__(self, runner: PipelineRunner, plan: Plan | None = None,
-                 inputs: PipelineInputs | None = None) -> None:
+                 inputs: PipelineInputs | None = None,
+                 model_keys: Sequence[str] | None = None) -> None:
         super().__init__()
         self.runner = runner
         self.plan = plan
         self.inputs = inputs or PipelineInputs()
+        self.model_keys = None if model_keys is None else frozenset(model_keys)
         self.profile: Any = None  # a directory: one step's traces (:meth:`profile_step`)
         self._calls = 0
         self.stages = nn.ModuleDict({str(s): m for s, m in sorted(runner.stage_modules.items())})
@@ -159,6 +166,51 @@ class PipelineModule(nn.Module):
             from autopar.report.pipeline_timeline import write_pipeline_timeline
 
             write_pipeline_timeline(self.plan, d / "predicted.json")
+
+    # --- state under the single-device model's names -------------------------------------
+
+    def named_model_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the single-device model's names; a weight tied across
+        two local stages appears once per copy, under one name."""
+        return [(name, p) for stage in self.stages.values()
+                for name, p in stage.named_parameters(remove_duplicate=False)]
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "",
+                   keep_vars: bool = False) -> Any:
+        """This rank's stages' state under the single-device model's names (a tied weight's
+        copies in two local stages: the first)."""
+        if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+        out = OrderedDict() if destination is None else destination
+        for stage in self.stages.values():
+            for key, value in stage.state_dict(prefix=prefix, keep_vars=keep_vars).items():
+                out.setdefault(key, value)
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False
+                        ) -> Any:
+        """Load the entries of a state dict under the single-device model's names (a whole
+        model's, or another pipeline rank's) into this rank's stages. ``strict``: every entry of
+        this rank's stages must be given, and every key given must be one of the whole model's
+        (``model_keys``); the entries of other ranks' stages are expected, not refused."""
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        missing: list[str] = []
+        for stage in self.stages.values():
+            own = stage.state_dict(keep_vars=True)
+            missing += [k for k in own if k not in state_dict]
+            stage.load_state_dict({k: v for k, v in state_dict.items() if k in own},
+                                  strict=False, assign=assign)
+        held = self.model_keys if self.model_keys is not None else set(state_dict)
+        unexpected = [k for k in state_dict if k not in held]
+        if strict and (missing or unexpected):
+            parts = [f"Missing key(s) in state_dict: {', '.join(map(repr, missing))}."] * \
+                bool(missing) + \
+                [f"Unexpected key(s) in state_dict: {', '.join(map(repr, unexpected))}."] * \
+                bool(unexpected)
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t"
+                               + "\n\t".join(parts))
+        return _IncompatibleKeys(missing, unexpected)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The whole model's gradient norm (as one device computes it) on every rank, the
