@@ -14,7 +14,9 @@ of their for-loop implementations (:mod:`.elementwise_fast_path`). ``clip_grad_n
 the single-device norm on every rank, readable as a number (:mod:`.grad_norm`).
 
 The submodules of the wrapped model are registered here under their own names, so parameter
-and state-dict keys are the single-device model's keys.
+and state-dict keys are the single-device model's keys. ``load_state_dict`` also takes whole
+tensors (the single-device model's own ``state_dict()``, a Hugging Face model's weights): each
+rank keeps its piece of each, placed as the plan places the parameter, with no communication.
 
 The same code runs under ``LocalTensorMode`` (all ranks simulated in one process, as the SPMD
 tests do): coordinates are then symbolic per-rank ints and every local tensor a LocalTensor,
@@ -171,6 +173,7 @@ class ParallelModule(nn.Module):
         self._programs: dict[tuple, tuple[PlanGraph, LoweredGraph]] = {}
         self._install(graph, plan)
         _distribute_state(self, graph, plan, device_mesh)
+        self._register_load_state_dict_pre_hook(_place_whole_tensors, with_module=True)
         self._param_list = [self.get_parameter(n) for n in graph.param_names]
         self._buffer_list = [_get_tensor(self, n) for n in graph.buffer_names]
         # fp16 plans scale the loss dynamically (loss_scale); its state: scale, skipped steps
@@ -298,6 +301,23 @@ def _distribute_state(pm: nn.Module, graph: PlanGraph, plan: Plan, mesh: Any) ->
                                                run_check=False, shape=d.shape, stride=d.stride())
                     new_of[id(t)] = nn.Parameter(d, requires_grad=t.requires_grad) if is_param else d
                 store[key] = new_of[id(t)]
+
+
+def _place_whole_tensors(pm: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """``load_state_dict``'s pre-hook: a whole tensor given for a DTensor parameter or buffer
+    becomes this rank's piece of it, placed alike (a DTensor is copied as it is)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    for name, t in [*pm.named_parameters(remove_duplicate=False),
+                    *pm.named_buffers(remove_duplicate=False)]:
+        value = state_dict.get(prefix + name)
+        if not isinstance(t, DTensor) or not isinstance(value, torch.Tensor) or \
+                isinstance(value, DTensor) or value.shape != t.shape:
+            continue  # nothing to place; a shape that differs is load_state_dict's own error
+        whole = value.detach().to(device=_compat.local_of(t).device, dtype=t.dtype)
+        # src_data_rank=None: every rank slices its own piece, nothing is sent
+        state_dict[prefix + name] = distribute_tensor(whole, t.device_mesh, t.placements,
+                                                      src_data_rank=None)
 
 
 def _names_by_id(pm: nn.Module) -> dict[int, str]:
