@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
+from autopar.ir.inputs import constants_mismatch, split_inputs
 from autopar.ir.placements import to_torch
 from autopar.ir.plan import Plan
 from autopar.runtime import _compat, elementwise_fast_path
@@ -338,17 +338,24 @@ def _get_tensor(pm: nn.Module, name: str) -> torch.Tensor:
 
 
 def _flatten_inputs(args: tuple, kwargs: dict, graph: PlanGraph) -> list[torch.Tensor]:
-    """The call's tensor inputs in the traced order (positional, then keyword)."""
+    """The call's tensor inputs in the traced order (positional, then keyword). Its other
+    inputs are constants of the program: they must be the traced ones."""
+    traced = graph.call_inputs
     if not kwargs and all(type(a) is torch.Tensor for a in args) and not any(
-            n.startswith("kw:") for n in graph.input_names):
+            n.startswith("kw:") for n in graph.input_names) and not (traced and traced.constants):
         return list(args)  # the common call, without the pytree walk
     kw_order = [n[3:] for n in graph.input_names if n.startswith("kw:")]
     missing = [k for k in kw_order if k not in kwargs]
     if missing or len(kwargs) != len(kw_order):
         raise PlanError(f"the model was traced with keyword inputs {kw_order}, called with "
                         f"{sorted(kwargs)}: call it with the inputs it was parallelized with")
-    flat = tree_flatten((list(args), [kwargs[k] for k in kw_order]))[0]
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    tensors, call = split_inputs(args, kwargs, kw_order)
+    differ = traced and constants_mismatch(traced, call)
+    if differ:
+        raise PlanError(f"the model's non-tensor inputs are constants of its traced program, "
+                        f"and {differ}: call it with the value it was parallelized with, or "
+                        "parallelize it with example inputs holding this value")
+    return tensors
 
 
 def _graph_signature(graph: PlanGraph) -> tuple:

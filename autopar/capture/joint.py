@@ -34,6 +34,7 @@ from autopar.capture import _torch_compat as compat
 from autopar.capture.depth_proxy import truncated
 from autopar.capture.hf_experts import traceable_experts
 from autopar.ir.errors import CaptureError
+from autopar.ir.inputs import split_inputs
 from autopar.ir.graph import NodeFacts, PlanGraph, StageIO, TensorMeta
 from autopar.ir.precision import Precision
 from autopar.passes.memory import mixed_precision
@@ -108,7 +109,9 @@ def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
 
     param_list = list(params.values())
 
-    def step(params_in, buffers_in, args_in, kwargs_in):
+    def step(params_in, buffers_in, tensors_in):
+        # the call's non-tensor inputs are constants of the trace, put back in their places
+        args_in, kwargs_in = call.rebuild(tensors_in)
         seed = None
         if stage.seeded:  # the output's gradient, received from the next stage
             args_in, seed = args_in[:-1], args_in[-1]
@@ -148,6 +151,7 @@ def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
     if stage.seeded:  # the output's gradient: a tensor like the output, the last input
         args = (*args, _output_like(model, params, buffers, args, kwargs, fake_mode,
                                     precision))
+    tensors, call = split_inputs(args, kwargs)
     hooks, open_tags = _tag_repeated_blocks(model, list(stage.blocks) or None)
     try:
         with fake_mode, compat.preserve_node_meta(), compat.annotation_scope(), \
@@ -156,7 +160,7 @@ def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
             # (an MLP's first layer); torch warns about it, harmlessly
             warnings.filterwarnings("ignore", message=".*Full backward hook.*")
             try:
-                gm = make_fx(step, tracing_mode="real")(params, buffers, args, kwargs)
+                gm = make_fx(step, tracing_mode="real")(params, buffers, tensors)
             finally:
                 # a trace that raised inside a block left its tag open: close it here, before
                 # the annotation scope restores, not whenever the garbage collector does
@@ -193,6 +197,7 @@ def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
         param_list,
     )
     pg.trace_s = trace_s
+    pg.call_inputs = call
     if stage.input_grad or stage.seeded:
         pg.stage = _stage_io(pg, stage)
     return pg
@@ -369,8 +374,7 @@ def _annotate_graph(
         owners += [("input", None, idx)] * count
     if len(owners) != len(placeholders):
         raise CaptureError(
-            f"internal: {len(placeholders)} graph inputs for {len(owners)} tensors; "
-            "non-tensor inputs inside containers are not supported yet"
+            f"internal: {len(placeholders)} graph inputs for {len(owners)} tensors"
         )
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     flat_out = tree_flatten(out_node.args[0])[0]  # (loss, *grads); None where a grad is unused

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 if TYPE_CHECKING:
     from autopar.ir.depth import DepthProxy
+    from autopar.ir.inputs import CallInputs
     from autopar.ir.placements import Spec
     from autopar.ir.precision import Precision
 
@@ -122,6 +123,9 @@ class PlanGraph:
     # placeholder name -> the only spec the planner may give it (a stage's boundary layouts
     # on one mesh, :func:`autopar.capture.stage.pin_boundary`)
     pins: dict[str, Spec] = field(default_factory=dict)
+    # the traced call's structure and non-tensor inputs, constants of the program (None: only
+    # tensors, or a graph not traced from a call)
+    call_inputs: CallInputs | None = None
 
     @property
     def has_loss(self) -> bool:
