@@ -72,6 +72,20 @@ class BatchSampler:
     def from_corpus(cls, batch_size: int, seq_len: int, seed: int = 0) -> BatchSampler:
         return cls(load_tokens(), batch_size, seq_len, seed)
 
+    def state_dict(self, next_step: int) -> dict[str, int]:
+        """The position in the data before ``next_step``, as a checkpoint keeps it: the step,
+        and what decides every batch (the seed, the shapes, the corpus's length)."""
+        return {"step": next_step, "seed": self.seed, "batch_size": self.batch_size,
+                "seq_len": self.seq_len, "corpus_tokens": int(self.data.numel())}
+
+    def differences(self, state: dict[str, int]) -> dict[str, tuple[int, int]]:
+        """What a saved :meth:`state_dict` asks for that this sampler does not draw:
+        ``{field: (saved, ours)}``; empty where resuming from ``state["step"]`` continues the
+        same stream of batches."""
+        ours = self.state_dict(state.get("step", 0))
+        return {k: (state.get(k), v) for k, v in ours.items() if k != "step" and
+                state.get(k) != v}
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(_mix(self.seed, step))
         hi = self.data.numel() - self.seq_len - 1

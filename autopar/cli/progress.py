@@ -33,7 +33,8 @@ class _Bar(tqdm):
     @property
     def format_dict(self) -> dict[str, Any]:
         d = super().format_dict
-        rate = d["rate"] or (d["n"] / d["elapsed"] if d["elapsed"] else 0.0)
+        done = d["n"] - (d.get("initial") or 0)  # a resumed run's steps before it: not timed
+        rate = d["rate"] or (done / d["elapsed"] if d["elapsed"] else 0.0)
         loss = "-" if self.loss is None else f"{self.loss:.4f}"
         return {**d, "loss": loss, "tok_s": format_rate(rate * self.tokens_per_step)}
 
@@ -46,7 +47,8 @@ tqdm.set_lock(threading.RLock())
 
 
 class Progress:
-    """``update(step, loss)`` after each step; ``close()`` at the end.
+    """``update(step, loss)`` after each step; ``close()`` at the end. A resumed run's bar
+    starts at the steps already done (``start``).
 
     On a terminal tqdm redraws the bar in place (at most ~10 times a second, so drawing never
     costs a step's time); elsewhere (a log file, CI, a pipe) the same line is printed every
@@ -55,7 +57,7 @@ class Progress:
 
     def __init__(self, total: int, tokens_per_step: int, label: str = "train",
                  stream: TextIO | None = None, tty: bool | None = None,
-                 every: int | None = None, width: int = 24) -> None:
+                 every: int | None = None, width: int = 24, start: int = 0) -> None:
         self.total = total
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty() if tty is None else tty
@@ -71,7 +73,7 @@ class Progress:
         self._bar = _Bar(total=total, desc=label, file=self.stream, bar_format=fmt, ascii=".#",
                          mininterval=0.1, leave=True, dynamic_ncols=sized,
                          ncols=None if sized else 1000, delay=0 if self.tty else math.inf,
-                         tokens_per_step=tokens_per_step)
+                         tokens_per_step=tokens_per_step, initial=start)
 
     def update(self, step: int, loss: float) -> None:
         """``step`` counts from 1; ``loss`` is that step's loss."""

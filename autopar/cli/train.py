@@ -6,6 +6,11 @@ replicated over 2 data-parallel ranks, and picks the schedule and microbatches; 
 the plan, then a progress bar, and at the end the loss curve next to the same model trained on
 one process (same seed, same initial weights, same batches). Every option a user can get wrong
 is checked here, before any process starts, and reported in one line (exit code 2).
+
+Started by torchrun (``torchrun --nproc-per-node 4 -m autopar.cli train ...``) each process
+joins torchrun's group instead of spawning its own. With ``--checkpoint-dir`` the run saves
+and resumes (:mod:`autopar.cli.resume`), and under ``torchrun --max-restarts`` a group that
+lost a rank comes back from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +35,14 @@ from autopar.cli.options import (
     options_from_args,
 )
 from autopar.cli.progress import Progress, format_rate, loss_report
+from autopar.cli.resume import (
+    Checkpointer,
+    kill_self,
+    planned_kill,
+    restart_count,
+    restore_loop,
+    start_step,
+)
 from autopar.ir.errors import AutoparError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
@@ -73,10 +86,22 @@ class TrainConfig:
     grad_accum: int = 1  # micro-batches per optimizer step, their gradients summed
     clip: float | None = None  # clip_grad_norm_'s max_norm before each step; None: no clipping
     profile: str | None = None  # a directory: one step's traces, measured and predicted
+    checkpoint_dir: str | None = None  # where checkpoints are saved and resumed from
+    checkpoint_every: int | None = None  # steps between saves (None: only at the end)
+    checkpoint_sync: bool = False  # block the loop until each save is written
+    start_step: int | None = None  # the committed checkpoint this run resumes from
+    losses_json: str | None = None  # where rank 0 writes every step's loss
+    torchrun: bool = False  # joined the group torchrun started, rather than spawning one
 
     @property
     def mesh_text(self) -> str:
         return ",".join(f"{a}={n}" for a, n in zip(self.mesh_axes, self.mesh_shape))
+
+    @property
+    def run_identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the saved one besides the data (resume.py)."""
+        return {"model": self.model, "lr": self.lr, "grad_accum": self.grad_accum,
+                "clip": self.clip}
 
 
 @dataclass
@@ -85,6 +110,7 @@ class RunResult:
     step_times: list[float]
     setup_s: float
     clipped: int = 0  # steps whose gradient norm was above --clip
+    resumed_from: int | None = None  # the checkpoint's step; losses before it are its record
 
 
 def register(subparsers: Any) -> None:
@@ -129,6 +155,21 @@ def register(subparsers: Any) -> None:
                    help="profile one step (the second) with torch.profiler: each rank's trace "
                         "in DIR/trace_rank{r}.json, the plan's predicted one in "
                         "DIR/predicted.json, with the same event names (docs/timeline.md)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save checkpoints in DIR (model, optimizer, data position, RNG: "
+                        "autopar.checkpoint), at the end and every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="save every N steps (default: only at the end)")
+    p.add_argument("--checkpoint-sync", action="store_true",
+                   help="block the loop until each save is written (default: the loop waits "
+                        "only for the copy of the state)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --checkpoint-dir from its last committed "
+                        "checkpoint (on any mesh); under torchrun a restarted group does so "
+                        "by itself")
+    p.add_argument("--losses-json", metavar="FILE",
+                   help="write every step's loss to FILE (JSON), the steps before a resume's "
+                        "checkpoint included")
     add_memory_options(p)
     add_pipeline_options(p)
     p.set_defaults(func=run)
@@ -139,19 +180,62 @@ def run(args: argparse.Namespace) -> int:
     from autopar.runtime.launch import launch
 
     tokens_per_step = cfg.batch * cfg.seq
-    print(f"autopar train: {cfg.model} on {cfg.nproc} local CPU processes, mesh {cfg.mesh_text}, "
-          f"batch {cfg.batch} x seq {cfg.seq} ({tokens_per_step} tokens/step), {cfg.steps} "
-          f"steps, AdamW lr {cfg.lr:g}{_loop_text(cfg)}, seed {cfg.seed}", flush=True)
+    where = (f"{cfg.nproc} processes started by torchrun" if cfg.torchrun
+             else f"{cfg.nproc} local CPU processes")
+    if not cfg.torchrun or int(os.environ["RANK"]) == 0:
+        print(f"autopar train: {cfg.model} on {where}, mesh {cfg.mesh_text}, "
+              f"batch {cfg.batch} x seq {cfg.seq} ({tokens_per_step} tokens/step), {cfg.steps} "
+              f"steps, AdamW lr {cfg.lr:g}{_loop_text(cfg)}, seed {cfg.seed}"
+              f"{_checkpoint_text(cfg)}", flush=True)
+    if cfg.torchrun:
+        _exit_now(_report(cfg, _join_torchrun(cfg)))
     try:
         results = launch(_parallel_worker, cfg.nproc, (cfg,), backend="gloo",
                          timeout_s=cfg.timeout_s, collective_timeout_s=120.0)
     except KeyboardInterrupt:  # the launcher has already stopped the ranks
         print("\ninterrupted", file=sys.stderr)
         return 130
+    return _report(cfg, results)
+
+
+def _join_torchrun(cfg: TrainConfig) -> list[RunResult] | None:
+    """Under torchrun: this process's rank of the run, in torchrun's group; every rank's
+    result on rank 0 (None on the others)."""
+    import torch.distributed as dist
+
+    from autopar.runtime.launch import cleanup, init_from_env
+
+    init_from_env("gloo", collective_timeout_s=120.0)
+    result = _parallel_worker(cfg)
+    results: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    rank = dist.get_rank()
+    cleanup()
+    return results if rank == 0 else None
+
+
+def _exit_now(code: int) -> None:
+    """End a torchrun rank once its output is out, skipping the interpreter's exit: gloo's
+    threads can abort there ("terminate called without an active exception", see
+    ``launch.cleanup``), which torchrun would count as a failed rank and restart the group
+    for (``launch``'s own children end the same way)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _report(cfg: TrainConfig, results: list[RunResult] | None) -> int:
+    """What rank 0 (or the launching process) prints and writes at the end; the exit code."""
+    if results is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
+    tokens_per_step = cfg.batch * cfg.seq
     par: RunResult = results[0]
+    if cfg.losses_json:
+        _write_losses(cfg, par)
     if cfg.profile:
         _side_by_side(cfg.profile, cfg.nproc)
-    spread = max(max(abs(a - b) for a, b in zip(r.losses, par.losses)) for r in results)
+    spread = max(max((abs(a - b) for a, b in zip(r.losses, par.losses)), default=0.0)
+                 for r in results)
     _summary("autopar", par, tokens_per_step, cfg.clip)
     if spread > 0:
         print(f"ranks disagree on the loss by up to {spread:.2e}")
@@ -179,7 +263,11 @@ def validate(args: argparse.Namespace) -> TrainConfig:
             f"autopar train trains language models; {args.model!r} is a {preset.family} model. "
             "Pick a gpt2-*, llama3-* or moe-* preset")
     mesh = Mesh.parse(args.mesh, "cpu")
-    nproc = mesh.size if args.nproc is None else args.nproc
+    torchrun = _under_torchrun()
+    if torchrun:
+        nproc = _check_torchrun(mesh, args)
+    else:
+        nproc = mesh.size if args.nproc is None else args.nproc
     if nproc != mesh.size:
         raise TrainUsageError(
             f"--nproc {nproc} does not match mesh {args.mesh} of {mesh.size} devices: "
@@ -197,6 +285,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         raise TrainUsageError(f"--time-limit must be positive, got {args.time_limit}")
     check_batch(mesh, args.batch)
     _check_loop(mesh, args)
+    start = _check_checkpointing(args)
     _check_pipeline(mesh, args, preset)
     options = options_from_args(args)
     if args.reduce_dtype not in (None, "fp32") and args.reduce_dtype != args.precision:
@@ -209,7 +298,45 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(args.model, mesh.shape, mesh.axes, args.steps, args.batch, args.seq,
                        args.lr, args.seed, nproc, not args.no_baseline, sys.stdout.isatty(),
                        args.timeout, options, args.compile, args.grad_accum, args.clip,
-                       args.profile)
+                       args.profile, args.checkpoint_dir, args.checkpoint_every,
+                       args.checkpoint_sync, start, args.losses_json, torchrun)
+
+
+def _under_torchrun() -> bool:
+    """Started by torchrun (or a launcher like it): the group's variables are set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _check_torchrun(mesh: Mesh, args: argparse.Namespace) -> int:
+    """Under torchrun: the processes are torchrun's; their number must be the mesh's."""
+    world = int(os.environ["WORLD_SIZE"])
+    if args.nproc is not None and args.nproc != world:
+        raise TrainUsageError(f"--nproc {args.nproc} under torchrun, which started {world} "
+                              "processes: leave --nproc out (torchrun's --nproc-per-node sets it)")
+    if world != mesh.size:
+        raise TrainUsageError(
+            f"torchrun started {world} processes but mesh {args.mesh} has {mesh.size} "
+            f"devices: use torchrun --nproc-per-node {mesh.size}, or a mesh of {world} devices")
+    if args.timeout is not None:
+        raise TrainUsageError("--timeout stops the processes autopar train spawns; under "
+                              "torchrun leave it out (torchrun owns the processes)")
+    return world
+
+
+def _check_checkpointing(args: argparse.Namespace) -> int | None:
+    """--checkpoint-dir, --checkpoint-every, --resume: the step the run resumes from, if any."""
+    if args.checkpoint_dir is None:
+        for flag, given in (("--checkpoint-every", args.checkpoint_every is not None),
+                            ("--checkpoint-sync", args.checkpoint_sync),
+                            ("--resume", args.resume)):
+            if given:
+                raise TrainUsageError(f"{flag} needs --checkpoint-dir DIR (where the run's "
+                                      "checkpoints are saved and resumed from)")
+        return None
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise TrainUsageError(f"--checkpoint-every must be at least 1, got "
+                              f"{args.checkpoint_every}")
+    return start_step(args.checkpoint_dir, args.resume, args.steps)
 
 
 def _check_loop(mesh: Mesh, args: argparse.Namespace) -> None:
@@ -360,10 +487,32 @@ def _parallel_worker(cfg: TrainConfig) -> RunResult:
     if cfg.profile and not hasattr(pm, "_comm"):  # a pipeline: its second step, per action
         pm.profile = cfg.profile
     opt = _adamw(pm, cfg)
+    start, losses = 0, []
+    if cfg.start_step is not None:
+        start, losses = _resume(pm, opt, sampler, cfg)
+    saver = None
+    if cfg.checkpoint_dir is not None:
+        saver = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint_every, pm, opt, sampler,
+                             cfg.run_identity, getattr(pm, "loss_scale", None),
+                             blocking=cfg.checkpoint_sync)
     setup_s = time.perf_counter() - t0
-    bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty) if rank == 0 \
-        else None
-    return _train(pm, opt, sampler, cfg, bar, setup_s)
+    bar = Progress(cfg.steps, cfg.batch * cfg.seq, label="autopar", tty=cfg.tty,
+                   start=start) if rank == 0 else None
+    return _train(pm, opt, sampler, cfg, bar, setup_s, start, losses, saver,
+                  planned_kill(rank))
+
+
+def _resume(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
+            cfg: TrainConfig) -> tuple[int, list[float]]:
+    """The model, optimizer and RNG as the checkpoint has them (resharded to this plan); the
+    step to run next and the losses before it."""
+    from autopar import checkpoint
+
+    assert cfg.checkpoint_dir is not None
+    resumed = checkpoint.load(cfg.checkpoint_dir, model, opt, step=cfg.start_step)
+    losses = restore_loop(resumed.data_state, cfg.checkpoint_dir, sampler, cfg.run_identity,
+                          getattr(model, "loss_scale", None))
+    return resumed.step, losses
 
 
 def _adamw(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -397,12 +546,19 @@ def _baseline(cfg: TrainConfig) -> tuple[RunResult, nn.Module]:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
-           cfg: TrainConfig, bar: Progress | None, setup_s: float) -> RunResult:
+           cfg: TrainConfig, bar: Progress | None, setup_s: float, start: int = 0,
+           losses: list[float] | None = None, saver: Checkpointer | None = None,
+           kill_at: int | None = None) -> RunResult:
     """The same loop for both runs, so their curves compare: each step's loss is the mean of
     its micro-batches' (each scaled by 1/N before its backward, so the summed gradients are
-    the whole batch's), clipped before the optimizer step."""
-    out = RunResult([], [], setup_s)
-    for step in range(cfg.steps):
+    the whole batch's), clipped before the optimizer step. A resumed run starts at ``start``
+    with the losses before it; ``saver`` checkpoints after the steps it is due;
+    ``kill_at``: the test hook's step (resume.py)."""
+    out = RunResult(list(losses or []), [], setup_s,
+                    resumed_from=start if cfg.start_step is not None else None)
+    for step in range(start, cfg.steps):
+        if step == kill_at:
+            kill_self()
         t = time.perf_counter()
         profiler = _start_profile(model, cfg, step)
         value = 0.0
@@ -420,8 +576,12 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, sampler: BatchSampler,
             profiler.stop()
         out.step_times.append(time.perf_counter() - t)
         out.losses.append(value)
+        if saver is not None:
+            saver.after_step(step + 1, out.losses, last=step + 1 == cfg.steps)
         if bar is not None:
             bar.update(step + 1, value)
+    if saver is not None:
+        saver.wait()
     if bar is not None:
         bar.close()
     return out
@@ -489,11 +649,41 @@ def _scalar(loss: torch.Tensor) -> float:
 def _summary(name: str, r: RunResult, tokens_per_step: int, clip: float | None = None) -> None:
     # The first step pays one-off costs (allocations, first collectives): leave it out.
     steady = r.step_times[1:] or r.step_times
-    med = sorted(steady)[len(steady) // 2]
     clipped = "" if clip is None else f", gradients clipped on {r.clipped} steps"
-    print(f"{name}: {len(r.losses)} steps, loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}, "
-          f"{med * 1e3:.1f} ms/step (median), {format_rate(tokens_per_step / med)} tok/s, "
-          f"set-up {r.setup_s:.1f}s{clipped}", flush=True)
+    resumed = "" if r.resumed_from is None else \
+        f" (resumed after step {r.resumed_from}, {len(r.step_times)} run now)"
+    speed = ""
+    if steady:
+        med = sorted(steady)[len(steady) // 2]
+        speed = f"{med * 1e3:.1f} ms/step (median), {format_rate(tokens_per_step / med)} tok/s, "
+    print(f"{name}: {len(r.losses)} steps{resumed}, loss {r.losses[0]:.4f} -> "
+          f"{r.losses[-1]:.4f}, {speed}set-up {r.setup_s:.1f}s{clipped}", flush=True)
+
+
+def _checkpoint_text(cfg: TrainConfig) -> str:
+    if cfg.checkpoint_dir is None:
+        return ""
+    every = "at the end" if cfg.checkpoint_every is None else \
+        f"every {cfg.checkpoint_every} steps and at the end"
+    out = f"; checkpoints in {cfg.checkpoint_dir} {every}"
+    if cfg.start_step is not None:
+        again = f" (torchrun restart {restart_count()})" if restart_count() else ""
+        out += f", resumed from step {cfg.start_step}{again}"
+    return out
+
+
+def _write_losses(cfg: TrainConfig, r: RunResult) -> None:
+    """Every step's loss as JSON (the steps before a resume's checkpoint from its record),
+    written whole or not at all."""
+    import json
+    from pathlib import Path
+
+    path = Path(cfg.losses_json)  # type: ignore[arg-type]
+    doc = {"mesh": cfg.mesh_text, "steps": cfg.steps, "resumed_from": r.resumed_from,
+           "losses": r.losses}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 # Measured: nudging the 1-process run's weights by a relative 1e-7 moves its loss by ~1e-2 after
