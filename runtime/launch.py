@@ -106,7 +106,7 @@ def init_from_env(
             os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = backend or default_backend()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = _elastic_store(collective_timeout_s)
         if backend == "nccl":
             # Binding the device before init makes NCCL use one GPU per process (not all on 0).
             torch.cuda.set_device(local_rank)
@@ -118,6 +118,27 @@ def init_from_env(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _elastic_store(timeout_s: float) -> dict[str, Any]:
+    """Under torchrun's shared store: ``init_process_group``'s store, rank and world size, the
+    store's keys this attempt's own (else nothing: torch's ``env://`` as it is).
+
+    torchrun (torch >= 2.4) hosts one TCPStore in its agent for all of a run's attempts, and
+    ``env://`` prefixes the keys with ``default_pg`` alone. After a restart
+    (``--max-restarts``) a new rank can read the address a dead rank of the attempt before
+    published, before the new one overwrites it, and fail to connect ("Gloo connectFullMesh
+    failed ... Connection refused": the kill test of ``tests/cli/test_train_elastic.py``, on
+    its restart). Keys under ``autopar/attempt_<TORCHELASTIC_RESTART_COUNT>`` keep the
+    attempts apart, as torch's ``env://`` once did itself."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    return {"store": dist.PrefixStore(f"autopar/attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def cleanup() -> None:
