@@ -48,6 +48,24 @@ def test_resume_from_a_directory_without_a_checkpoint(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+def test_a_directory_that_holds_a_run(tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A new run never writes over a run's checkpoints; --resume past --steps is refused."""
+    import torch
+
+    from autopar import checkpoint
+
+    checkpoint.save(tmp_path, torch.nn.Linear(2, 2), step=8)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = train_usage_error(["--checkpoint-dir", str(tmp_path)], capsys)
+    assert (f"--checkpoint-dir {tmp_path} already holds a run (its last checkpoint is at step "
+            "8): add --resume to continue it, or give an empty or new --checkpoint-dir") in line
+    line = train_usage_error(["--checkpoint-dir", str(tmp_path), "--resume", "--steps", "6"],
+                             capsys)
+    assert "is at step 8, past --steps 6: give --steps 8 or more" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 @pytest.mark.parametrize("argv, world, needle", [
     ([], "2", "torchrun started 2 processes but mesh pp=2,dp=2 has 4 devices: use torchrun "
               "--nproc-per-node 4, or a mesh of 2 devices"),
