@@ -144,15 +144,13 @@ def parallelize(
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if _is_pipeline(amesh, plan):
-        if loss_fn is not None or compile:
-            what = "loss_fn" if loss_fn is not None else "compile"
-            raise PlanError(f"{what}= does not apply to pipelines yet (their loss is the "
-                            "model's own, their stages run eagerly): leave it out, or use a "
-                            "mesh without a 'pp' axis")
+        if compile:
+            raise PlanError("compile= does not apply to pipelines yet (their stages run "
+                            "eagerly): leave it out, or use a mesh without a 'pp' axis")
         if options.precision.compute is None:  # pipelines compute in fp32 unless asked
             options = options.replace(precision="fp32")
         piped = _pipeline(model, device_mesh, amesh, example_inputs, example_kwargs, plan,
-                          options)
+                          options, loss_fn)
         piped.profile = profile  # the second call's step, measured beside the plan's
         return piped
     if options.pipeline.fixed:
@@ -204,9 +202,11 @@ def _is_pipeline(mesh: Mesh, plan: Plan | None) -> bool:
 
 
 def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwargs: dict | None,
-              plan: Plan | None, options: Options) -> PipelineModule:
+              plan: Plan | None, options: Options, loss_fn: Callable | None = None
+              ) -> PipelineModule:
     """The pipeline branch of :func:`parallelize`: plan (rank 0, shared) or check the plan
-    given, then build this rank's stages as the plan says."""
+    given, then build this rank's stages as the plan says (``loss_fn``: the user's, from the
+    last stage's output and the targets; None: the model's own loss)."""
     from autopar.planning.pipeline import plan_pipeline
     from autopar.runtime.pipeline import module as pm
 
@@ -220,14 +220,14 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
         _warn_if_priced_for_another_device(amesh, device_mesh.device_type)
 
         def make() -> Plan:
-            made = plan_pipeline(skeleton, amesh, args, kwargs, options=options,
+            made = plan_pipeline(skeleton, amesh, args, kwargs, loss_fn, options=options,
                                  model_name=type(model).__name__).plan
             runs = pm.runnable_option(made)
             if runs is None or options.pipeline.schedule is not None:
                 return made  # runs as chosen, or as asked (then refused, with the fix)
             # stages that recompute selectively cannot split their backward: the fastest
             # option weighed that they run, planned with its choices fixed
-            return plan_pipeline(skeleton, amesh, args, kwargs,
+            return plan_pipeline(skeleton, amesh, args, kwargs, loss_fn,
                                  options=options.replace(schedule=runs.schedule,
                                                          virtual=runs.virtual,
                                                          microbatches=runs.microbatches),
@@ -235,7 +235,7 @@ def _pipeline(model: nn.Module, device_mesh: Any, amesh: Mesh, args: tuple, kwar
 
         with _compat.outside_local_tensor_mode():
             plan = _agree(make)
-    inputs, build = pm.build_options(model, plan, args, kwargs)
+    inputs, build = pm.build_options(model, plan, args, kwargs, loss_fn)
     asked = None
     if plan_runs_as_program(plan):  # each stage its plan, placed as the pipeline plan says
         asked = pinned_stage_plans(plan, options.search.time_limit_s)

@@ -184,6 +184,8 @@ def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
             h.remove()
     trace_s = time.perf_counter() - t0
     _drop_unused_items(gm)
+    if any(not callable_module(b) for b in (list(stage.blocks) or repeated_blocks(model))):
+        _fill_block_spans(gm)
 
     input_names = [f"arg{i}" for i in range(len(args))] + [f"kw:{k}" for k in kwargs]
     if stage.seeded:
@@ -308,10 +310,13 @@ def _tag_repeated_blocks(model: nn.Module, blocks: list[nn.Module] | None = None
 
     for i, block in enumerate(repeated_blocks(model) if blocks is None else blocks):
         layer = {"autopar_layer": i}
-        handles.append(block.register_forward_pre_hook(lambda m, a, t=layer: enter(t)))
-        handles.append(block.register_forward_hook(lambda m, a, o: leave()))
-        handles.append(block.register_full_backward_pre_hook(lambda m, g, t=layer: enter(t)))
-        handles.append(block.register_full_backward_hook(lambda m, gi, go: leave()))
+        # a block the forward never calls (an nn.ModuleDict): its parts called in its stead,
+        # and the ops between them adopted afterwards (_fill_block_spans)
+        for part in called_parts(block):
+            handles.append(part.register_forward_pre_hook(lambda m, a, t=layer: enter(t)))
+            handles.append(part.register_forward_hook(lambda m, a, o: leave()))
+            handles.append(part.register_full_backward_pre_hook(lambda m, g, t=layer: enter(t)))
+            handles.append(part.register_full_backward_hook(lambda m, gi, go: leave()))
         # the forward's attention internals, which selective recomputation recomputes
         # (passes.recompute), and its projections inside, which it keeps
         for sub in block.modules():
@@ -320,6 +325,50 @@ def _tag_repeated_blocks(model: nn.Module, blocks: list[nn.Module] | None = None
                 handles.append(sub.register_forward_pre_hook(lambda m, a, t=tag: enter(t)))
                 handles.append(sub.register_forward_hook(lambda m, a, o: leave()))
     return handles, stack
+
+
+def callable_module(mod: nn.Module) -> bool:
+    """Whether ``mod`` has a forward of its own (an ``nn.ModuleDict`` or ``nn.ModuleList``
+    has none: the model calls its members)."""
+    return type(mod).forward is not nn.Module.forward
+
+
+def called_parts(block: nn.Module) -> list[nn.Module]:
+    """The modules a forward calls for ``block``: itself where it has a forward, else its
+    members', depth-first."""
+    if callable_module(block):
+        return [block]
+    return [part for child in block.children() for part in called_parts(child)]
+
+
+def _fill_block_spans(gm: fx.GraphModule) -> None:
+    """Blocks called through their parts (:func:`called_parts`) leave the ops between the
+    parts untagged (an attention's softmax, a residual add written in the model's forward).
+    Each block spans from its first tagged op to the next block's first, in each phase (the
+    backward runs the blocks in reverse); the last block's span ends as many ops after its
+    last tagged op as the block before it had after its own, the blocks being alike. Only
+    untagged ops inside a span are adopted."""
+    for phase in ("fwd", "bwd"):
+        seq = [n for n in gm.graph.nodes if n.op == "call_function"
+               and (n.meta.get("custom") or {}).get("autopar_phase", "bwd") == phase]
+        layer_at = [(n.meta.get("custom") or {}).get("autopar_layer") for n in seq]
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for pos, layer in enumerate(layer_at):
+            if layer is not None:
+                first.setdefault(layer, pos)
+                last[layer] = pos
+        order = sorted(first, key=first.__getitem__)  # the blocks in the order they run
+        for j, layer in enumerate(order):
+            if j + 1 < len(order):
+                end = first[order[j + 1]]
+            else:
+                tail = first[layer] - last[order[j - 1]] - 1 if j else 0
+                end = min(last[layer] + 1 + tail, len(seq))
+            for pos in range(first[layer], end):
+                if layer_at[pos] is None:
+                    custom = seq[pos].meta.get("custom") or {}
+                    seq[pos].meta["custom"] = {**custom, "autopar_layer": layer}
 
 
 def module_tag(mod: nn.Module) -> dict | None:

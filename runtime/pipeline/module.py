@@ -340,15 +340,16 @@ def check_plan(plan: Plan, mesh: Mesh, model: nn.Module, shapes: Sequence[Sequen
                             "the plan with it")
 
 
-def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
-                  ) -> tuple[PipelineInputs, dict[str, Any]]:
+def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None,
+                  loss_fn: Any = None) -> tuple[PipelineInputs, dict[str, Any]]:
     """How ``model`` runs as the pipeline ``plan`` describes: how calls hand it their inputs,
     and :func:`~autopar.runtime.pipeline.runner.build_pipeline`'s keywords (its stages' block
     ranges, schedule, stages per rank and micro-batches; each stage a plain module replicated
     over ``dp`` in the plan's precision and recomputation, or, where
     :func:`~autopar.ir.stage_kind.plan_runs_as_program`, a stage program, whose plans the
     caller makes: ``autopar.api``). Refuses what the runtime would run otherwise than the
-    plan says (:func:`check_runnable`, the stage placement, the model)."""
+    plan says (:func:`check_runnable`, the stage placement, the model). ``loss_fn``: the
+    user's ``loss_fn(output, targets)``, which any model may be pipelined with."""
     check_runnable(plan, model)
     inputs = PipelineInputs.of(args, kwargs)
     pipe = plan.decided.pipeline
@@ -361,13 +362,14 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
                             f"torch's {pipe.schedule} runs it on rank {placement[st.index]}: "
                             "make the plan again with this autopar")
     family = ps.module_family(model)
-    if family is None and not ps.is_hf_model(model):
+    if family is None and not ps.is_hf_model(model) and loss_fn is None:
         # the runtime's loss is the family's own next-token cross-entropy: any other model's
         # loss would be computed as something else
         raise PlanError(
-            f"pipelines run autopar's GPT-2, Llama-3 and MoE models and Hugging Face causal LMs "
-            f"(with their own next-token loss), not {type(model).__name__}: run it on a mesh "
-            "without a 'pp' axis")
+            f"pipelines compute autopar's GPT-2, Llama-3 and MoE models' and Hugging Face causal "
+            f"LMs' own next-token loss, and know no other of {type(model).__name__}: make its "
+            "forward return the output when called with the inputs alone, and pass "
+            "loss_fn=(output, targets) -> loss, or run it on a mesh without a 'pp' axis")
     options: dict[str, Any] = {"frontend": "auto"}
     if plan_runs_as_program(plan):
         options = {"frontend": "module"}
@@ -380,6 +382,8 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
             # inputs with some transformers releases and fails to export 3 stages with
             # others), and the only ones a plan's precision and recomputation reach
             options["frontend"] = "module"
+    if loss_fn is not None:
+        options["loss_fn"] = loss_fn
     options.update(split=[(st.first_block, st.end_block) for st in pipe.stages],
                    schedule=info.key, n_microbatches=pipe.microbatches, virtual=pipe.virtual)
     return inputs, options

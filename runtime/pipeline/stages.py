@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.capture.joint import callable_module, called_parts
 from autopar.ir.blocks import PipelineBlocks, pipeline_blocks
 from autopar.ir.errors import PlanError
 from autopar.runtime.pipeline.planned_stage import BlockCalls
@@ -196,7 +197,8 @@ def traced_stages(model: nn.Module, mb_example: tuple, block_path: str, ranges: 
     shapes; the cut is before each stage's first block."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    split_spec = {f"{block_path}.{a}": SplitPoint.BEGINNING for a, _ in ranges[1:]}
+    blocks = model.get_submodule(block_path)
+    split_spec = {block_entry(blocks, block_path, a): SplitPoint.BEGINNING for a, _ in ranges[1:]}
     with _export_friendly(model), warnings.catch_warnings():
         # torch's own splitter deep-copies pytree specs through a deprecated isinstance check
         # (torch 2.13); nothing the user can act on
@@ -213,6 +215,21 @@ def traced_stages(model: nn.Module, mb_example: tuple, block_path: str, ranges: 
         _check_calls(pipe.get_stage_module(s), s)
     _untie_local(mods)
     return mods, pipe.info()
+
+
+def block_entry(blocks: nn.ModuleList, block_path: str, index: int) -> str:
+    """The module whose call starts block ``index``: the block itself, or, for a block the
+    forward never calls as a whole (an ``nn.ModuleDict`` whose members it calls,
+    ``blk["attn"](x)``), its first member, which the forward must call first."""
+    block = blocks[index]
+    if callable_module(block):
+        return f"{block_path}.{index}"
+    first = called_parts(block)
+    if not first:
+        raise PlanError(f"{block_path}.{index} holds no module the forward calls: a pipeline "
+                        "stage starts at a module call")
+    name = next(n for n, m in block.named_modules() if m is first[0])
+    return f"{block_path}.{index}.{name}"
 
 
 def _check_chain(graph: Any) -> None:

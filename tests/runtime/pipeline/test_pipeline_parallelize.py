@@ -291,8 +291,7 @@ def test_what_the_pipeline_runtime_cannot_run_is_refused() -> None:
     _refused(PlanError, r"the plan keeps the optimizer state of \d+ parameters on the host, "
              r"which pipeline stages do not do: plan with offload='none'", (2, 2),
              offload="optimizer")
-    _refused(PlanError, r"loss_fn= does not apply to pipelines", (2, 2),
-             loss_fn=lambda out, *a: out)
+    _refused(PlanError, r"compile= does not apply to pipelines yet", (2, 2), compile=True)
     _refused(PlanError, r"schedule=, microbatches= and virtual= choose a pipeline: give a mesh "
              r"with a 'pp' axis", (4,), ("dp",), schedule="1F1B")
 
