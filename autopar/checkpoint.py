@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.ir.errors import CheckpointError
 
@@ -64,7 +65,7 @@ __all__ = ["CheckpointError", "Resumed", "SaveHandle", "latest_step", "load", "s
 
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
-MODEL, OPTIM_STATE, OPTIM_GROUP = "model.", "optim.state.", "optim.group."
+MODEL, OPTIM_STATE, OPTIM_GROUP, OPTIM_TIED = "model.", "optim.state.", "optim.group.", "optim.tied"
 META, SCHEDULER, RNG = "meta", "lr_scheduler", "rng.rank"
 FORMAT = 1  # what ``meta`` says this module wrote
 
@@ -196,6 +197,9 @@ def _run_state(model: nn.Module, optimizer: Any, *, step: int, lr_scheduler: Any
     state: dict[str, Any] = {MODEL + k: v for k, v in model_state(model).items()}
     if optimizer is not None:
         names = param_names(model)
+        # a tied weight's state is saved once, under its first name: its other names
+        state[OPTIM_TIED] = _blob({alias: all_names[0] for all_names in
+                                   _all_param_names(model).values() for alias in all_names[1:]})
         for group, params in _groups(optimizer):
             hyper = _blob({k: v for k, v in group.items() if k != "params"})
             for p in params:
@@ -288,8 +292,13 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: Any = None, 
     for key, value in target.items():
         if MODEL + key in saved:
             request[MODEL + key] = _fresh_like(value)
-    opt_request, slots = (_optimizer_request(optimizer, model, saved) if optimizer is not None
-                          else ({}, []))
+    tied: dict[str, str] = {}
+    if optimizer is not None and OPTIM_TIED in saved:  # needed to know what to read next
+        first = {OPTIM_TIED: None}
+        _read(first, path)
+        tied = _unblob(first[OPTIM_TIED])
+    opt_request, slots = (_optimizer_request(optimizer, model, saved, tied)
+                          if optimizer is not None else ({}, []))
     request.update(opt_request)
     blobs = [META, *([SCHEDULER] if lr_scheduler is not None else [])]
     rng_key = f"{RNG}{_rank()}"
@@ -307,14 +316,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: Any = None, 
             raise CheckpointError(f"{path} has no '{key}' entry: it was not written by "
                                   "autopar.checkpoint.save; save the run with it")
         request[key] = None
-    try:
-        with _quiet():
-            dcp.load(request, checkpoint_id=path, no_dist=not _distributed())
-    except Exception as e:
-        raise CheckpointError(
-            f"{path} could not be read ({_first_line(e)}): the checkpoint is damaged or "
-            f"incomplete; load another step ({_steps_text(path.parent)}) or save again"
-            ) from e
+    _read(request, path)
     # everything was read: now change the model, the optimizer and the random state
     loaded = {k[len(MODEL):]: v for k, v in request.items() if k.startswith(MODEL)}
     for key, names in _tied_groups(target, aliases).items():
@@ -329,6 +331,17 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: Any = None, 
     meta = _unblob(request[META])
     _set_rng_state(_unblob(request[rng_key]))
     return Resumed(step=int(meta["step"]), data_state=meta.get("data_state"), path=path)
+
+
+def _read(request: dict[str, Any], path: Path) -> None:
+    try:
+        with _quiet():
+            dcp.load(request, checkpoint_id=path, no_dist=not _distributed())
+    except (Exception, CheckpointException) as e:  # DCP's is not an Exception
+        raise CheckpointError(
+            f"{path} could not be read ({_first_line(e)}): the checkpoint is damaged or "
+            f"incomplete; load another step ({_steps_text(path.parent)}) or save again"
+            ) from e
 
 
 def _resolve(directory: Path, step: int | None) -> Path:
@@ -394,9 +407,13 @@ def _some(items: list[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + (f", ... {len(items) - n} more" if len(items) > n else "")
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:200]
+def _first_line(e: Any) -> str:
+    """What went wrong, in a line (DCP's exception: the first failing rank's cause)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, cause = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
+        return f"rank {rank}: {_first_line(getattr(cause, 'exception', cause))}"
+    lines = str(e).strip().splitlines()
+    return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:200]
 
 
 # --- names, state, optimizer ---------------------------------------------------------------------
@@ -410,11 +427,17 @@ def model_state(model: nn.Module) -> dict[str, Any]:
 
 def param_names(model: nn.Module) -> dict[int, str]:
     """Each parameter's single-device name, by ``id`` (a tied weight: its first name)."""
+    return {i: names[0] for i, names in _all_param_names(model).items()}
+
+
+def _all_param_names(model: nn.Module) -> dict[int, list[str]]:
+    """Each parameter's single-device names, by ``id`` (a tied weight has several)."""
     named = (model.named_model_parameters() if hasattr(model, "named_model_parameters")
              else model.named_parameters(remove_duplicate=False))
-    out: dict[int, str] = {}
+    out: dict[int, list[str]] = {}
     for name, p in named:
-        out.setdefault(id(p), name)
+        if name not in out.setdefault(id(p), []):
+            out[id(p)].append(name)
     return out
 
 
@@ -436,18 +459,27 @@ def _optimizer_state(optimizer: Any) -> dict:
     return optimizer.state
 
 
-def _optimizer_request(optimizer: Any, model: nn.Module, saved: dict
+def _optimizer_request(optimizer: Any, model: nn.Module, saved: dict, tied: dict[str, str]
                        ) -> tuple[dict[str, Any], list]:
     """What to read for the optimizer: for each of its parameters the saved state's entries,
     into tensors placed like the parameter (or like its current state); the slots say where
-    each goes."""
+    each goes. ``tied``: the saved model's tied names (alias -> the name its state is under),
+    for a weight saved once and held here as a copy under another name (a pipeline's)."""
     names = param_names(model)
+    every = _all_param_names(model)
+    saved_params = {k[len(OPTIM_STATE):].rpartition(".")[0] for k in saved
+                    if k.startswith(OPTIM_STATE)} | \
+        {k[len(OPTIM_GROUP):] for k in saved if k.startswith(OPTIM_GROUP)}
     request: dict[str, Any] = {}
     slots = []  # (param, name, {state key: request key})
     current = _optimizer_state(optimizer)
     for _, params in _groups(optimizer):
         for p in params:
             name = _name_of(p, names)
+            here = every[id(p)]
+            candidates = [*here, *(tied[n] for n in here if n in tied),
+                          *(a for a, c in tied.items() if c in here)]
+            name = next((n for n in candidates if n in saved_params), name)
             prefix = f"{OPTIM_STATE}{name}."
             keys = {k[len(prefix):]: k for k in saved
                     if k.startswith(prefix) and "." not in k[len(prefix):]}
@@ -473,10 +505,14 @@ def _set_optimizer_state(optimizer: Any, request: dict, slots: list) -> None:
     ``load_state_dict`` casts and places it), with each group's saved hyper-parameters."""
     index = {id(p): i for i, (p, _, _) in enumerate(slots)}
     state = {}
+    used: set[int] = set()
     for i, (_p, _name, keys) in enumerate(slots):
         entry = {}
         for key, full in keys.items():
             value = request[full]
+            if isinstance(value, torch.Tensor) and id(value) in used:
+                value = value.clone()  # two copies of a tied weight (a pipeline's): two states
+            used.add(id(value))
             entry[key] = value if isinstance(value, torch.Tensor) else _unblob(value)
         if entry:
             state[i] = entry
