@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from autopar.capture import _torch_compat as compat
 from autopar.capture.depth_proxy import truncated
 from autopar.capture.hf_experts import traceable_experts
+from autopar.capture.trace_errors import explain
 from autopar.ir.errors import CaptureError
 from autopar.ir.inputs import split_inputs
 from autopar.ir.graph import NodeFacts, PlanGraph, StageIO, TensorMeta
@@ -173,12 +174,9 @@ def trace_joint(model, example_inputs, example_kwargs, loss_fn, precision,
             hint = (f"with loss_fn, the last of the {len(example_inputs)} example inputs is the "
                     "target, handed to loss_fn(output, target), and the model is called with "
                     "the others: pass example_inputs=(inputs..., target)")
-        else:
-            hint = ("autopar traces on fake tensors: data-dependent shapes (nonzero, boolean "
-                    "masks) and .item() calls cannot be traced; make the shapes static or pass "
-                    "them in as inputs")
-        raise CaptureError(
-            f"tracing the training step failed with {type(e).__name__}: {e}. {hint}") from e
+            raise CaptureError(
+                f"tracing the training step failed with {type(e).__name__}: {e}. {hint}") from e
+        raise CaptureError(explain(e, model)) from e
     finally:
         for h in hooks:
             h.remove()
