@@ -661,14 +661,17 @@ def _summary(name: str, r: RunResult, tokens_per_step: int, clip: float | None =
 
 
 def _checkpoint_text(cfg: TrainConfig) -> str:
+    """Where the run saves, and where it resumed from (a torchrun restart says which)."""
+    again = f" (torchrun restart {restart_count()})" if restart_count() else ""
     if cfg.checkpoint_dir is None:
-        return ""
+        return f"; from step 0 again{again}: no --checkpoint-dir to resume from" if again else ""
     every = "at the end" if cfg.checkpoint_every is None else \
         f"every {cfg.checkpoint_every} steps and at the end"
     out = f"; checkpoints in {cfg.checkpoint_dir} {every}"
     if cfg.start_step is not None:
-        again = f" (torchrun restart {restart_count()})" if restart_count() else ""
         out += f", resumed from step {cfg.start_step}{again}"
+    elif again:
+        out += f", from step 0 again{again}: no checkpoint was committed"
     return out
 
 

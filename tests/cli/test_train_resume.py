@@ -133,7 +133,8 @@ RESUME_ARGS = ["--batch", "4", "--seq", "16", "--steps", "6", "--time-limit", "5
 # A run resumed on another mesh may add its sums in another order: its losses may differ by
 # fp32 rounding, which 4 Adam steps amplify a little. Measured: the pp=2 run resumed from the
 # dp=2 checkpoint equals the dp=2 run to the last bit (2 stages of 1 block on the whole batch
-# in 2 microbatches add up the same), so the bound has a margin of all of it.
+# in 2 microbatches add up the same; so did a tp=2 run, whose plan replicates this small model),
+# so the bound has a margin of all of it.
 MESH_CHANGE_RTOL = 1e-5
 
 
