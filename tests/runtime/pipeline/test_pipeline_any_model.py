@@ -4,8 +4,8 @@
 Capture tags each block's ops from the calls of its parts and the ops between them (the
 attention and residual adds written in the model's forward), so the planner finds the repeated
 blocks and picks stages; torch's splitter cuts before each stage's first block's first part;
-the user's ``loss_fn`` computes the loss from the last stage's output. One launch of 2 gloo
-processes trains it on pp=2, equal to one device.
+the user's ``loss_fn`` computes the loss from the last stage's output. One launch of 4 gloo
+processes trains it on pp=2 x dp=2, equal to one device.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _worker() -> dict:
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
-    pm = autopar.parallelize(model, autopar.Mesh((2,), ("pp",), "cpu"), (x, y),
+    pm = autopar.parallelize(model, autopar.Mesh((2, 2), ("pp", "dp"), "cpu"), (x, y),
                              loss_fn=lm_loss, time_limit_s=2.0)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     got = []
@@ -119,10 +119,10 @@ def _worker() -> dict:
     return {"got": got, "want": want, "errors": errors, "frontend": pm.runner.frontend}
 
 
-def test_pipelined_on_2_stages_equals_one_device() -> None:
+def test_pipelined_on_2_stages_by_2_replicas_equals_one_device() -> None:
     from autopar.runtime.launch import launch
 
-    reports = launch(_worker, 2, (), timeout_s=240)
+    reports = launch(_worker, 4, (), timeout_s=300)
     names = set()
     for rep in reports:
         assert rep["frontend"] == "trace"
