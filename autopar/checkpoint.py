@@ -47,7 +47,7 @@ import re
 import shutil
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,10 +172,7 @@ def save(directory: str | os.PathLike, model: nn.Module, optimizer: Any = None, 
     if blocking:
         _write_and_commit(state, final, group)
         return SaveHandle(final)
-    from torch.distributed.checkpoint.staging import BlockingAsyncStager
-
-    # the copy off the device, the only part the loop waits for
-    state = BlockingAsyncStager(cache_staged_state_dict=False).stage(state)
+    state = _staging.stage(state)  # the copy off the device, the only part the loop waits for
     handle = SaveHandle(final)
 
     def run() -> None:
@@ -196,24 +193,56 @@ def _run_state(model: nn.Module, optimizer: Any, *, step: int, lr_scheduler: Any
     DCP keeps them whole rather than flattening their dicts)."""
     state: dict[str, Any] = {MODEL + k: v for k, v in model_state(model).items()}
     if optimizer is not None:
-        names = param_names(model)
         # a tied weight's state is saved once, under its first name: its other names
         state[OPTIM_TIED] = _blob({alias: all_names[0] for all_names in
                                    _all_param_names(model).values() for alias in all_names[1:]})
-        for group, params in _groups(optimizer):
-            hyper = _blob({k: v for k, v in group.items() if k != "params"})
-            for p in params:
-                name = _name_of(p, names)
-                state[OPTIM_GROUP + name] = hyper
-                for key, value in _optimizer_state(optimizer).get(p, {}).items():
-                    state[f"{OPTIM_STATE}{name}.{key}"] = value if isinstance(
-                        value, torch.Tensor) else _blob(value)
+        state.update(_optimizer_entries(optimizer, model))
     if lr_scheduler is not None:
         state[SCHEDULER] = _blob(lr_scheduler.state_dict())
     state[META] = _blob({"format": FORMAT, "step": step, "data_state": data_state,
                          "world_size": _world_size()})
     state[f"{RNG}{_rank()}"] = _blob(_rng_state())
     return state
+
+
+class _Staging:
+    """Host copies of the state an asynchronous save writes. The buffers of host-resident
+    tensors are kept from one save to the next where the state's layout is the same: copying
+    into them costs a fraction of allocating anew (page faults). A device tensor is copied to
+    the host by torch (a DTensor keeps its mesh and placements)."""
+
+    def __init__(self) -> None:
+        self.layout: tuple = ()
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        layout = tuple((k, type(v), tuple(v.shape), v.dtype, v.device) if isinstance(
+            v, torch.Tensor) else (k,) for k, v in state.items())
+        if layout != self.layout:
+            self.layout, self.buffers = layout, {}
+        out: dict[str, Any] = {}
+        with torch.no_grad():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    out[key] = value
+                    continue
+                piece = value.to_local() if isinstance(value, DTensor) else value
+                if piece.device.type != "cpu":
+                    out[key] = value.detach().to("cpu")
+                    continue
+                buf = self.buffers.get(key)
+                if buf is None:
+                    buf = self.buffers[key] = torch.empty_like(piece.detach())
+                buf.copy_(piece.detach())
+                out[key] = buf if not isinstance(value, DTensor) else DTensor.from_local(
+                    buf, value.device_mesh, value.placements, run_check=False,
+                    shape=value.shape, stride=value.stride())
+        return out
+
+
+_staging = _Staging()
 
 
 def _prepare(final: Path, group: Any) -> None:
@@ -450,13 +479,71 @@ def _name_of(p: torch.Tensor, names: dict[int, str]) -> str:
     return name
 
 
-def _groups(optimizer: Any) -> Iterable[tuple[dict, list[torch.Tensor]]]:
-    for group in optimizer.param_groups:
-        yield group, list(group["params"])
+@dataclass(frozen=True)
+class _Part:
+    """One torch optimizer of ``optimizer`` and, for each tensor it steps, the model's
+    parameter it stands for. ``local``: its tensors are host copies of this rank's pieces
+    (an offloading plan's optimizer: ``runtime/optim/offload.py``)."""
+
+    opt: Any
+    pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    local: bool = False
+
+    def param_of(self) -> dict[int, torch.Tensor]:
+        return {id(t): p for t, p in self.pairs}
 
 
-def _optimizer_state(optimizer: Any) -> dict:
-    return optimizer.state
+def _parts(optimizer: Any) -> list[_Part]:
+    from autopar.runtime.optim.offload import OffloadedOptimizer
+
+    if isinstance(optimizer, OffloadedOptimizer):
+        parts = []
+        if optimizer.device_opt is not None:
+            parts.append(_Part(optimizer.device_opt,
+                               tuple((p, p) for p in optimizer.on_device)))
+        if optimizer.host_opt is not None:
+            parts.append(_Part(optimizer.host_opt,
+                               tuple(zip(optimizer.host, optimizer.moved)), local=True))
+        return parts
+    if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")
+            and hasattr(optimizer, "load_state_dict")):
+        raise CheckpointError(
+            f"the optimizer is a {type(optimizer).__name__}, which has no param_groups, state "
+            "and load_state_dict: pass a torch.optim.Optimizer (or the model's make_optimizer)")
+    return [_Part(optimizer, tuple((p, p) for g in optimizer.param_groups
+                                   for p in g["params"]))]
+
+
+def _optimizer_entries(optimizer: Any, model: nn.Module) -> dict[str, Any]:
+    """The optimizer's state and its groups' hyper-parameters, keyed by parameter name; a
+    piece of offloaded state saved as the DTensor it is a piece of (so that it reshards)."""
+    names = param_names(model)
+    out: dict[str, Any] = {}
+    for part in _parts(optimizer):
+        param_of = part.param_of()
+        for group in part.opt.param_groups:
+            hyper = _blob({k: v for k, v in group.items() if k != "params"})
+            for t in group["params"]:
+                p = param_of[id(t)]
+                name = _name_of(p, names)
+                out[OPTIM_GROUP + name] = hyper
+                for key, value in part.opt.state.get(t, {}).items():
+                    if part.local:
+                        value = _piece_as_whole(value, p)
+                    out[f"{OPTIM_STATE}{name}.{key}"] = value if isinstance(
+                        value, torch.Tensor) else _blob(value)
+    return out
+
+
+def _piece_as_whole(value: Any, p: torch.Tensor) -> Any:
+    """A host tensor of this rank's piece's shape, as a DTensor placed like ``p``."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor) or not isinstance(value, torch.Tensor) or \
+            value.dim() == 0 or value.shape != p.to_local().shape:
+        return value
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
 
 
 def _optimizer_request(optimizer: Any, model: nn.Module, saved: dict, tied: dict[str, str]
@@ -465,16 +552,19 @@ def _optimizer_request(optimizer: Any, model: nn.Module, saved: dict, tied: dict
     into tensors placed like the parameter (or like its current state); the slots say where
     each goes. ``tied``: the saved model's tied names (alias -> the name its state is under),
     for a weight saved once and held here as a copy under another name (a pipeline's)."""
+    if not any(k.startswith(OPTIM_STATE) or k.startswith(OPTIM_GROUP) for k in saved):
+        raise CheckpointError(
+            "the checkpoint holds no optimizer state (it was saved without an optimizer): "
+            "load it without optimizer=, or save the optimizer with it")
     names = param_names(model)
     every = _all_param_names(model)
     saved_params = {k[len(OPTIM_STATE):].rpartition(".")[0] for k in saved
                     if k.startswith(OPTIM_STATE)} | \
         {k[len(OPTIM_GROUP):] for k in saved if k.startswith(OPTIM_GROUP)}
     request: dict[str, Any] = {}
-    slots = []  # (param, name, {state key: request key})
-    current = _optimizer_state(optimizer)
-    for _, params in _groups(optimizer):
-        for p in params:
+    slots = []  # (part, tensor stepped, name, {state key: request key})
+    for part in _parts(optimizer):
+        for t, p in part.pairs:
             name = _name_of(p, names)
             here = every[id(p)]
             candidates = [*here, *(tied[n] for n in here if n in tied),
@@ -485,7 +575,7 @@ def _optimizer_request(optimizer: Any, model: nn.Module, saved: dict, tied: dict
                     if k.startswith(prefix) and "." not in k[len(prefix):]}
             for key, full in keys.items():
                 md = saved[full]
-                have = current.get(p, {}).get(key)
+                have = None if part.local else part.opt.state.get(t, {}).get(key)
                 if not hasattr(md, "size"):  # a saved object, not a tensor
                     request[full] = None
                 elif isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(md.size):
@@ -496,40 +586,45 @@ def _optimizer_request(optimizer: Any, model: nn.Module, saved: dict, tied: dict
                     request[full] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
             if OPTIM_GROUP + name in saved:
                 request[OPTIM_GROUP + name] = None
-            slots.append((p, name, keys))
+            slots.append((part, t, name, keys))
     return request, slots
 
 
 def _set_optimizer_state(optimizer: Any, request: dict, slots: list) -> None:
     """The state read, in torch's optimizer ``state_dict`` form (so that its own
-    ``load_state_dict`` casts and places it), with each group's saved hyper-parameters."""
-    index = {id(p): i for i, (p, _, _) in enumerate(slots)}
-    state = {}
+    ``load_state_dict`` casts and places it), with each group's saved hyper-parameters; an
+    offloading optimizer's host copies of the parameters refreshed from the model."""
     used: set[int] = set()
-    for i, (_p, _name, keys) in enumerate(slots):
-        entry = {}
-        for key, full in keys.items():
-            value = request[full]
-            if isinstance(value, torch.Tensor) and id(value) in used:
-                value = value.clone()  # two copies of a tied weight (a pipeline's): two states
-            used.add(id(value))
-            entry[key] = value if isinstance(value, torch.Tensor) else _unblob(value)
-        if entry:
-            state[i] = entry
-    groups = []
-    for group, params in _groups(optimizer):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for p in params:
-            blob = request.get(OPTIM_GROUP + _slot_name(slots, index[id(p)]))
-            if blob is not None:
-                hyper.update(_unblob(blob))
-                break
-        groups.append({**hyper, "params": [index[id(p)] for p in params]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _slot_name(slots: list, i: int) -> str:
-    return slots[i][1]
+    for part in _parts(optimizer):
+        mine = [(t, name, keys) for q, t, name, keys in slots if q.opt is part.opt]
+        index = {id(t): i for i, (t, _, _) in enumerate(mine)}
+        state = {}
+        for i, (_t, _name, keys) in enumerate(mine):
+            entry = {}
+            for key, full in keys.items():
+                value = request[full]
+                if isinstance(value, torch.Tensor) and id(value) in used:
+                    value = value.clone()  # two copies of a tied weight (a pipeline's)
+                used.add(id(value))
+                if part.local and hasattr(value, "to_local"):
+                    value = value.to_local()  # this rank's piece, as the host optimizer keeps
+                entry[key] = value if isinstance(value, torch.Tensor) else _unblob(value)
+            if entry:
+                state[i] = entry
+        groups = []
+        for group in part.opt.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for t in group["params"]:
+                blob = request.get(OPTIM_GROUP + mine[index[id(t)]][1])
+                if blob is not None:
+                    hyper.update(_unblob(blob))
+                    break
+            groups.append({**hyper, "params": [index[id(t)] for t in group["params"]]})
+        part.opt.load_state_dict({"state": state, "param_groups": groups})
+        if part.local:
+            with torch.no_grad():
+                for t, p in part.pairs:
+                    t.copy_(p.to_local() if hasattr(p, "to_local") else p)
 
 
 def _aliases(target: dict[str, Any]) -> dict[str, str]:
