@@ -281,3 +281,36 @@ def test_save_that_fails_half_way_leaves_latest_on_the_last_commit(tmp_path, mon
     shutil.rmtree(d / "step-000000003")
     os.remove(d / "latest")  # a pointer lost: the newest committed step is found
     assert checkpoint.latest_step(d) == 2
+
+
+def test_offloaded_optimizer_state_resumes_offloaded_or_not(tmp_path) -> None:
+    from autopar.runtime.optim.offload import OffloadedOptimizer
+
+    def offloaded(model: nn.Module) -> tuple[OffloadedOptimizer, object]:
+        names = {n for n, _ in model.named_parameters() if n.startswith("blocks.1")}
+        opt = OffloadedOptimizer(model.named_parameters(), names, torch.optim.AdamW, lr=LR,
+                                 eps=EPS)
+        return opt, torch.optim.lr_scheduler.StepLR(opt.device_opt, step_size=1, gamma=1.0)
+
+    model, inputs = _gpt2()
+    opt, sched = offloaded(model)
+    _steps(model, opt, sched, inputs, 2)
+    checkpoint.save(tmp_path, model, opt, step=2)
+    want = _steps(model, opt, sched, inputs, 3)
+    def on_device(model: nn.Module) -> tuple[torch.optim.Optimizer, object]:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=1.0)
+
+    for make in (offloaded, on_device):  # its state kept on the host again, or not
+        model, _ = _gpt2(seed=4)
+        opt, sched = make(model)
+        checkpoint.load(tmp_path, model, opt)
+        assert _steps(model, opt, sched, inputs, 3) == want, make.__name__
+
+
+def test_an_optimizer_the_checkpoint_does_not_hold(tmp_path) -> None:
+    model, inputs = _gpt2()
+    checkpoint.save(tmp_path, model, step=0)
+    opt, _ = _optimizer(model)
+    with pytest.raises(CheckpointError, match="holds no optimizer state .*without optimizer="):
+        checkpoint.load(tmp_path, model, opt)
