@@ -18,6 +18,7 @@ can (:mod:`autopar.capture.hf_experts`).
 from __future__ import annotations
 
 import operator
+import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -35,8 +36,8 @@ from autopar.capture.depth_proxy import truncated
 from autopar.capture.hf_experts import traceable_experts
 from autopar.capture.trace_errors import explain
 from autopar.ir.errors import CaptureError
-from autopar.ir.inputs import split_inputs
 from autopar.ir.graph import NodeFacts, PlanGraph, StageIO, TensorMeta
+from autopar.ir.inputs import split_inputs
 from autopar.ir.precision import Precision
 from autopar.passes.memory import mixed_precision
 
@@ -281,14 +282,41 @@ def _shape_of(x: Any) -> str:
 
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The children of ``nn.ModuleList``s whose members share one type (the model's layers)."""
+    """The model's layers: the children of ``nn.ModuleList``s whose members share one type,
+    and, outside those, blocks kept as numbered attributes (:func:`numbered_blocks`)."""
     blocks: list[nn.Module] = []
     for mod in model.modules():
         if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
             kinds = {type(c) for c in mod}
             if len(kinds) == 1 and any(True for _ in next(iter(mod)).parameters()):
                 blocks.extend(mod)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    for mod in model.modules():
+        if id(mod) not in inside and not isinstance(mod, nn.ModuleList):
+            found = numbered_blocks(mod)
+            blocks.extend(found)
+            inside |= {id(m) for b in found for m in b.modules()}
     return blocks
+
+
+def numbered_blocks(parent: nn.Module) -> list[nn.Module]:
+    """Blocks a module keeps as numbered attributes (``self.block0``, ``self.block1``, ...):
+    two or more children named one prefix and consecutive numbers, of one type, each made of
+    submodules and holding parameters of the same names and shapes; in number order."""
+    groups: dict[str, dict[int, nn.Module]] = {}
+    for name, child in parent.named_children():
+        match = re.fullmatch(r"(.*?[A-Za-z_])(\d+)", name)
+        if match and any(True for _ in child.children()):
+            groups.setdefault(match[1], {})[int(match[2])] = child
+    for members in groups.values():
+        order = sorted(members)
+        if len(order) < 2 or order != list(range(order[0], order[0] + len(order))):
+            continue
+        mods = [members[i] for i in order]
+        shapes = [[(n, p.shape) for n, p in m.named_parameters()] for m in mods]
+        if len({type(m) for m in mods}) == 1 and shapes[0] and all(s == shapes[0] for s in shapes):
+            return mods  # one group per module: a second would interleave its layer numbers
+    return []
 
 
 def _tag_repeated_blocks(model: nn.Module, blocks: list[nn.Module] | None = None
