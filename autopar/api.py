@@ -63,7 +63,9 @@ def parallelize(
         model: the module to train; its parameters are replaced in place by DTensors.
         mesh: an :class:`autopar.Mesh`, a torch ``DeviceMesh``, or a number of devices.
         example_inputs, example_kwargs: one step's inputs, as the model is called.
-        loss_fn: turns the model's output into the loss (None: the model returns it).
+        loss_fn: turns the model's output into the loss, ``loss_fn(output, target)`` with
+            the last example input as the target (None: the model returns it). On a ``pp``
+            mesh it is what pipelines a model of a family autopar does not know.
         plan: a :class:`Plan` or a plan JSON path to run as given (None: plan here).
         options: an :class:`autopar.Options` (None: every default).
         compile: compile each rank's program with Inductor (below).
