@@ -260,9 +260,21 @@ def _write_and_commit(state: dict, final: Path, group: Any) -> None:
     with _quiet():
         dcp.save(state, checkpoint_id=tmp, process_group=group, no_dist=group is None)
     # dcp.save returns on rank 0 once every rank's files are written and the metadata is
+    failed = None
     if _rank() == 0:
-        _commit(tmp, final)
-    _barrier(group)
+        try:
+            _commit(tmp, final)
+        except OSError as e:
+            failed = f"{type(e).__name__}: {e}"
+    if group is not None:  # every rank learns whether it was committed
+        said = [failed]
+        dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0), group=group)
+        failed = said[0]
+    if failed is not None:
+        raise CheckpointError(
+            f"{tmp} was written but could not be committed as {final.name} ({failed}): the "
+            "last committed checkpoint is unchanged; free the directory (space, permissions) "
+            "and save again")
 
 
 def _commit(tmp: Path, final: Path) -> None:
@@ -270,7 +282,12 @@ def _commit(tmp: Path, final: Path) -> None:
     if final.exists():  # the same step saved again: the new one replaces it
         old = final.with_name(final.name + f".old-{os.getpid()}")
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:  # put the committed one back
+            os.replace(old, final)
+        raise
     pointer = final.parent / f"{LATEST}.tmp-{os.getpid()}"
     with open(pointer, "w") as f:
         f.write(final.name + "\n")

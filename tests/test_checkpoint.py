@@ -314,3 +314,16 @@ def test_an_optimizer_the_checkpoint_does_not_hold(tmp_path) -> None:
     opt, _ = _optimizer(model)
     with pytest.raises(CheckpointError, match="holds no optimizer state .*without optimizer="):
         checkpoint.load(tmp_path, model, opt)
+
+
+def test_a_commit_that_fails_is_one_line_and_latest_stays(tmp_path, monkeypatch) -> None:
+    model, opt, d = _trained(tmp_path)
+
+    def read_only(tmp, final):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(checkpoint, "_commit", read_only)
+    with pytest.raises(CheckpointError, match=r"could not be committed as step-000000003 "
+                                              r"\(PermissionError: read-only.*save again"):
+        checkpoint.save(d, model, opt, step=3)
+    assert checkpoint.latest_step(d) == 2 and checkpoint.committed_steps(d) == [2]
