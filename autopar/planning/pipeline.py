@@ -128,7 +128,9 @@ def plan_pipeline(
     found = longest_block_list(model)
     if found is None:
         raise PlanError("the model has no list of repeated blocks (an nn.ModuleList of one "
-                        "block type) to cut into pipeline stages: plan it without a 'pp' axis")
+                        "block type) to cut into pipeline stages: keep its blocks in one "
+                        "nn.ModuleList (numbered attributes, self.block0, self.block1, are not "
+                        "cut yet), or plan it without a 'pp' axis")
     n_blocks = len(found[1])
     if p > n_blocks:
         raise PlanError(f"{p} pipeline stages but the model has {n_blocks} blocks: use "

@@ -16,6 +16,8 @@ from harness.spmd import assert_same_training, fake_world, mesh_for, train_paral
 
 import autopar
 from autopar.capture.joint import capture, numbered_blocks
+from autopar.ir.errors import PlanError
+from autopar.planning.pipeline import plan_pipeline
 
 
 class Block(nn.Module):
@@ -89,3 +91,10 @@ def test_dp_by_tp_equals_one_device(kind: str) -> None:
         assert pm.graph.num_layers == 3
         got = train_parallel(pm, inputs, 2)
     assert_same_training(got, want, 1e-5, kind)
+
+
+def test_numbered_attributes_are_not_cut_into_stages_yet() -> None:
+    model, inputs = _inputs("attributes")
+    with pytest.raises(PlanError, match=r"keep its blocks in one nn.ModuleList \(numbered "
+                       r"attributes, self.block0, self.block1, are not cut yet\)"):
+        plan_pipeline(model, autopar.Mesh((2,), ("pp",), "cpu"), inputs)
