@@ -8,8 +8,9 @@ uninterrupted run); the checkpoint loaded into fresh, differently seeded models 
 and on dp=4, trained 3 steps each: losses equal the uninterrupted run's within fp32 rounding
 (and so do the learning-rate schedule's and the data position); the pipeline's own checkpoint
 loaded into the single-device model equal to its stages' state, bit for bit; a Hugging Face
-model's own state dict loaded into its parallelized copy. The rest runs in this process
-without a process group: the dp x tp checkpoint into the plain model, bad input, atomicity.
+model's own state dict loaded into its parallelized copy, on dp x tp and as a pipeline. The
+rest runs in this process without a process group: the dp x tp checkpoint into the plain
+model, offloaded optimizer state, bad input, atomicity.
 """
 
 from __future__ import annotations
@@ -124,6 +125,18 @@ def _worker(ckpt: str, pipe_ckpt: str) -> dict:
     with torch.no_grad():
         out = hpm(**kw)
         report["hf_loss"] = [float(getattr(out, "loss", out)), float(source(**kw).loss)]
+    # ... and into a pipeline of a Hugging Face decoder: each rank its stages' entries
+    torch.manual_seed(3)
+    source = hf.llama()
+    torch.manual_seed(4)
+    ppm = autopar.parallelize(hf.llama(), autopar.Mesh((2, 2), ("pp", "dp"), "cpu"),
+                              example_kwargs=kw, time_limit_s=2.0, schedule="1f1b",
+                              microbatches=2)
+    ppm.load_state_dict(source.state_dict())
+    want = source.state_dict()
+    got = ppm.state_dict()
+    report["hf_pipeline_exact"] = bool(got) and all(torch.equal(_whole(v), want[k])
+                                                    for k, v in got.items())
     return report
 
 
@@ -156,7 +169,7 @@ def test_pipeline_checkpoint_loads_into_the_single_device_model_exactly(gloo_run
 def test_hugging_face_state_dict_loads_into_its_parallelized_copy(gloo_run) -> None:
     reports, _ = gloo_run
     for rep in reports:
-        assert rep["hf_exact"]
+        assert rep["hf_exact"] and rep["hf_pipeline_exact"]
         assert rep["hf_loss"][0] == pytest.approx(rep["hf_loss"][1], rel=TOL)
 
 
