@@ -346,19 +346,16 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: Any = None, 
     opt_request, slots = (_optimizer_request(optimizer, model, saved, tied)
                           if optimizer is not None else ({}, []))
     request.update(opt_request)
-    blobs = [META, *([SCHEDULER] if lr_scheduler is not None else [])]
-    rng_key = f"{RNG}{_rank()}"
-    blobs.append(rng_key)
-    for key in blobs:
+    # each rank its own random state where the number of processes is the one saved, else
+    # rank 0's (an SPMD program keeps every rank's generators alike)
+    saved_world = sum(1 for k in saved if k.startswith(RNG))
+    rng_key = f"{RNG}{_rank() if saved_world == _world_size() else 0}"
+    for key in [META, *([SCHEDULER] if lr_scheduler is not None else []), rng_key]:
         if key not in saved:
             if key == SCHEDULER:
                 raise CheckpointError(
                     f"{path} holds no learning-rate scheduler state (it was saved without "
                     "lr_scheduler=): load it without lr_scheduler=, or save one with it")
-            if key.startswith(RNG):
-                rng_key = f"{RNG}0"
-                request.setdefault(rng_key, None)
-                continue
             raise CheckpointError(f"{path} has no '{key}' entry: it was not written by "
                                   "autopar.checkpoint.save; save the run with it")
         request[key] = None

@@ -78,10 +78,12 @@ def _worker(ckpt: str, pipe_ckpt: str) -> dict:
                              time_limit_s=2.0)
     opt, sched = _optimizer(pm)
     _steps(pm, opt, sched, inputs, SAVED_AT)
-    random.seed(11)  # the random state saved with it, to be restored
+    import torch.distributed as dist
+
+    random.seed(11 + dist.get_rank())  # each rank's random state, saved to be restored
     handle = checkpoint.save(ckpt, pm, opt, step=SAVED_AT, lr_scheduler=sched,
                              data_state={"offset": SAVED_AT * BATCH}, blocking=False)
-    draws = [random.random(), float(torch.rand(()))]
+    draws = report["draws"] = [random.random(), float(torch.rand(()))]
     report["uninterrupted"] = _steps(pm, opt, sched, inputs, MORE)
     handle.wait()
     assert handle.done() and checkpoint.latest_step(ckpt) == SAVED_AT
@@ -179,6 +181,8 @@ def test_dp_tp_checkpoint_into_the_plain_model_without_a_process_group(gloo_run)
     opt, sched = _optimizer(model)
     resumed = checkpoint.load(d / "dp2tp2", model, opt, lr_scheduler=sched)
     assert resumed.step == SAVED_AT and resumed.path.name == "step-000000002"
+    # another number of processes: rank 0's random state
+    assert random.random() == reports[0]["draws"][0] != reports[1]["draws"][0]
     got = torch.tensor(_steps(model, opt, sched, inputs, MORE))
     assert rel_err(got, torch.tensor(reports[0]["uninterrupted"])) < TOL
 

@@ -180,7 +180,7 @@ class PipelineModule(nn.Module):
         """This rank's stages' state under the single-device model's names (a tied weight's
         copies in two local stages: the first)."""
         if args:  # torch's deprecated positional form: (destination, prefix, keep_vars)
-            destination, prefix, keep_vars = (*args, prefix, keep_vars)[:3]
+            destination, prefix, keep_vars = (*args, *(destination, prefix, keep_vars)[len(args):])
         out = OrderedDict() if destination is None else destination
         for stage in self.stages.values():
             for key, value in stage.state_dict(prefix=prefix, keep_vars=keep_vars).items():
