@@ -332,7 +332,7 @@ def load(directory: str | os.PathLike, model: nn.Module, optimizer: Any = None, 
     metadata = _read_metadata(path)
     saved = metadata.state_dict_metadata
     target = model_state(model)
-    aliases = _aliases(target)
+    aliases = _aliases(model.state_dict(keep_vars=True))  # keep_vars: a tied tensor is one object
     _check_model(path, saved, target, aliases, getattr(model, "model_keys", None))
     request: dict[str, Any] = {}
     for key, value in target.items():

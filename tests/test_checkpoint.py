@@ -344,3 +344,22 @@ def test_a_commit_that_fails_is_one_line_and_latest_stays(tmp_path, monkeypatch)
                                               r"\(PermissionError: read-only.*save again"):
         checkpoint.save(d, model, opt, step=3)
     assert checkpoint.latest_step(d) == 2 and checkpoint.committed_steps(d) == [2]
+
+
+def test_a_tied_weight_saved_under_one_of_its_names(tmp_path) -> None:
+    class Tied(nn.Module):  # an embedding and a head sharing one weight
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+    source = Tied()
+    head_only = nn.Module()
+    head_only.head = nn.Linear(4, 8, bias=False)  # the weight under its second name only
+    head_only.head.weight = nn.Parameter(source.emb.weight.detach().clone())
+    checkpoint.save(tmp_path, head_only, step=0)
+    target = Tied()
+    checkpoint.load(tmp_path, target)
+    assert torch.equal(target.emb.weight, source.emb.weight)
+    assert target.emb.weight is target.head.weight
