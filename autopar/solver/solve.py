@@ -19,6 +19,9 @@ from autopar.solver.reduce import FORBIDDEN, Reduction, presolve
 # runs LNS only. Contest instance A contracts to 48k (from 2M), S to 2.8M.
 _EXACT_MAX_VARS = 150_000
 METHODS = ("auto", "ilp", "heuristic")
+# Under a binding usage limit, this share of a large problem's search goes to Lagrangian
+# rounds (relax, repair, polish: ``lagrange.py``) before the feasible LNS takes over.
+LAGRANGE_SHARE = 0.4
 
 
 def _model_size(q: Problem, forbid: float) -> int:
@@ -70,8 +73,11 @@ def solve(
         lns_deadline = time.monotonic() + min(10.0, 0.1 * timeout_s)
     else:
         lns_deadline = deadline - min(1.0, 0.02 * timeout_s)
-    a, optimal = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid)
+    a, optimal, bound = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid,
+                                      lagrange_share=0.0 if small else LAGRANGE_SHARE)
     best = _finish(problem, red, a, "optimal" if optimal else "feasible", t0, f"{method}/lns")
+    if best.feasible and best.status != "optimal" and math.isfinite(bound) and not soft:
+        best = replace(best, lower_bound=min(bound, best.cost))
     if small and not optimal and time.monotonic() < deadline - 0.5:
         best = _exact(problem, red, a, best, forbid, deadline, workers, seed, t0)
     if soft and best.status == "optimal":

@@ -29,7 +29,7 @@ def limited_problem(seed: int, max_nodes: int = 6) -> Problem:
     n = int(rng.integers(2, max_nodes + 1))
     ks = rng.integers(1, 4, n)
     intervals = []
-    for i in range(n):
+    for _ in range(n):
         s = int(rng.integers(0, n))
         intervals.append((s, s + int(rng.integers(0, 4))))
     usages = [rng.integers(0, 12, k).astype(float) for k in ks]
