@@ -17,6 +17,7 @@ import pytest
 from harness.brute import brute_optimum
 
 from autopar.solver import Problem, evaluate, make_problem, solve
+from autopar.solver.lagrange import EdgeMins, lower_bound, node_prices
 from autopar.solver.reduce import FORBIDDEN, presolve
 
 BIG = 1e18  # the contest's "forbidden" cost
@@ -121,3 +122,20 @@ def test_the_generator_makes_binding_limits_and_infeasible_cases() -> None:
         infeasible += math.isinf(want)
         binding += (not math.isinf(want)) and want > free
     assert binding >= 40 and infeasible >= 5
+
+
+def test_the_bound_is_below_the_optimum_for_any_multipliers() -> None:
+    rng = np.random.default_rng(0)
+    checked = 0
+    for seed in range(300):
+        p = limited_problem(seed)
+        want, _, _ = brute_optimum(p)
+        if math.isinf(want) or p.usage_limit is None or p.index.horizon == 0:
+            continue
+        mins = EdgeMins(p)
+        for scale in (0.0, 0.1, 1.0, 10.0):
+            lam = scale * rng.random(p.index.horizon)
+            pi = node_prices(lam, p.index.start, p.index.end)
+            assert lower_bound(p, mins, pi, float(lam.sum())) <= want + 1e-9 * abs(want)
+        checked += 1
+    assert checked > 150
