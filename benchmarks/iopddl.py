@@ -55,9 +55,10 @@ def default_dir() -> Path:
 
 def perturb(p: Problem, seed: int) -> Problem:
     """An unseen instance of the same shape: every node's and edge's costs scaled by a factor
-    of its own (log-normal, sigma 0.5; forbidden costs stay forbidden), the usages of a tenth
-    of the nodes by up to +-30%, and the usage limit moved to 50-150% of its headroom over
-    the smallest possible peak (so it stays feasible and binding)."""
+    of its own (log-normal, sigma 0.5; forbidden costs stay forbidden), and the usage limit
+    moved to 80-130% of its headroom over the smallest possible peak. Usages are kept: a
+    rigid group's members change size together, which scaling them one by one would break
+    (perturbed A then needed forbidden pairs to fit at all)."""
     rng = np.random.default_rng(seed)
 
     def scale(a: np.ndarray, f: float) -> np.ndarray:
@@ -65,14 +66,12 @@ def perturb(p: Problem, seed: int) -> Problem:
 
     costs = [scale(c, f) for c, f in zip(p.costs, rng.lognormal(0, 0.5, p.num_nodes))]
     ecosts = [scale(m, f) for m, f in zip(p.edge_costs, rng.lognormal(0, 0.5, p.num_edges))]
-    usages = [
-        np.round(u * rng.uniform(0.7, 1.3)) if rng.random() < 0.1 else u for u in p.usages
-    ]
+    usages = p.usages
     limit = p.usage_limit
     if limit is not None:
         q = Problem(costs, usages, p.intervals, p.edges, ecosts, None)
         floor = float(usage_profile(q, np.array([int(np.argmin(u)) for u in usages])).max())
-        limit = float(np.floor(floor + rng.uniform(0.5, 1.5) * max(limit - floor, 0.0)))
+        limit = float(np.floor(floor + rng.uniform(0.8, 1.3) * max(limit - floor, 0.0)))
     name = f"{p.name or 'problem'}-perturbed-{seed}"
     return Problem(costs, usages, p.intervals, p.edges, ecosts, limit, None, name)
 

@@ -142,13 +142,16 @@ class LocalSearch:
                     if nd.any():
                         dom[j] = nd
 
-    def sweep(self) -> int:
-        """One pass of best single-node moves, in random order; returns how many changed."""
+    def sweep(self, deadline: float | None = None) -> int:
+        """One pass of best single-node moves, in random order, stopping at ``deadline``;
+        returns how many changed."""
         moved = 0
         n = self.q.num_nodes
-        for i in self.rng.permutation(n).tolist():
+        for k, i in enumerate(self.rng.permutation(n).tolist()):
             if len(self.q.costs[i]) == 1:
                 continue
+            if deadline is not None and k % 256 == 0 and time.monotonic() > deadline:
+                break
             c = self.local(i)
             c[~self.allowed(i)] = np.inf
             s = int(np.argmin(c))

@@ -109,7 +109,7 @@ class Lagrangian:
         heuristic's unconstrained moves (single nodes, rigid groups, induced trees, both
         ends of a costly edge) until ``until``."""
         rls = self.rls
-        rls.sweep()
+        rls.sweep(until)
         if rls.groups is not None and time.monotonic() < until:
             group_pass(rls, until)
         k = 0
@@ -140,17 +140,18 @@ class Lagrangian:
         t = self.theta * max(gap, 1e-9 * max(1.0, abs(rel))) / norm
         self.lam = np.maximum(0.0, self.lam + t * g)
 
-    def repair(self) -> bool:
+    def repair(self, deadline: float) -> bool:
         """Make the true search's plan (a copy of the relaxed one) fit; False if stuck."""
         ls = self.ls
         ls.a = self.rls.a.copy()
         ls.load = usage_profile(ls.q, ls.a)
-        return repair(ls)
+        return repair(ls, deadline=deadline)
 
 
-def repair(ls, max_steps: int = 100_000) -> bool:
+def repair(ls, max_steps: int = 100_000, deadline: float | None = None) -> bool:
     """Lower the peak of ``ls``'s plan to its limit by usage-decreasing moves, cheapest cost
-    per unit of memory freed at the worst time step first; True when it fits."""
+    per unit of memory freed at the worst time step first; True when it fits (False when
+    stuck or past ``deadline``)."""
     q, limit = ls.q, ls.limit
     if limit is None:
         return True
@@ -161,6 +162,8 @@ def repair(ls, max_steps: int = 100_000) -> bool:
         over = float(ls.load[t]) - limit
         if fits(float(ls.load[t]), limit):
             return True
+        if deadline is not None and time.monotonic() > deadline:
+            return False
         cand = np.nonzero(free & (ls.st <= t) & (ls.en > t))[0]
         cur_u = idx.usage_flat[idx.node_off[cand] + ls.a[cand]]
         cand = cand[cur_u > ls.min_usage[cand]]
@@ -273,8 +276,8 @@ def search(ls, deadline: float, log: bool = False) -> float:
             break  # the limit does not bind the relaxed plan: nothing to price
         lg.step(best_c)
         rounds += 1
-        if lg.repair():
-            ls.sweep()
+        if lg.repair(deadline):
+            ls.sweep(deadline)
             if ls.groups is not None and time.monotonic() < deadline:
                 group_pass(ls, deadline)
             c = ls.cost()
