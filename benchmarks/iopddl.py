@@ -7,7 +7,8 @@ the contest's best scores.
 Default mode: each instance runs as ``autopar solve FILE --time-limit T --out SOL`` in a
 fresh process, T its contest timeout (times ``--timeout-scale``); the wall column is that
 process's whole life (interpreter start, imports, reading the file, solving, writing), and
-the cost is re-scored here from the written solution. ``--perturb SEED`` solves unseen
+the cost is re-scored here from the written solution; the cpu column is the CPU time that
+process got (user + system, all threads): on a shared machine far less than wall x cores. ``--perturb SEED`` solves unseen
 variants instead (``perturb``): the same graphs with every node and edge cost scaled by its
 own random factor and a different usage limit; they have no known best, so the gap column is
 empty.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import resource
 import subprocess
 import sys
 import tempfile
@@ -86,9 +88,9 @@ def instance_file(args: argparse.Namespace, name: str, tmp: Path) -> Path:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    print("| instance | nodes | edges | limit s | wall s | within | our cost | feasible "
+    print("| instance | nodes | edges | limit s | wall s | cpu s | within | our cost | feasible "
           "| contest best | gap % | bound gap % | status |")
-    print("|---" * 12 + "|")
+    print("|---" * 13 + "|")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name in args.instances:
@@ -100,8 +102,11 @@ def run_cli(args: argparse.Namespace) -> int:
                    "--time-limit", f"{limit:g}", "--workers", str(args.workers),
                    "--seed", str(args.seed), "--out", str(out)]
             t = time.monotonic()
+            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
             wall = time.monotonic() - t
+            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
             p = read_problem(path)
             if not out.exists():
                 print(f"| {name} | failed: {proc.stderr.strip()[-200:]} |", flush=True)
@@ -113,7 +118,7 @@ def run_cli(args: argparse.Namespace) -> int:
             bgap = f"{100.0 * (cost - lb) / cost:.1f}" if ok and lb is not None else ""
             shown_best = f"{best:,}" if not args.perturb else "-"
             print(f"| {p.name or name} | {p.num_nodes:,} | {p.num_edges:,} | {limit:g} "
-                  f"| {wall:.1f} | {'yes' if wall <= limit else 'NO'} | {cost:,.0f} "
+                  f"| {wall:.1f} | {cpu:.0f} | {'yes' if wall <= limit else 'NO'} | {cost:,.0f} "
                   f"| {'yes' if ok else 'no'} | {shown_best} | {gap} | {bgap} "
                   f"| {sol['status']} |", flush=True)
     return 0
