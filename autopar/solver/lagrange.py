@@ -78,20 +78,12 @@ class Lagrangian:
         q = ls.q
         self.base = q
         self.limit = float(q.usage_limit)
-        self.horizon = q.index.horizon
-        self.lam = np.zeros(self.horizon)
-        self.theta = 1.0
+        self.lam = np.zeros(q.index.horizon)
+        self.theta = 1.0  # Polyak step factor, halved when the relaxed value stalls
         self.mins = EdgeMins(q)
         self.bound = -math.inf
         self.best_relaxed = -math.inf
         self.stall = 0
-        # a price of 1 on every step of a node's range should matter: scale by cost/usage
-        idx = q.index
-        spread_c = np.array([float(c.max() - c.min()) for c in q.costs])
-        spread_u = np.array([float(u.max() - u.min()) for u in q.usages])
-        ok = spread_u > 0
-        self.scale = float(np.median(spread_c[ok] / spread_u[ok])) if ok.any() else 1.0
-        self.span = np.maximum(idx.end - idx.start, 1)
 
     def prices(self) -> np.ndarray:
         idx = self.base.index
@@ -167,7 +159,7 @@ def repair(ls, max_steps: int = 100_000, deadline: float | None = None) -> bool:
         cand = np.nonzero(free & (ls.st <= t) & (ls.en > t))[0]
         cur_u = idx.usage_flat[idx.node_off[cand] + ls.a[cand]]
         cand = cand[cur_u > ls.min_usage[cand]]
-        moves = []  # (cost per unit freed, node or unit, choice)
+        moves = []  # (cost per unit of memory freed, the move)
         seen_groups: set[int] = set()
         for i in cand.tolist():
             g = int(ls.groups.group_of[i]) if ls.groups is not None else -1
