@@ -99,7 +99,11 @@ def _exact(
     """CP-SAT on the whole presolved problem (rigid groups contracted), warm-started."""
     q = red.problem
     free = np.nonzero(q.index.n_strat > 1)[0]
-    sm = ilp.build(q, free, a, ilp.capacity_profile(q, free, a), forbid=forbid)
+    try:  # building must leave CP-SAT a second at least, or it is not worth it
+        sm = ilp.build(q, free, a, ilp.capacity_profile(q, free, a), forbid=forbid,
+                       deadline=deadline - 1.5)
+    except ilp.OutOfTime:
+        return best
     # a hint that uses a forbidden pair misleads CP-SAT more than no hint at all
     hint = a if best.feasible and best.cost < FORBIDDEN else None
     left = deadline - time.monotonic()
