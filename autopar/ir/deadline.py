@@ -33,6 +33,9 @@ class Deadline:
         self.at = self.start + self.limit_s
         self.progress = progress
         self.cuts: list[str] = []  # what the limit stopped short or skipped, in order
+        # the least a solve gets past the deadline: MIN_SOLVE_S once a plan is at hand; the
+        # planner raises it while none is (a search with nothing to return goes on)
+        self.floor = MIN_SOLVE_S
         self.best_step_s: float | None = None
 
     def left(self) -> float:
@@ -46,10 +49,10 @@ class Deadline:
         return self.left() <= 0
 
     def cap(self, seconds: float) -> float:
-        """A solve's limit: ``seconds``, at most what is left (at least :data:`MIN_SOLVE_S`).
+        """A solve's limit: ``seconds``, at most what is left (at least :attr:`floor`).
         (Whether the solve was cut shows at the end: a call that ends past its deadline was
         cut by it, :meth:`close`.)"""
-        return max(MIN_SOLVE_S, min(seconds, self.left()))
+        return max(min(self.floor, seconds), min(seconds, self.left()))
 
     def close(self) -> None:
         """At the end of the search: past the deadline, a solve ran up to it (noted)."""

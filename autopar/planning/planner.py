@@ -18,7 +18,7 @@ import numpy as np
 import torch.nn as nn
 
 from autopar.capture.joint import capture
-from autopar.ir.deadline import Deadline
+from autopar.ir.deadline import MIN_SOLVE_S, Deadline
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
@@ -167,6 +167,8 @@ def make_plan(
         the time left (the first mode solved could otherwise spend the whole limit, and a
         later one, the only one that fits, get nothing)."""
         dl.phase(f"planning mode {mode.label}")
+        # past the deadline with nothing that fits, each mode still gets MIN_MODE_S
+        dl.floor = MIN_SOLVE_S if any(r.fits for r in runs.values()) else MIN_MODE_S
         share = replace(search, time_limit_s=min(search.time_limit_s,
                                                  max(MIN_MODE_S, dl.left() / of)))
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, own,
@@ -278,7 +280,7 @@ def _limit_not_binding(run: _ModeRun, time_limit_s: float) -> bool:
 
 
 # a mode's share of the time left is never below this (a solve returns its start at worst)
-MIN_MODE_S = 0.5
+MIN_MODE_S = 1.0
 # a plan in mode "none" whose peak is under this fraction of the limit is kept without trying
 # recomputation (the memory constraint did not bind it)
 AUTO_SLACK = 0.9
