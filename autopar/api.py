@@ -110,7 +110,8 @@ def parallelize(
     without; ``"none"``; ``"optimizer"``): build the optimizer with
     ``model.make_optimizer(torch.optim.AdamW, ...)`` so that it keeps that state on the host.
     A plan given runs with the precision, recomputation and parameter state it records.
-    ``time_limit_s``: the solver's limit; the other options are :class:`autopar.Options`'.
+    ``time_limit_s``: seconds the whole planning may take (the best plan so far is kept at the
+    limit, :mod:`autopar.ir.deadline`); the other options are :class:`autopar.Options`'.
 
     ``profile``: a directory: the second training step's forward and backward (the first
     pays one-off costs) run under ``torch.profiler`` and each rank writes its trace to
@@ -132,7 +133,8 @@ def parallelize(
     the runtime cannot run as planned is refused with the fix. The model itself is left as it
     was: train the returned module's parameters.
     """
-    options = Options.of(options, **option_kwargs)
+    # time_limit_s bounds the whole call from here (autopar.ir.deadline)
+    options = Options.of(options, **option_kwargs).with_deadline()
     if isinstance(mesh, int) and not isinstance(mesh, bool):
         if plan is not None:
             raise PlanError("plan= fixes the mesh it was made for: give that mesh, not a "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autopar.cli.progress import plan_progress
 from autopar.cli.options import (
     UsageError,
     add_memory_options,
@@ -100,7 +101,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return plan_for_devices(args)
     mesh = Mesh.parse(args.mesh or "dp=8", args.device)
     check_batch(mesh, args.batch)
-    options = options_from_args(args, workers=default_workers())
+    progress = plan_progress(args.time_limit, force=args.progress)
+    options = options_from_args(args, workers=default_workers()).with_deadline(progress)
     loaded = load_model(args.model, args.batch, args.seq)
     pp = pipeline_axis(mesh)
     if pp is None and (args.schedule or args.microbatches or args.virtual):
@@ -112,6 +114,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     planner = make_plan if pp is None else plan_pipeline
     planned = planner(loaded.model, mesh, loaded.inputs, loaded.kwargs, options=options,
                       references=refs, model_name=loaded.name)
+    if progress is not None:
+        progress.close()
     return _report(planned, args)
 
 
@@ -127,13 +131,16 @@ def plan_for_devices(args: argparse.Namespace) -> int:
     if args.schedule or args.microbatches or args.virtual or args.compare:
         raise UsageError("--devices picks the mesh shape itself: drop --schedule, "
                          "--microbatches, --virtual and --compare, or give --mesh")
-    options = options_from_args(args, workers=1)
+    progress = plan_progress(args.time_limit, force=args.progress)
+    options = options_from_args(args, workers=1).with_deadline(progress)
     loaded = load_model(args.model, args.batch, args.seq)
     # each shape with the search's short solver limit, the shapes over every core
     results = search_shapes(loaded.model, args.devices, loaded.inputs, loaded.kwargs,
                             args.device,
                             options.replace(time_limit_s=QUICK_S, workers=default_workers()),
                             model_name=loaded.name)
+    if progress is not None:
+        progress.close()
     fitting = [r for r in results if r.fits]
     print(f"mesh shapes of {args.devices} devices ({args.device}), {len(results)} planned; "
           f"{len(fitting)} fit:")
@@ -211,7 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--timeline", metavar="FILE",
                     help="also write the predicted timeline of one step as a Chrome/Perfetto "
                     "trace (JSON) to this path")
-    pl.add_argument("--time-limit", type=float, default=30.0, help="solver time limit, seconds")
+    pl.add_argument("--time-limit", type=float, default=30.0,
+                    help="seconds the whole planning may take (every mode, reference, pipeline "
+                    "and mesh-shape search); at the limit the best plan so far is kept "
+                    "(default 30)")
+    pl.add_argument("--progress", action="store_true",
+                    help="show the planner's progress on stderr even when it is not a "
+                    "terminal (on a terminal it shows after 2 s)")
     pl.add_argument("--trace-layers", type=int, default=4, metavar="N",
                     help="trace a deeper model as a proxy of N of its layers, the middle ones "
                     "weighted to stand for the rest (default 4; 0 traces every layer)")

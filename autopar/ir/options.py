@@ -130,15 +130,21 @@ class PrecisionOptions:
 
 @dataclass(frozen=True, slots=True)
 class SearchOptions:
-    """``time_limit_s``: the solver's limit per solve, seconds. ``min_gain``: the solver's own
-    plan replaces the best reference layout only when predicted at least this fraction
-    faster. ``workers``: forked processes reference layouts (and mesh shapes) are planned on.
-    ``max_layers``: trace a deeper model as a proxy of that many layers (None: every one)."""
+    """``time_limit_s``: seconds the whole planning call may take (every mode, reference
+    layout, memory fit, pipeline and mesh-shape search; tracing included); at the limit the
+    best plan found so far is returned and its provenance says the limit cut the search.
+    ``min_gain``: the solver's own plan replaces the best reference layout only when
+    predicted at least this fraction faster. ``workers``: forked processes reference layouts
+    (and mesh shapes) are planned on. ``max_layers``: trace a deeper model as a proxy of that
+    many layers (None: every one). ``deadline``: the running call's
+    :class:`~autopar.ir.deadline.Deadline` (set by the planner where the call starts; not an
+    option a user gives, and not compared)."""
 
     time_limit_s: float = TIME_LIMIT_S
     min_gain: float = MIN_GAIN
     workers: int = 1
     max_layers: int | None = None
+    deadline: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         t = self.time_limit_s
@@ -238,6 +244,18 @@ class Options:
     def flat(self) -> dict[str, Any]:
         """The flat keywords: ``Options.of(**o.flat()) == o``."""
         return {name: getattr(getattr(self, g), f) for name, (g, f) in FLAT.items()}
+
+    def with_deadline(self, progress: Any = None) -> Options:
+        """These options with a :class:`~autopar.ir.deadline.Deadline` of ``time_limit_s``
+        starting now, where they carry none yet (a planning call's entry point calls this;
+        a call inside another keeps the outer one's). ``progress``: the deadline's display
+        (see :mod:`autopar.ir.deadline`)."""
+        if self.search.deadline is not None:
+            return self
+        from autopar.ir.deadline import Deadline
+
+        dl = Deadline(self.search.time_limit_s, progress)
+        return _replace(self, search=_replace(self.search, deadline=dl))
 
     def resolved_precision(self, device: Any) -> Precision:
         """The plan's precision on ``device`` (its default where none was asked)."""

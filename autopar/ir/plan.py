@@ -204,6 +204,11 @@ class SolverInfo:
     nodes: int = 0
     shared_layers: int = 0
     objective: float = 0.0
+    # the whole planning call's time limit, and what it cut short ("": the search ran to its
+    # end; autopar.ir.deadline); the solver's lower bound on the objective where it has one
+    time_limit_s: float | None = None
+    limit_cut: str = ""
+    lower_bound: float | None = None
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ def plan_pipeline(
                                 options=Options.of(schedule="1F1B", microbatches=8))
         planned.plan.decided.pipeline.stages
     """
-    options = options if options is not None else Options()
+    options = (options if options is not None else Options()).with_deadline()  # the call's
     fixed = options.pipeline
     t0 = time.perf_counter()
     axis = pipeline_axis(mesh)

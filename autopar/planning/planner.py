@@ -18,6 +18,7 @@ import numpy as np
 import torch.nn as nn
 
 from autopar.capture.joint import capture
+from autopar.ir.deadline import MIN_SOLVE_S, Deadline
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
@@ -137,11 +138,14 @@ def make_plan(
                             options=Options.of(memory_budget=40 * 2**30, recompute="full"))
         print(plan_table(planned.plan))
     """
-    options = options if options is not None else Options()
+    # the whole call's time limit starts now (or is the calling search's: autopar.ir.deadline)
+    options = (options if options is not None else Options()).with_deadline()
     mem, search = options.memory, options.search
+    dl = search.deadline
     limit, limit_source = memory_limit(mem.budget, mesh.device)
     t0 = time.perf_counter()
     if graph is None:
+        dl.phase("tracing")
         graph = capture(model, example_inputs, example_kwargs, loss_fn,
                         max_layers=search.max_layers,
                         precision=options.resolved_precision(mesh.device))
@@ -158,8 +162,16 @@ def make_plan(
     # offload offered from the start?
     stored = "none" if mem.offload == "auto" else mem.offload
 
-    def run(mode: Mode, own: bool) -> _ModeRun:
-        runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), search, own,
+    def run(mode: Mode, own: bool, of: int = 1) -> _ModeRun:
+        """Plan ``mode``, the first of ``of`` modes still to plan: each gets its share of
+        the time left (the first mode solved could otherwise spend the whole limit, and a
+        later one, the only one that fits, get nothing)."""
+        dl.phase(f"planning mode {mode.label}")
+        # past the deadline with nothing that fits, each mode still gets MIN_MODE_S
+        dl.floor = MIN_SOLVE_S if any(r.fits for r in runs.values()) else MIN_MODE_S
+        share = replace(search, time_limit_s=min(search.time_limit_s,
+                                                 max(MIN_MODE_S, dl.left() / of)))
+        runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, own,
                                 timings, seed=seeds[0] if seeds else None, offload=stored,
                                 prices_of=next(iter(runs.values())).sp if runs else None)
         return runs[mode]
@@ -174,21 +186,36 @@ def make_plan(
         # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
         free = _plan_mode(pg, mesh, candidates[0], None, {},
                           replace(search, time_limit_s=search.time_limit_s / 2, workers=1),
-                          True, timings)
+                          True, timings, shown=False)
         if free.choice is not None:
             seeds.append(free)
     # recomputation and re-gathering pay only where memory binds: a plan well inside the
-    # limit is the fastest any mode can give (each adds work and frees no better layout)
-    if not first.fits or (limit is not None and first.peak > AUTO_SLACK * limit):
-        for mode in candidates[1:]:
-            run(mode, own=True)
+    # limit is the fastest any mode can give (each adds work and frees no better layout),
+    # unless the limit bound it all the same (the memory fit tightens the problem's limit
+    # below the budget, so a plan bound by it can end well inside: the 3-layer MLP at half
+    # its peak ended at 0.88 of it, and the modes that found a plan 26% faster went untried)
+    inside = first.fits and (limit is None or first.peak <= AUTO_SLACK * limit)
+    if limit is not None and inside:
+        # a sweep from the plan alone, with no limit: a bound plan has a cheaper move
+        inside = _limit_not_binding(first, dl.cap(search.time_limit_s / 4), restarts=0)
+    if not inside:
+        # where the plan is also the best without the limit (near it, not bound by it), a
+        # mode that only adds work (recomputes, re-gathers) cannot beat it
+        unbound = first.fits and _limit_not_binding(first, dl.cap(search.time_limit_s / 4))
+        for k, mode in enumerate(candidates[1:]):
+            if unbound and (mode.recompute != "none" or mode.regather):
+                continue
+            if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
+                run(mode, own=True, of=len(candidates) - 1 - k)
     if mem.offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
-        for mode in candidates:
-            run(mode.offloaded(), own=True)
+        for k, mode in enumerate(candidates):
+            if not _out_of_time(dl, runs, f"mode {mode.offloaded().label} not tried"):
+                run(mode.offloaded(), own=True, of=len(candidates) - k)
     for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
-        if mode not in runs:
+        if mode not in runs and not _out_of_time(dl, runs, "references of mode "
+                                                 f"{mode.label} not completed"):
             run(mode, own=False)
     asked = [r for m, r in runs.items() if m.base in candidates]
     fitting = [r for r in asked if r.choice is not None and r.fits]
@@ -196,6 +223,7 @@ def make_plan(
         raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs,
                                        search.time_limit_s))
     best = min(fitting, key=lambda r: r.step_s)
+    dl.close()
     references_cost = {name: c for r in runs.values() for name, c in r.refs.cost.items()}
     timings["total_s"] = time.perf_counter() - t0
     sp, sol = best.sp, best.sol
@@ -205,7 +233,9 @@ def make_plan(
         # the objective at the problem's final prices (a repricing may have changed them)
         SolverInfo(sol.status, round(sol.time_s, 4), best.method, sp.problem.num_nodes,
                    len(sp.nodes), sp.shared_layers,
-                   float(evaluate(sp.problem, sol.assignment)[0])),
+                   float(evaluate(sp.problem, sol.assignment)[0]),
+                   time_limit_s=dl.limit_s, limit_cut=dl.summary(),
+                   lower_bound=sol.lower_bound),
         timings, references_cost, limit, limit_source=limit_source,
         recompute=recompute_record(mem.recompute, best.mode.recompute, best.pg, sp,
                                    best.choice, _unrecomputed(pg, mesh, best.mode, runs, stored)),
@@ -232,6 +262,32 @@ def make_plan(
                    as_reference)
 
 
+def _out_of_time(dl: Deadline, runs: dict[Mode, _ModeRun], what: str) -> bool:
+    """Whether the deadline has passed and a plan that fits is at hand (then ``what`` is
+    skipped and the cut noted); with no such plan yet the search goes on."""
+    if not dl.expired() or not any(r.fits for r in runs.values()):
+        return False
+    dl.cut(what)
+    return True
+
+
+def _limit_not_binding(run: _ModeRun, time_limit_s: float, restarts: int = 16) -> bool:
+    """Whether ``run``'s plan is as cheap as the axis sweeps find without the memory limit
+    (from it and from their usual starts): then the limit does not bind it. Recomputing and
+    re-gathering add work to every layout, so no such mode beats a plan the limit did not
+    bind: trying each cost a whole solve, at a budget just above the plan's peak (the
+    benchmark's 1.0) all of them."""
+    sp, sol = run.sp, run.sol
+    if sol is None or not sol.feasible or sp.problem is None:
+        return False
+    p = _with_limit(sp.problem, None)
+    own = float(evaluate(p, sol.assignment)[0])
+    free = solve_axiswise(sp, p, time_limit_s, [sol.assignment], restarts=restarts)
+    return free is not None and free.cost >= own * (1 - 1e-9)
+
+
+# a mode's share of the time left is never below this (a solve returns its start at worst)
+MIN_MODE_S = 1.0
 # a plan in mode "none" whose peak is under this fraction of the limit is kept without trying
 # recomputation (the memory constraint did not bind it)
 AUTO_SLACK = 0.9
@@ -267,13 +323,17 @@ def _unrecomputed(pg: PlanGraph, mesh: Mesh, mode: Mode, runs: dict[Mode, _ModeR
 def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                references: dict[str, Any], search: SearchOptions, own: bool,
                timings: dict[str, float], seed: _ModeRun | None = None,
-               offload: str = "none", prices_of: ShardingProblem | None = None) -> _ModeRun:
+               offload: str = "none", prices_of: ShardingProblem | None = None,
+               shown: bool = True) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode, within ``search``'s
     time limit, margin and workers. ``seed``: another mode's plan, a start for the solver
     (its placements, each copy as its original). ``offload``: whether parameters may keep
-    their optimizer state on the host (:func:`autopar.passes.problem.sharding_problem.build`)."""
+    their optimizer state on the host (:func:`autopar.passes.problem.sharding_problem.build`).
+    ``shown``: a plan that fits is shown as the best so far (not the no-limit plan that only
+    seeds the other modes)."""
     time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
+    dl = search.deadline if search.deadline is not None else Deadline(time_limit_s)
     mpg = mode_graph(pg, mode)
     t1 = time.perf_counter()
     sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=mode.whole_grads,
@@ -281,7 +341,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
-    refs = _References.score(sp, mpg, references, time_limit_s, limit, workers)
+    refs = _References.score(sp, mpg, references, dl.cap(time_limit_s), limit, workers)
     timings["references_s"] += time.perf_counter() - t_refs
     out = _ModeRun(mode, mpg, sp, refs)
     if not own:
@@ -302,8 +362,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     carried = _carried_choice(sp, seed) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     # a mode seeded with another's plan has that plan to fall back on: half the time
-    sol = _solve_within_budget(sp, limit, time_limit_s / 2 if seeds else time_limit_s, hint,
-                               seeds)
+    sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
+                               hint, seeds, dl)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
@@ -316,17 +376,21 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     # what the benchmarks run as that layout, and a near-empty bucket priced as a full one's
     # member would leave it an extra collective.
     for _ in range(REPRICE_ROUNDS):
+        if dl.expired():
+            dl.cut("gradient buckets not repriced")
+            break
         if not (bucket_fill.reprice(sp, choice, limit)
                 or any(bucket_fill.reprice(sp, c, limit) for c in refs.choices.values())):
             break
         t3 = time.perf_counter()
-        again = _solve_within_budget(sp, limit, max(1.0, time_limit_s / 4),
-                                     tuple(sol.assignment))
+        again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
+                                     tuple(sol.assignment), deadline=dl, again=True)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
         # or as before (one plan's fills, priced on all, may misguide a reference's)
-        again_refs = _References.score(sp, mpg, references, time_limit_s, limit, workers)
+        again_refs = _References.score(sp, mpg, references, dl.cap(time_limit_s), limit,
+                                       workers)
         refs = refs.rescored(sp, limit).better(again_refs, limit)
         timings["references_s"] += time.perf_counter() - t4
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
@@ -334,6 +398,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     out.refs, out.sol, out.choice, out.method = refs, sol, choice, method
     out.step_s, out.peak, out.fits = scored.step_s, scored.mem_bytes, _fits(scored.mem_bytes,
                                                                              limit)
+    if out.fits and shown:
+        dl.found(out.step_s)
     return out
 
 
@@ -478,7 +544,7 @@ def _fits(mem_bytes: float, budget: float | None) -> bool:
 
 def planner_solve(
     sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
-    domains: list[np.ndarray] | None = None, local_polish: bool = False,
+    domains: list[np.ndarray] | None = None, local_polish: bool | str = False,
 ) -> Solution:
     """Axis-by-axis exact sweeps from several starts, then the general solver from the best
     point for what is left of a short polishing budget; the better answer wins.
@@ -489,12 +555,14 @@ def planner_solve(
     plan_quality's 316 polishes, 61 were improved by those local moves and 9 more by CP-SAT:
     7 where the sweep's steps were too wide to eliminate (Mixtral on a 1-D mesh; the exact
     polish still runs there) and 2 on one gpt2-xl 8x8 completion of fsdp, not the best
-    reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s."""
+    reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s.
+    ``local_polish="always"``: the local moves alone polish, exact sweep or not."""
     t0 = time.perf_counter()
     best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains)
     if best is not None and best.status == "optimal":
         return best
-    if local_polish and best is not None and best.feasible and sweep_was_exact(best):
+    if (local_polish and best is not None and best.feasible
+            and (sweep_was_exact(best) or local_polish == "always")):
         other = solve(problem, timeout_s=LOCAL_POLISH_S, hint=best.assignment,
                       method="heuristic")
         return other if other.feasible and other.cost < best.cost else best
@@ -515,6 +583,7 @@ def planner_solve(
 def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
+    deadline: Deadline | None = None, again: bool = False,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -532,26 +601,45 @@ def _solve_within_budget(
     hints = ([hint] if hint is not None else []) + (more_hints or [])
     if budget is not None:
         hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
-    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0)
+    # a solve again from a plan (a repricing's) polishes under a memory limit as a retry does
+    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
+                           local_polish=again and budget is not None)
     if budget is None or not sol.feasible:
         return sol
+    # each instant constrained so far: its problem at the budget (what sp.problem becomes
+    # when it binds) and as tightened. Switching to the instant that binds now forgot what
+    # the earlier ones had learnt, and the solution swung back to one constrained before,
+    # round after round (a 2-layer attention LM at half its peak swung between two instants
+    # until the rounds ran out); a tightened limit now stays with its instant
+    at_budget = {sp.peak_time: problem}
+    tight = {sp.peak_time: problem}
     for _ in range(4):
+        if deadline is not None and deadline.expired():
+            deadline.cut("the memory fit's rounds")
+            return sol
         choice = sp.expand(sol.assignment)
         # the whole step's peak, as the plan reports it (reshard copies, gathers included)
         peak, instant = peak_memory(*step_usage(sp, choice))
         if _fits(peak, budget):
             return sol
-        if instant != sp.peak_time:  # the problem constrains the instant that binds now
+        if instant not in tight:  # the problem constrains the instant that binds now
             sp.peak_time = instant
-            sp.problem = problem = reduced_problem(sp, budget)
+            at_budget[instant] = tight[instant] = reduced_problem(sp, budget)
         else:
-            limit = (problem.usage_limit or budget) - (peak - budget) * 1.05
-            problem = _with_limit(problem, limit)
+            # below what this solution uses there, by the overshoot: the retry cannot return
+            # it again (tightening the limit alone left a solution that used less than the
+            # limit in place, round after round)
+            p_t = tight[instant]
+            used = evaluate(p_t, sol.assignment)[2]
+            tight[instant] = _with_limit(p_t, min(p_t.usage_limit or budget, used)
+                                         - (peak - budget) * 1.05)
+        sp.peak_time, sp.problem, problem = instant, at_budget[instant], tight[instant]
         # a retry starts from a solution that nearly fits: a quarter of the time is plenty
         # (a whole budget let the general solver search 16 s for llama3-405b's full mode)
-        retry = _solve_or_search(sp, problem, max(1.0, time_limit_s / 4),
+        retry_s = max(1.0, time_limit_s / 4)
+        retry = _solve_or_search(sp, problem, deadline.cap(retry_s) if deadline else retry_s,
                                  [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
-                                 time.perf_counter())
+                                 time.perf_counter(), local_polish=True)
         if not retry.feasible:
             return retry
         sol = retry
@@ -559,8 +647,14 @@ def _solve_within_budget(
 
 
 def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
-                     hints: list, t0: float) -> Solution:
-    sol = planner_solve(sp, problem, time_limit_s, hints or None)
+                     hints: list, t0: float, local_polish: bool = False) -> Solution:
+    """:func:`planner_solve`, then, where it found nothing that fits a memory limit, the
+    general solver for the time left. ``local_polish``: a memory fit's retry, which starts
+    from a solution that nearly fits, is polished by local moves, not CP-SAT (under a memory
+    limit CP-SAT rarely proves anything on the planner's problems and spends its whole polish
+    budget, round after round: 2 s a round on a 20-variable MLP)."""
+    sol = planner_solve(sp, problem, time_limit_s, hints or None,
+                        local_polish="always" if local_polish else False)
     left = time_limit_s - (time.perf_counter() - t0)
     if sol.feasible or problem.usage_limit is None or left < 1.0:
         return sol
@@ -569,7 +663,7 @@ def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
     return other if other.feasible else sol
 
 
-def _with_limit(p: Problem, limit: float) -> Problem:
+def _with_limit(p: Problem, limit: float | None) -> Problem:
     return Problem(p.costs, p.usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
 
 

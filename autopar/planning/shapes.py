@@ -106,7 +106,7 @@ def search_shapes(
     ``options`` go to the planners as they are; None: :data:`SEARCH_OPTIONS` (a short solver
     limit, 4 traced layers). ``search.workers`` is the processes the shapes fan out to (each
     shape's own planning then runs on one)."""
-    options = options if options is not None else SEARCH_OPTIONS
+    options = (options if options is not None else SEARCH_OPTIONS).with_deadline()
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
     cache: dict = {}

@@ -82,6 +82,8 @@ def plan_table(plan: Plan, max_params: int = 40) -> str:
         "recompute: " + recompute_line(plan),
         "parameter state: " + param_state_line(plan),
     ]
+    if s.limit_cut:
+        lines.insert(3, f"time limit: {s.limit_cut}")
     if plan.provenance.timings:
         t = plan.provenance.timings
         lines.append(

@@ -12,6 +12,8 @@ memory profile, and takes the best one that fits.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from autopar.solver._unionfind import UnionFind
@@ -88,6 +90,37 @@ class Groups:
     def move_units(self, ls, nodes: list[int]) -> float:
         """Best joint re-choice of the units (groups or single nodes) of one or two ``nodes``,
         e.g. both ends of an expensive edge; returns the cost decrease (0 if none)."""
+        scored = self.score_units(ls, nodes)
+        if scored is None:
+            return 0.0
+        where, total, cur = scored
+        a = ls.a
+        shape = total.shape
+        flat = np.argsort(total, axis=None)
+        for f in flat[:12].tolist():
+            s = np.unravel_index(f, shape)
+            if not total[s] < cur - 1e-9 * max(1.0, abs(cur)):
+                return 0.0
+            prev = {i: int(a[i]) for i in where}
+            self.apply(ls, where, s)
+            if ls.fits():
+                return cur - float(total[s])
+            for i, s0 in prev.items():
+                ls.set(i, s0)
+        return 0.0
+
+    @staticmethod
+    def apply(ls, where: dict[int, np.ndarray], s: tuple) -> None:
+        """Set every member of the scored units to its strategy under grid choice ``s``."""
+        for i, wi in where.items():
+            ls.set(i, int(wi[min(s[0], wi.shape[0] - 1), min(s[1], wi.shape[1] - 1)]))
+
+    def score_units(
+        self, ls, nodes: list[int]
+    ) -> tuple[dict[int, np.ndarray], np.ndarray, float] | None:
+        """Every joint choice of the units of one or two ``nodes``, scored against the fixed
+        rest: ``(member -> its strategy on the (k1, k2) grid, total cost on the grid with inf
+        where inconsistent, current cost)``, or None when the units have one valid choice."""
         q, a = ls.q, ls.a
         units = [self.maps(ls, nodes[0])]
         if len(nodes) > 1:
@@ -105,7 +138,7 @@ class Groups:
             for i, mp in maps.items():
                 where[i] = np.maximum(mp, 0).reshape(sh)
         if valid.sum() <= 1:
-            return 0.0
+            return None
         total = np.zeros(shape)
         cur = 0.0
         edges_seen = set()
@@ -120,17 +153,14 @@ class Groups:
                 m = q.edge_costs[e]
                 cur += m[a[u], a[v]]
                 total = total + m[where.get(u, a[u]), where.get(v, a[v])]
-        total = np.where(valid, total, np.inf)
-        flat = np.argsort(total, axis=None)
-        for f in flat[:12].tolist():
-            s = np.unravel_index(f, shape)
-            if not total[s] < cur - 1e-9 * max(1.0, abs(cur)):
-                return 0.0
-            prev = {i: int(a[i]) for i in where}
-            for i, wi in where.items():
-                ls.set(i, int(wi[min(s[0], wi.shape[0] - 1), min(s[1], wi.shape[1] - 1)]))
-            if ls.fits():
-                return cur - float(total[s])
-            for i, s0 in prev.items():
-                ls.set(i, s0)
-        return 0.0
+        return where, np.where(valid, total, np.inf), cur
+
+
+def group_pass(ls, deadline: float) -> int:
+    """Try every rigid group of ``ls`` once, in random order; returns how many moved."""
+    moved = 0
+    for g in ls.rng.permutation(len(ls.groups.members)).tolist():
+        if time.monotonic() > deadline:
+            break
+        moved += ls.groups.move(ls, g) > 0
+    return moved

@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 import numpy as np
 
-from autopar.solver import ilp
-from autopar.solver.groups import Groups
+from autopar.solver import ilp, lagrange
+from autopar.solver.groups import Groups, group_pass
 from autopar.solver.problem import Problem, evaluate, fits, usage_profile
-from autopar.solver.treedp import tree_move
+from autopar.solver.treedp import TREE_SIZE, tree_move
 
 # Inside the heuristic, forbidden costs (1e18 in the contest files) are lowered to this so
 # sums keep the precision of the ordinary costs; it still outweighs any real plan.
 _PENALTY = 1e15
-_TREE_SIZE = 20_000
 _GROUP_CAP = 3_000  # a neighbourhood may exceed its size by this much to take a whole group
 
 
@@ -142,13 +142,16 @@ class LocalSearch:
                     if nd.any():
                         dom[j] = nd
 
-    def sweep(self) -> int:
-        """One pass of best single-node moves, in random order; returns how many changed."""
+    def sweep(self, deadline: float | None = None) -> int:
+        """One pass of best single-node moves, in random order, stopping at ``deadline``;
+        returns how many changed."""
         moved = 0
         n = self.q.num_nodes
-        for i in self.rng.permutation(n).tolist():
+        for k, i in enumerate(self.rng.permutation(n).tolist()):
             if len(self.q.costs[i]) == 1:
                 continue
+            if deadline is not None and k % 256 == 0 and time.monotonic() > deadline:
+                break
             c = self.local(i)
             c[~self.allowed(i)] = np.inf
             s = int(np.argmin(c))
@@ -288,14 +291,10 @@ class LocalSearch:
         return after < before, st == ilp.cp_model.OPTIMAL, len(free)
 
 
-def group_pass(ls: LocalSearch, deadline: float) -> int:
-    """Try every rigid group once, in random order; returns how many moved."""
-    moved = 0
-    for g in ls.rng.permutation(len(ls.groups.members)).tolist():
-        if time.monotonic() > deadline:
-            break
-        moved += ls.groups.move(ls, g) > 0
-    return moved
+class HeuristicResult(NamedTuple):
+    assignment: np.ndarray
+    optimal: bool  # only when one neighbourhood spanned every free node
+    lower_bound: float  # -inf where none was proven
 
 
 def run_heuristic(
@@ -306,9 +305,12 @@ def run_heuristic(
     hint: np.ndarray | None = None,
     log: bool = False,
     forbid: float = ilp.FORBIDDEN,
-) -> tuple[np.ndarray, bool]:
-    """Best assignment of ``q`` found by ``deadline`` (a ``time.monotonic()`` value), and
-    whether it is proven optimal (only when one neighbourhood spans every free node)."""
+    lagrange_share: float = 0.0,
+) -> HeuristicResult:
+    """Best assignment of ``q`` found by ``deadline`` (a ``time.monotonic()`` value).
+
+    Under a usage limit, ``lagrange_share`` of the time left after the greedy start goes to
+    Lagrangian rounds (``lagrange.py``) before the feasible local search and LNS."""
     ls = LocalSearch(q, seed, forbid)
     if hint is not None:
         h = np.asarray(hint, dtype=np.int64)
@@ -327,10 +329,14 @@ def run_heuristic(
     if not whole and time.monotonic() < deadline:
         ls.groups = Groups(ls)
         group_pass(ls, deadline)
+    bound = -math.inf
+    if ls.limit is not None and lagrange_share > 0 and not whole:
+        until = time.monotonic() + lagrange_share * max(0.0, deadline - time.monotonic())
+        bound = lagrange.search(ls, until, log=log)
     while len(ls.free_nodes) and time.monotonic() < deadline - 0.5:
         if not whole and tree_fails < 25:
             # cheap exact moves on big induced trees first; they stall after a while
-            gain = tree_move(ls, ls.pick_seed(), _TREE_SIZE, safe=tree_its % 2 == 0)
+            gain = tree_move(ls, ls.pick_seed(), TREE_SIZE, safe=tree_its % 2 == 0)
             tree_its += 1
             tree_fails = 0 if gain > 0 else tree_fails + 1
             if tree_its % 25 == 0:
@@ -354,9 +360,9 @@ def run_heuristic(
             if it % 10 == 0:
                 group_pass(ls, deadline)
         if optimal and got == len(ls.free_nodes):
-            return ls.a.copy(), True  # the neighbourhood was the whole problem
+            return HeuristicResult(ls.a.copy(), True, -math.inf)  # the whole problem
         # grow neighbourhoods while CP-SAT proves them quickly, shrink when it cannot
         size = min(2000, int(size * 1.1) + 1) if optimal else max(20, int(size * 0.8))
         if log and it % 10 == 0:
             print(f"  lns it={it} size={size} trees={tree_its} cost={ls.cost():.6g}", flush=True)
-    return ls.a.copy(), len(ls.free_nodes) == 0
+    return HeuristicResult(ls.a.copy(), len(ls.free_nodes) == 0, bound)

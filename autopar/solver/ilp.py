@@ -81,6 +81,16 @@ if not TYPE_CHECKING:
 _OBJ_MAX = 2.0**48
 
 
+class OutOfTime(Exception):
+    """``build`` passed its deadline (a whole contest model takes tens of seconds to build
+    on a loaded machine); the caller keeps the answer it has."""
+
+
+def _check(deadline: float | None, k: int) -> None:
+    if deadline is not None and k % 128 == 0 and time.monotonic() > deadline:
+        raise OutOfTime
+
+
 def memory_rows(q: Problem, free: np.ndarray, cap: np.ndarray) -> list[tuple[np.ndarray, float]]:
     """Memory rows ``(free nodes live in segment, extra capacity)`` for ``free`` nodes.
 
@@ -156,6 +166,7 @@ def build(
     edges_of: list[list[tuple[int, int]]] | None = None,
     forbid: float = FORBIDDEN,
     lex: bool = False,
+    deadline: float | None = None,
 ) -> SubModel:
     """Build the model; ``cap`` is the capacity profile (see ``memory_rows``) or None.
 
@@ -218,7 +229,8 @@ def build(
                 if w:
                     obj.append(x)
                     coefs.append(w)
-    pairs = _add_edges(m, xu, unit_e, weight, obj, coefs, forbid, lex)
+    _check(deadline, 0)
+    pairs = _add_edges(m, xu, unit_e, weight, obj, coefs, forbid, lex, deadline)
     xs: list[list] = []
     for k, c in enumerate(node_c):
         row: list = [None] * len(c)
@@ -227,7 +239,8 @@ def build(
                 row[int(units.maps[k][t])] = x
         xs.append(row)
     if cap is not None:
-        _add_memory(m, q, free, xs, memory_rows(q, free, cap))
+        _check(deadline, 0)
+        _add_memory(m, q, free, xs, memory_rows(q, free, cap), deadline)
     m.Minimize(cp_model.LinearExpr.WeightedSum(obj, coefs))
     return SubModel(m, free, xs, scale, offset, pairs)
 
@@ -244,9 +257,10 @@ def _add_nodes(m: cp_model.CpModel, node_c: list[np.ndarray], forbid: float, lex
     return xs
 
 
-def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> list[tuple]:
+def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex, deadline=None) -> list[tuple]:
     pairs_out: list[tuple] = []
-    for a, b, mat in inner:
+    for k, (a, b, mat) in enumerate(inner):
+        _check(deadline, k)
         xa, xb = xs[a], xs[b]
         ok = mat < forbid
         if lex or not ok.any():
@@ -272,7 +286,7 @@ def _add_edges(m, xs, inner, weight, obj, coefs, forbid, lex) -> list[tuple]:
     return pairs_out
 
 
-def _add_memory(m, q: Problem, free, xs, rows) -> None:
+def _add_memory(m, q: Problem, free, xs, rows, deadline=None) -> None:
     if not rows:
         return
     allu = np.concatenate([q.usages[i] - q.usages[i].min() for i in free])
@@ -299,7 +313,8 @@ def _add_memory(m, q: Problem, free, xs, rows) -> None:
     vec = np.zeros(len(flat), dtype=np.int64)
     prev = np.zeros(0, dtype=np.int64)
     on = np.zeros(q.num_nodes, dtype=bool)  # the previous row's nodes
-    for nodes, capk in rows:
+    for k, (nodes, capk) in enumerate(rows):
+        _check(deadline, k)
         if capk < 0:
             m.AddBoolOr([])  # nothing fits: infeasible
             return

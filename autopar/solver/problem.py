@@ -112,8 +112,8 @@ def _build_index(p: Problem) -> _Index:
             raise ProblemError(f"node {i}: needs at least one strategy (got costs shape {c.shape})")
         if u.shape != c.shape:
             raise ProblemError(f"node {i}: {len(c)} costs but {len(u)} usages")
-    cost_flat = np.concatenate(p.costs).astype(np.float64) if n else np.zeros(0)
-    usage_flat = np.concatenate(p.usages).astype(np.float64) if n else np.zeros(0)
+    cost_flat = np.concatenate(p.costs).astype(np.float64, copy=False) if n else np.zeros(0)
+    usage_flat = np.concatenate(p.usages).astype(np.float64, copy=False) if n else np.zeros(0)
     if not np.all(np.isfinite(cost_flat)) or not np.all(np.isfinite(usage_flat)):
         raise ProblemError("node costs and usages must be finite numbers")
     if np.any(usage_flat < 0):
@@ -132,7 +132,7 @@ def _build_index(p: Problem) -> _Index:
                 f"edge {e} {tuple(ed[e])}: cost matrix shape {mat.shape}, expected {want}"
             )
     edge_flat = (
-        np.concatenate([mat.ravel() for mat in p.edge_costs]).astype(np.float64)
+        np.concatenate([mat.ravel() for mat in p.edge_costs]).astype(np.float64, copy=False)
         if m
         else np.zeros(0)
     )

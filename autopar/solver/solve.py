@@ -19,6 +19,9 @@ from autopar.solver.reduce import FORBIDDEN, Reduction, presolve
 # runs LNS only. Contest instance A contracts to 48k (from 2M), S to 2.8M.
 _EXACT_MAX_VARS = 150_000
 METHODS = ("auto", "ilp", "heuristic")
+# Under a binding usage limit, this share of a large problem's search goes to Lagrangian
+# rounds (relax, repair, polish: ``lagrange.py``) before the feasible LNS takes over.
+LAGRANGE_SHARE = 0.4
 
 
 def _model_size(q: Problem, forbid: float) -> int:
@@ -70,13 +73,16 @@ def solve(
         lns_deadline = time.monotonic() + min(10.0, 0.1 * timeout_s)
     else:
         lns_deadline = deadline - min(1.0, 0.02 * timeout_s)
-    a, optimal = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid)
+    a, optimal, bound = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid,
+                                      lagrange_share=0.0 if small else LAGRANGE_SHARE)
     best = _finish(problem, red, a, "optimal" if optimal else "feasible", t0, f"{method}/lns")
+    if best.feasible and best.status != "optimal" and math.isfinite(bound) and not soft:
+        best = replace(best, lower_bound=min(bound, best.cost))
     if small and not optimal and time.monotonic() < deadline - 0.5:
         best = _exact(problem, red, a, best, forbid, deadline, workers, seed, t0)
     if soft and best.status == "optimal":
         best = replace(best, status="feasible")  # forbidden costs were not pruned: nothing proven
-    return best
+    return replace(best, time_s=time.monotonic() - t0)  # the whole call, not when it was found
 
 
 def _exact(
@@ -93,10 +99,16 @@ def _exact(
     """CP-SAT on the whole presolved problem (rigid groups contracted), warm-started."""
     q = red.problem
     free = np.nonzero(q.index.n_strat > 1)[0]
-    sm = ilp.build(q, free, a, ilp.capacity_profile(q, free, a), forbid=forbid)
+    try:  # building must leave CP-SAT a second at least, or it is not worth it
+        sm = ilp.build(q, free, a, ilp.capacity_profile(q, free, a), forbid=forbid,
+                       deadline=deadline - 1.5)
+    except ilp.OutOfTime:
+        return best
     # a hint that uses a forbidden pair misleads CP-SAT more than no hint at all
     hint = a if best.feasible and best.cost < FORBIDDEN else None
-    left = deadline - time.monotonic() - 0.3
+    left = deadline - time.monotonic()
+    # CP-SAT stops up to a second past its limit on a loaded machine (0.85 s at 10 s seen)
+    left -= 0.3 + min(2.5, 0.08 * left)
     if left <= 0.05:
         return best
     st, sub, bound = ilp.solve_sub(sm, left, workers, seed, hint, whole=True)

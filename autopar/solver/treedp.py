@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+TREE_SIZE = 20_000  # nodes in one induced tree at most
+
 
 def grow_tree(ls, root: int, size: int) -> tuple[list[int], list[int], list[int]]:
     """(nodes in BFS order, parent of each, edge to the parent) of an induced tree."""

@@ -180,3 +180,22 @@ def test_a_hint_sets_every_variable_pair_variables_included() -> None:
     assert sum(hinted[y.Index()] for y, _, _ in sm.pairs) == n - 1  # one pair per edge
     assert st == ilp.cp_model.OPTIMAL and sub is not None
     assert evaluate(p, sub)[0] == brute_force(p)
+
+
+def test_build_stops_at_its_deadline() -> None:
+    """A whole contest model takes tens of seconds to build on a loaded machine: past its
+    deadline ``build`` raises OutOfTime (``solve`` then keeps its heuristic answer)."""
+    import time
+
+    import pytest
+
+    from autopar.solver import ilp
+
+    p = make_problem([[1, 2], [3, 1]], [[1, 2], [2, 1]], [(0, 2), (1, 3)], [(0, 1)],
+                     [[0, 5, 5, 0]], usage_limit=3)
+    free = np.arange(2)
+    base = np.zeros(2, dtype=np.int64)
+    cap = ilp.capacity_profile(p, free, base)
+    with pytest.raises(ilp.OutOfTime):
+        ilp.build(p, free, base, cap, deadline=time.monotonic() - 1.0)
+    assert ilp.build(p, free, base, cap, deadline=time.monotonic() + 60.0) is not None

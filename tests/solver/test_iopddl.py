@@ -125,9 +125,27 @@ def test_command_solves_and_writes(tmp_path: Path, capsys: pytest.CaptureFixture
     p = random_problem(7, n=12)
     write_problem(p, tmp_path / "p.json.gz")
     out = tmp_path / "sol.json"
-    rc = main(["solve", str(tmp_path / "p.json.gz"), "--timeout", "10", "--out", str(out)])
+    rc = main(["solve", str(tmp_path / "p.json.gz"), "--time-limit", "10", "--clock", "command", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0 and "12 nodes" in text and "status    optimal" in text
     sol = json.loads(out.read_text())
     assert len(sol["solution"]) == 12
     assert evaluate(p, sol["solution"])[0] == pytest.approx(sol["cost"])
+
+
+def test_command_counts_reading_and_start_up_against_the_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """By default the limit is the process's wall time: a process older than the limit has
+    nothing left to solve with and says so in one line, instead of overrunning."""
+    from autopar.solver.command import process_age_s
+
+    age = process_age_s()
+    assert age > 0
+    p = random_problem(3, n=6)
+    write_problem(p, tmp_path / "p.json")
+    rc = main(["solve", str(tmp_path / "p.json"), "--time-limit", f"{age / 2:.3f}"])
+    captured = capsys.readouterr()
+    assert rc == 2 and "no time left" in captured.err and captured.err.count("\n") == 1
+    rc = main(["solve", str(tmp_path / "p.json"), "--time-limit", f"{age + 5:.3f}"])
+    assert rc == 0 and "s of the limit left to solve" in capsys.readouterr().out
