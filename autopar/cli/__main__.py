@@ -1,5 +1,5 @@
 """``python -m autopar.cli``: the same as the ``autopar`` command."""
 
-from autopar.cli.main import main
+from autopar.cli import main
 
 raise SystemExit(main())

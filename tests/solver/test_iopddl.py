@@ -149,3 +149,26 @@ def test_command_counts_reading_and_start_up_against_the_limit(
     assert rc == 2 and "no time left" in captured.err and captured.err.count("\n") == 1
     rc = main(["solve", str(tmp_path / "p.json"), "--time-limit", f"{age + 5:.3f}"])
     assert rc == 0 and "s of the limit left to solve" in capsys.readouterr().out
+
+
+def test_the_autopar_command_solves_without_importing_torch(tmp_path: Path) -> None:
+    """``autopar solve`` (the command's entry point, with the real ``autopar`` package) never
+    imports torch: its limit counts from the process start, and torch's import is seconds of
+    it. The rest of the command line still loads as before."""
+    import subprocess
+    import sys
+
+    write_problem(random_problem(4, n=8), tmp_path / "p.json")
+    code = (
+        "import sys\n"
+        "from autopar.cli import main\n"
+        f"rc = main(['solve', {str(tmp_path / 'p.json')!r}, '--time-limit', '30',"
+        " '--clock', 'command'])\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert rc == 0 and not loaded, (rc, loaded[:5])\n"
+        "import autopar\n"
+        "assert autopar.Options.__name__ == 'Options' and 'torch' in sys.modules\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
