@@ -100,10 +100,18 @@ def candidate_modes(recompute: str, zero: str) -> list[Mode]:
     return out
 
 
-def reference_mode(recompute: str) -> Mode:
-    """The mode a fixed policy's layout is completed in: full recomputation re-gathers (what
+def reference_mode(recompute: str, zero: str | None = None) -> Mode:
+    """The mode a fixed policy's layout is completed in. ``zero`` pins the ZeRO stage of the
+    parameters the layout stores split: ``"3"`` re-gathers them in the backward (FSDP's
+    reshard after forward), ``"2"`` keeps what the forward gathered, ``"1"`` also all-reduces
+    their gradients whole (a distributed optimizer). None: full recomputation re-gathers (what
     FSDP with per-block activation checkpointing does), the others keep what they gather."""
-    return Mode(recompute, regather=recompute == "full")
+    if zero is None or str(zero) == "auto":
+        return Mode(recompute, regather=recompute == "full")
+    stage = str(zero)
+    if stage not in ("1", "2", "3"):
+        raise PlanError(f"a reference layout's ZeRO stage {zero!r}: use 1, 2, 3 or None")
+    return Mode(recompute, regather=stage == "3", whole_grads=stage == "1")
 
 
 def mode_graph(pg: PlanGraph, mode: Mode | str) -> PlanGraph:

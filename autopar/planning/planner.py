@@ -149,8 +149,8 @@ def make_plan(
     t_trace = time.perf_counter() - t0
     refs_by_mode: dict[Mode, dict[str, Any]] = {}
     for name, ref in (references or {}).items():
-        refs_by_mode.setdefault(reference_mode(getattr(ref, "recompute", "none")),
-                                {})[name] = ref
+        mode = reference_mode(getattr(ref, "recompute", "none"), getattr(ref, "zero", None))
+        refs_by_mode.setdefault(mode, {})[name] = ref
     timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
     runs: dict[Mode, _ModeRun] = {}
 
