@@ -289,7 +289,8 @@ def _plan_stage_programs(model: nn.Module, example_inputs: tuple, layout: Any,
                                        layout.dmesh)
         return plan_stages(job.stages, job.block_path, job.first, job.targets, job.loss_fn,
                            job.mesh, job.tied, asked, time_limit_s,
-                           check=sp.check_stage_plan)
+                           check=sp.check_stage_plan, precision=layout.precision,
+                           recompute=layout.recompute)
 
     plans, inputs = sp.agree(make)
     return sp.PlannedStages(tuple(plans), tuple(inputs))

@@ -42,6 +42,7 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import local_shape, spec_str
 from autopar.ir.plan import Plan
+from autopar.ir.precision import Precision
 from autopar.runtime.parallel_module import ParallelModule, ProgramCall, store_fresh_grads
 
 TARGETS = "targets"  # the keyword input the last stage reads its targets from
@@ -280,10 +281,12 @@ def local_output(program: StageProgram, device: torch.device) -> torch.Tensor:
 
 def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int, int]],
                    local: Sequence[int], dmesh: Any, pp_group: Any, loss_fn: Callable,
-                   device: torch.device, planned: PlannedStages
+                   device: torch.device, planned: PlannedStages,
+                   precision: Precision | None = None, recompute: str = "none"
                    ) -> tuple[dict[int, StageProgram], list, list[Plan]]:
     """This rank's stages as :class:`StageProgram` s on the submesh of ``dmesh``'s axes other
-    than ``pp``, running the plans ``planned`` gives, torch's ``PipelineStage`` over each
+    than ``pp``, running the plans ``planned`` gives (each must compute in ``precision``,
+    None: fp32, and recompute in mode ``recompute``), torch's ``PipelineStage`` over each
     (static shapes: this rank's pieces), and every stage's plan."""
     from torch.distributed.pipelining import PipelineStage
 
@@ -296,12 +299,17 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
         raise PlanError(f"{len(planned.plans)} stage plans for a pipeline of {n_stages} stages: "
                         "give one plan per stage")
     plans, inputs = list(planned.plans), list(planned.inputs)
+    for s, plan in enumerate(plans):
+        _check_modes(s, plan, precision, recompute)
     mods = ps.module_stages(model, block_path, ranges, local)
     programs: dict[int, StageProgram] = {}
     stages = []
     for s in local:
-        graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path)
-        graph = apply_recompute(graph, plans[s].decided.recompute.nodes)  # as the plan was made
+        # traced under the plan's precision (its casts are ops of the program, the parameters
+        # stay fp32 masters) and recomputing what the plan recomputes, as the plan was made
+        graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path,
+                            plans[s].decided.precision)
+        graph = apply_recompute(graph, plans[s].decided.recompute.nodes)
         programs[s] = prog = StageProgram(mods[s], submesh, graph, plans[s])
         # the program's backward is one lowered piece: under a schedule that splits it (ZBV,
         # DualPipeV, InterleavedZeroBubble) the input action runs it whole, as torch does for
@@ -312,6 +320,19 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
                                     output_args=local_output(prog, device), group=pp_group,
                                     dw_builder=_weights_done))
     return programs, stages, plans
+
+
+def _check_modes(s: int, plan: Plan, precision: Precision | None, recompute: str) -> None:
+    """Refuse a stage plan made for another precision or recompute mode than the pipeline
+    runs (its graph would be traced otherwise than it was planned)."""
+    want = precision or Precision()
+    d = plan.decided
+    if d.precision.name != want.name or d.recompute.mode != recompute:
+        raise PlanError(
+            f"stage {s}'s plan computes in {d.precision.name} with recompute "
+            f"{d.recompute.mode!r}, but the pipeline runs {want.name} with recompute "
+            f"{recompute!r}: build it with precision={d.precision.name!r} and "
+            f"recompute={d.recompute.mode!r}, or plan the stages for what it runs")
 
 
 def _weights_done() -> Callable[[], None]:

@@ -277,12 +277,6 @@ def test_what_the_pipeline_runtime_cannot_run_is_refused() -> None:
     _refused(PlanError, r"which pipelines do for autopar's GPT-2 and Llama-3 models only, not "
              r"LlamaForCausalLM: use a mesh of axes \('pp', 'dp'\)", (2, 2), ("pp", "tp"),
              hf=True, schedule="1F1B")
-    # plain stages run bf16 and recomputation (test_pipeline_modes.py); stage programs do not
-    _refused(PlanError, r"the plan computes in bf16 and recomputes activations \(full\), but "
-             r"stages that run their own plan \(its stage mesh has a 'tp' axis\) trace and run "
-             r"in fp32 without recomputation: plan it with precision='fp32' and "
-             r"recompute='none', or use a mesh of axes \('pp', 'dp'\)", (2, 2), ("pp", "tp"),
-             precision="bf16", recompute="full", schedule="1F1B")
     _refused(PlanError, r"the plan computes in fp16, whose dynamic loss scaling pipeline stages "
              r"do not do yet: plan it with precision='bf16'", (2, 2), precision="fp16")
     _refused(PlanError, r"the plan recomputes selectively under ZBVZeroBubble, whose backward "
