@@ -211,6 +211,24 @@ def read_layout(run: dict) -> Layout:
                   _recompute(lay.get("recompute")), _precision(lay.get("precision")), notes)
 
 
+MEGATRON_DROPOUT = 0.1  # Megatron-LM's default --attention-dropout and --hidden-dropout
+
+
+def fused_attention(model: dict, llama: bool) -> bool:
+    """Whether the run's attention is one fused kernel: ``model.attention`` (``"fused"`` or
+    ``"unfused"``) where the file says; otherwise GPT-style models are Megatron-LM's GPT of
+    the schema (Megatron-LM, Megatron-DeepSpeed and metaseq as the SC'21, BLOOM and OPT runs
+    used them), whose attention materializes the scores (fused kernels came to them after
+    FlashAttention, 2022), with Megatron's default dropout of 0.1; Llama-style models run
+    torch's SDPA."""
+    words = str(model.get("attention") or "").lower()
+    if words:
+        if words not in ("fused", "unfused", "flash", "sdpa"):
+            raise NotExpressible(f"model.attention {words!r}: give fused or unfused")
+        return words != "unfused"
+    return llama
+
+
 def build_model(model: dict):
     """The run's model on meta tensors and its example inputs (tokens, targets)."""
     from autopar.models import ModelPreset
@@ -235,7 +253,8 @@ def build_model(model: dict):
             if ffn != 4 * h:
                 raise NotExpressible(f"a GPT-style model with ffn={ffn}, not 4 x hidden")
             cfg = GPT2Config(vocab_size=vocab, n_layer=layers, n_head=heads, d_model=h,
-                             n_positions=seq)
+                             n_positions=seq, fused_attention=fused_attention(model, llama),
+                             dropout=float(model.get("dropout", MEGATRON_DROPOUT)))
             preset = ModelPreset(model.get("name", "gpt"), "gpt2", cfg)
     except ValueError as e:
         raise NotExpressible(f"the architecture cannot be built: {e}") from None
@@ -298,7 +317,10 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
         return out
     out["expressible"] = True
     out["device"] = layout.device
-    out["notes"] = layout.notes
+    out["notes"] = layout.notes + [
+        "attention: " + ("one fused kernel (SDPA)" if getattr(preset.config, "fused_attention",
+                                                              True)
+                         else "unfused (scores materialized, softmax and dropout apart)")]
     model = preset.build("meta")
     inputs = preset.example_inputs(layout.batch, layout.seq, "meta")
     tokens = layout.batch * layout.seq
@@ -312,10 +334,13 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
     pinned = pinned_reference(model, layout, sub.shape, sub.axes, preset.family)
     common = dict(precision=layout.precision, max_layers=4, time_limit_s=time_limit_s,
                   workers=default_workers())
-    pin_opts = Options.of(recompute=layout.recompute, **common,
-                          **({"zero": layout.zero} if layout.zero else {}),
-                          **(dict(schedule=layout.schedule, microbatches=layout.microbatches,
-                                  virtual=layout.virtual) if pp else {}))
+    # the published layout carries its own recomputation and ZeRO stage (reference_mode);
+    # the solver's own plan beside it is left free, so that one failing to fit loses nothing
+    # no memory limit: the layout ran, so its time is what is asked; its memory against the
+    # device's limit is reported beside it (published_fits)
+    pin_opts = Options.of(memory_budget=math.inf, **common, **(dict(schedule=layout.schedule,
+                                            microbatches=layout.microbatches,
+                                            virtual=layout.virtual) if pp else {}))
     planner = plan_pipeline if pp else make_plan
     t0 = time.perf_counter()
     try:
@@ -331,7 +356,9 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
         out["expressible"] = False
         out["why"] = "the solver could not complete the published layout's placements"
         return out
-    limit = got.plan.provenance.memory_budget
+    from autopar.planning.memory_fit import memory_limit
+
+    limit, _ = memory_limit(None, mesh.device)
     out["predicted_published_layout_tokens_per_s_per_gpu"] = round(per_gpu(cost.step_s), 1)
     out["published_step_s"] = round(cost.step_s, 4)
     out["published_mem_gib"] = round(cost.mem_bytes / 2**30, 1)
