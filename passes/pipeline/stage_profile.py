@@ -66,9 +66,9 @@ class StageProfile:
     post: PartCost
     boundary_bytes: float  # a block's input, per device and microbatch (sent between stages)
     weight_share: float  # the backward's share that computes weight gradients (deferrable)
-    # whether torch can split the stage's backward into its input and weight parts: a stage
-    # that runs its intra-op plan as one program (:func:`runs_as_program`) runs its backward
-    # whole, so the zero-bubble schedules' weight actions run nothing
+    # whether the stage's backward splits into its input and weight parts: a stage that runs
+    # its intra-op plan as one program (:func:`runs_as_program`) splits its lowered backward
+    # unless that gathers parameters (:func:`autopar.ir.stage_kind.program_splits_backward`)
     splits_backward: bool = True
     # gradient bytes per device of parameters both ends read (a head tied to the embedding):
     # the first and last stages each hold a copy and sum their gradients once per step
@@ -85,6 +85,19 @@ def runs_as_program(sp: ShardingProblem, choice: list[int]) -> bool:
     specs = (sp.strategies[i][choice[i]].outs[0] for i, n in enumerate(sp.nodes)
              if n.meta["autopar"].role == "param")
     return stage_kind.runs_as_program(sp.mesh.axes, sp.mesh.shape, specs, sp.zero1)
+
+
+def gathers_in_backward(sp: ShardingProblem, choice: list[int]) -> bool:
+    """Whether this layout's backward gathers a parameter (moves it out of its stored layout,
+    ZeRO-3's re-gathering), as the lowered program's backward would."""
+    def spec_out(i: int, k: int) -> tuple:
+        return tuple(sp.strategies[i][choice[i]].outs[k])
+
+    return any(e.in_idx >= 0 and sp.nodes[e.src].meta["autopar"].param_like
+               and sp.nodes[e.dst].meta["autopar"].phase == "bwd"
+               and spec_out(e.src, e.out_idx)
+               != tuple(sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx])
+               for e in sp.edges)
 
 
 def part_of_nodes(sp: ShardingProblem) -> list[str]:
@@ -193,7 +206,8 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
         make("pre", 1.0), make("block", float(blocks)), make("post", 1.0),
         boundary_bytes=_boundary_bytes(sp, parts) / max(1, dp_size),
         weight_share=min(0.9, wgrad / block_bwd) if block_bwd > 0 else 0.5,
-        splits_backward=not runs_as_program(sp, choice),
+        splits_backward=not runs_as_program(sp, choice) or stage_kind.program_splits_backward(
+            gathers_in_backward(sp, choice)),
         tied_bytes=_tied_bytes(sp, choice, tied),
     )
 

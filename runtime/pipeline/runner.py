@@ -244,7 +244,8 @@ def build_from_layout(model: nn.Module, example_inputs: tuple, layout: PipelineL
                 "autopar.api.build_pipeline (it plans them) or autopar.parallelize")
         mods, stages, plans = build_programs(model, lay.block_path, lay.ranges, lay.local,
                                              lay.dmesh, groups["pp"], loss, lay.device,
-                                             stage_plans, lay.precision, lay.recompute)
+                                             stage_plans, lay.precision, lay.recompute,
+                                             info.splits_backward)
         loss = _loss_of_last_stage  # the last stage's program computes the loss itself
     else:
         mods, stages, frontend = _module_stages(

@@ -57,7 +57,8 @@ CONFIGS = [
     ("interleaved-llama-megatron", "llama3-tiny", {"pp": 2, "dp": 2, "tp": 2},
      "interleaved_1f1b", 2, 2, "megatron"),
     ("1f1b-gpt2-pp4-tp2", "gpt2-tiny", {"pp": 4, "tp": 2}, "1f1b", 1, 4, "solver"),
-    # a split-backward schedule: each program's backward runs whole in the input action
+    # a split-backward schedule: each program's input gradient in the I action, its weights'
+    # in the W action (the lowered backward split, StageProgram.weight_runner)
     ("zbv-llama", "llama3-tiny", {"pp": 2, "dp": 2, "tp": 2}, "zbv", 2, 2,
      "interleaved-llama-megatron"),
     # the plan's precision and recomputation (MODES), checked against one device's bf16
@@ -178,6 +179,8 @@ def _worker(configs: list, references: dict) -> dict:
                                 for spec in p.plan.decided.params.values())
                          for s, p in runner.stage_modules.items()},
             "synced": synced,  # stage -> gradient-sync collectives run in the last step
+            # stage -> W actions that ran the weights' half of its split backward
+            "weights": {s: p.weight_actions for s, p in runner.stage_modules.items()},
         }
         del runner, opt
         dist.barrier()
@@ -230,6 +233,10 @@ def test_pipeline_stages_run_their_plans() -> None:
                 assert all(n > 0 for n in r["synced"].values()), (name, rank, r["synced"])
             if plans == "megatron":  # the tp axis really splits the stages' weights
                 assert all(n > 0 for n in r["tp_split"].values()), (name, r["tp_split"])
+            # a split backward's W action runs the weights' half (every stage splits: the
+            # first's I half is empty, its input being token ids); whole backwards run none
+            split = STEPS * m if schedule == "zbv" else 0
+            assert all(n == split for n in r["weights"].values()), (name, r["weights"])
             precision, recompute = MODES.get(name, ("fp32", "none"))
             for s, (computes, dtypes, recomputed) in r["modes"].items():
                 assert (computes, dtypes) == (precision, {"torch.float32"}), (name, s)
