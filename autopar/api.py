@@ -126,9 +126,9 @@ def parallelize(
     (``docs/pipelines.md``). Stages are replicated over ``dp`` where the plan keeps their
     parameters whole, computing in the plan's precision (fp32 by default there, or bf16) and
     recomputing as it says, as the SPMD runtime does; else each runs its own plan on the
-    stage submesh with the parameters placed as planned, in fp32 without recomputation. What
-    the runtime cannot run as planned is refused with the fix. The model itself is left as it
-    was: train the returned module's parameters.
+    stage submesh with the parameters placed as planned, in the plan's precision and
+    recompute mode too. What the runtime cannot run as planned is refused with the fix. The
+    model itself is left as it was: train the returned module's parameters.
     """
     options = Options.of(options, **option_kwargs)
     if isinstance(mesh, int) and not isinstance(mesh, bool):
