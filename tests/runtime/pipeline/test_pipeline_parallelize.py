@@ -307,3 +307,23 @@ def test_a_given_plan_must_match(tmp_path) -> None:
     flat = make_plan(model, autopar.Mesh((4,), ("dp",), "cpu"), inputs,
                      options=Options.of(time_limit_s=2.0)).plan
     _refused(PlanError, r"the plan has no pipeline section", (2, 2), plan=flat)
+
+
+def test_stage_programs_are_built_in_the_plans_precision_and_recompute_mode() -> None:
+    """A pp x tp pipeline plan in bf16 that recomputes runs as stage programs in its
+    precision and recompute mode (no refusal), and one under a split backward keeps its
+    schedule: a program recomputes inside its lowered backward, whichever half runs it."""
+    from autopar.planning.pipeline import plan_pipeline
+    from autopar.runtime.pipeline import module as pm
+
+    model, inputs = _gpt2(4)
+    mesh = autopar.Mesh((2, 2), ("pp", "tp"), "cpu")
+    for recompute, schedule in (("full", "1F1B"), ("selective", "ZBVZeroBubble")):
+        plan = plan_pipeline(model, mesh, inputs, options=Options.of(
+            time_limit_s=2.0, precision="bf16", recompute=recompute, schedule=schedule)).plan
+        _, options = pm.build_options(model, plan, inputs, None)
+        mode = plan.decided.recompute.mode
+        assert mode != "none"
+        assert (options["precision"].name, options["recompute"]) == ("bf16", mode)
+        assert options["schedule"] == schedule_info(schedule).key
+        assert pm.runnable_option(plan) is None  # no other schedule forced on it
