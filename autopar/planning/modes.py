@@ -80,17 +80,21 @@ class Mode:
         return replace(self, offload=True)
 
 
-def candidate_modes(recompute: str, zero: str) -> list[Mode]:
+def candidate_modes(recompute: str, zero: str, held: bool = False) -> list[Mode]:
     """The modes the planner tries, first the one every other starts from: each recompute
     mode asked for (``auto``: none, selective, full), with and without re-gathering where the
     ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing), and
     ZeRO-1 (whole gradients all-reduced) beside the first. ZeRO-1 moves the bytes ZeRO-2
     does and holds whole gradients, so without gradient accumulation priced it does not win;
-    it is weighed, not assumed away."""
+    it is weighed, not assumed away. ``held``: a pipeline stage, whose parameters gathered
+    once per step are held whole across its microbatches (Megatron's distributed optimizer
+    with full recomputation), so ``full`` is also tried without re-gathering."""
     asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
     out = []
     for mode in asked:
-        if zero == "3" or (zero == "auto" and mode == "full"):
+        if held and zero == "auto" and mode == "full":
+            out += [Mode(mode), Mode(mode, regather=True)]
+        elif zero == "3" or (zero == "auto" and mode == "full"):
             out.append(Mode(mode, regather=True))
         elif zero == "auto" and mode != "full":
             out += [Mode(mode), Mode(mode, regather=True)] + (

@@ -164,7 +164,8 @@ def make_plan(
                                 prices_of=next(iter(runs.values())).sp if runs else None)
         return runs[mode]
 
-    candidates = candidate_modes(mem.recompute, mem.zero)
+    held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
+    candidates = candidate_modes(mem.recompute, mem.zero, held)
     first = run(candidates[0], own=True)  # also the start of the other modes' searches
     if first.choice is not None:
         seeds.append(first)
@@ -627,6 +628,11 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
             return _CONFLICT
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
     sol = planner_solve(sp, sub, time_limit_s, domains=maps, local_polish=True)
+    if not sol.feasible and sub.usage_limit is not None:
+        # no completion fits: the fastest one, reported as not fitting (a pipeline weighs
+        # it again with other stage counts and schedules; --compare lists it)
+        sub = replace(sub, usage_limit=None)
+        sol = planner_solve(sp, sub, time_limit_s / 4, domains=maps, local_polish=True)
     if not sol.feasible:
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
