@@ -1,7 +1,7 @@
 """Published training runs as a benchmark: autopar's predictions held against measured throughput.
 
     python benchmarks/published.py --runs ../shared/bench/published/runs.json --json OUT
-        [--only ID ...] [--no-search] [--time-limit S] [--write]
+        [--only ID ...] [--no-search] [--time-limit S] [--run-timeout S] [--rows OLD] [--write]
 
 Each run of the file (the schema of ``shared/bench/published/README.md``: ``model``, ``gpu``,
 ``layout``, ``compare.tokens_per_s_per_gpu``) is rebuilt from its architecture numbers on meta
@@ -23,7 +23,9 @@ and planned three ways on the device profile of its GPU:
 
 A run whose layout autopar cannot express is reported with ``expressible: false`` and the
 reason in ``why``; a field the source leaves open that the layout needs is such a reason.
-What is expressed only approximately is said in ``notes``.
+What is expressed only approximately is said in ``notes``. Each run plans in a forked process;
+one that takes longer than ``--run-timeout`` is reported as too slow to plan. ``--rows OLD``
+takes the rows of an earlier OUT instead of planning those runs again.
 """
 
 from __future__ import annotations
@@ -438,8 +440,8 @@ def error_of(row: dict) -> float | None:
 
 def report(rows: list[dict]) -> str:
     lines = []
-    head = ["run", "device", "measured", "predicted (published)", "error", "autopar",
-            "autopar layout", "plan s"]
+    head = ["run", "device", "measured", "predicted (published)", "error", "fits",
+            "autopar", "autopar layout", "plan s"]
     body = []
     for r in rows:
         err = error_of(r)
@@ -447,8 +449,11 @@ def report(rows: list[dict]) -> str:
         body.append([
             r["id"], r.get("device", "-"), _num(r["measured_tokens_per_s_per_gpu"]),
             _num(r["predicted_published_layout_tokens_per_s_per_gpu"])
-            if r["expressible"] else "not expressible",
+            if r["expressible"] and not r["why"] else
+            ("not expressible" if not r["expressible"] else "too slow to plan"),
             f"{err:+.0%}" if err is not None else "-",
+            {True: "yes", False: f"no ({r.get('published_mem_gib')} GiB)"}.get(
+                r.get("published_fits"), "-"),
             _num(r["autopar_tokens_per_s_per_gpu"]),
             " ".join(str(x) for x in (lay.get("mesh"), lay.get("schedule") or "",
                                        f"zero={lay.get('zero')}", lay.get("recompute"),
@@ -461,6 +466,8 @@ def report(rows: list[dict]) -> str:
         within = sum(e <= 0.2 for e in errs)
         lines.append(f"\nexpressible runs: {len(errs)} of {len(rows)}; median absolute error "
                      f"{statistics.median(errs):.1%}; within 20%: {within} of {len(errs)}")
+    lines.append("no device-profile figure is fitted to these runs (docs/device_profiles.md "
+                 "gives each one's public source), so no leave-one-out error applies")
     slower = [r["id"] for r in rows if r.get("autopar_tokens_per_s_per_gpu") is not None
               and r["predicted_published_layout_tokens_per_s_per_gpu"] is not None
               and r["autopar_tokens_per_s_per_gpu"]
@@ -470,6 +477,8 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         if not r["expressible"]:
             lines.append(f"- {r['id']}: not expressible: {r['why']}")
+        elif r["why"]:
+            lines.append(f"- {r['id']}: {r['why']}")
     return "\n".join(lines)
 
 
@@ -477,6 +486,43 @@ def _num(x) -> str:
     if x is None:
         return "-"
     return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
+
+
+def plan_in_child(run: dict, search: bool, time_limit_s: float, timeout_s: float) -> dict:
+    """:func:`plan_run` in a forked process, given ``timeout_s``: a run that plans longer is
+    reported as too slow to plan (its row says so), never left out."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(plan_run(run, search, time_limit_s))
+        except BaseException as e:  # noqa: BLE001 - reported in the row
+            send.send({"error": f"{type(e).__name__}: {e}"})
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    got = recv.recv() if recv.poll(timeout_s) else None
+    proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    row = {"id": run.get("id", "?"), "expressible": True, "why": "",
+           "measured_tokens_per_s_per_gpu": (run.get("compare") or {}).get(
+               "tokens_per_s_per_gpu"),
+           "predicted_published_layout_tokens_per_s_per_gpu": None,
+           "autopar_tokens_per_s_per_gpu": None, "autopar_layout": None, "plan_s": None}
+    if got is None:
+        row["why"] = f"too slow to plan: no answer within {timeout_s:.0f} s"
+        row["plan_s"] = float(f"{timeout_s:.0f}")
+        return row
+    if "error" in got:
+        row["expressible"] = False
+        row["why"] = f"the benchmark failed on this run: {got['error']}"
+        return row
+    return got
 
 
 def load_runs(path: str) -> list[dict]:
@@ -499,16 +545,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-search", action="store_true",
                     help="autopar's own plan on the published mesh only (no --devices search)")
     ap.add_argument("--time-limit", type=float, default=5.0, help="solver limit per solve, s")
+    ap.add_argument("--run-timeout", type=float, default=900.0,
+                    help="seconds one run may plan before it is reported too slow to plan")
     ap.add_argument("--write", action="store_true",
                     help="write the table into benchmarks/RESULTS.md (## Published runs)")
+    ap.add_argument("--rows", help="print (and --write) the rows of an earlier --json OUT, "
+                    "merged over the planned ones by id, instead of planning them again")
     args = ap.parse_args(argv)
     runs = load_runs(args.runs)
     if args.only:
         runs = [r for r in runs if r.get("id") in set(args.only)]
+    earlier = {r["id"]: r for r in load_runs(args.rows)} if args.rows else {}
     rows = []
     for run in runs:
+        if run.get("id") in earlier:
+            rows.append(earlier[run["id"]])
+            continue
         t = time.perf_counter()
-        row = plan_run(run, not args.no_search, args.time_limit)
+        row = plan_in_child(run, not args.no_search, args.time_limit, args.run_timeout)
         rows.append(row)
         print(f"{row['id']}: {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     if args.json:

@@ -124,3 +124,11 @@ def test_small_run_planned_end_to_end():
                         "autopar_tokens_per_s_per_gpu", "autopar_layout", "plan_s"}
     text = published.report([row])
     assert "tiny" in text and "median absolute error" in text
+
+
+def test_a_run_too_slow_to_plan_is_reported_not_skipped():
+    row = published.plan_in_child(MEGATRON, search=False, time_limit_s=1.0, timeout_s=0.01)
+    assert row["id"] == "m" and row["expressible"]
+    assert row["why"].startswith("too slow to plan")
+    assert row["predicted_published_layout_tokens_per_s_per_gpu"] is None
+    assert "too slow to plan" in published.report([row])
