@@ -192,7 +192,11 @@ def comparison_plans(
 def megatron_pipeline_layouts(model: nn.Module, mesh_shape: tuple[int, ...],
                               axes: tuple[str, ...]) -> dict[str, ReferencePlan]:
     """:data:`PIPELINE_POLICIES` on a pipeline stage's mesh, for any model these layouts take
-    (a Hugging Face model by its own layers; the family matters to no other rule here)."""
+    (a Hugging Face model by its own layers; the family matters to no other rule here).
+    Empty where the stage mesh has no data-parallel axis of size > 1 (no optimizer to
+    distribute)."""
+    if not any(n > 1 and a != "tp" for n, a in zip(mesh_shape, axes)):
+        return {}
     hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
     family = "hf" if hf else "llama3"
     base = {}

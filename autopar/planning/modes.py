@@ -88,7 +88,9 @@ def candidate_modes(recompute: str, zero: str, held: bool = False) -> list[Mode]
     does and holds whole gradients, so without gradient accumulation priced it does not win;
     it is weighed, not assumed away. ``held``: a pipeline stage, whose parameters gathered
     once per step are held whole across its microbatches (Megatron's distributed optimizer
-    with full recomputation), so ``full`` is also tried without re-gathering."""
+    with full recomputation), so ``full`` is also tried without re-gathering; ZeRO-1 is not
+    (a stage holds its whole gradients to the step's end either way, and all-reduces them at
+    twice ZeRO-2's reduce-scatter bytes)."""
     asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
     out = []
     for mode in asked:
@@ -98,7 +100,7 @@ def candidate_modes(recompute: str, zero: str, held: bool = False) -> list[Mode]
             out.append(Mode(mode, regather=True))
         elif zero == "auto" and mode != "full":
             out += [Mode(mode), Mode(mode, regather=True)] + (
-                [Mode(mode, whole_grads=True)] if mode == asked[0] else [])
+                [Mode(mode, whole_grads=True)] if mode == asked[0] and not held else [])
         else:
             out.append(Mode(mode, whole_grads=zero == "1"))
     return out

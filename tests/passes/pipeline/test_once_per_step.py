@@ -99,6 +99,8 @@ def test_a_parameters_gathered_copy_is_held_once_whatever_is_in_flight():
 def test_a_pipeline_stage_tries_full_recomputation_with_parameters_held():
     assert Mode("full") in candidate_modes("auto", "auto", held=True)
     assert Mode("full") not in candidate_modes("auto", "auto")
+    # ZeRO-1 holds what ZeRO-2 holds in a stage and moves twice the bytes
+    assert Mode("none", whole_grads=True) not in candidate_modes("auto", "auto", held=True)
 
 
 def test_a_pipeline_plan_is_never_slower_than_megatrons_layouts():
