@@ -187,8 +187,8 @@ def plan_pipeline(
             fitting = [o for o in weighed if o.split is not None]
             if name:
                 # a layout that fits no split is shown split at its best with no limit,
-                # under the 1F1B schedules only (replaying every schedule of a layout that
-                # runs nowhere cost 405B on pp=16 a third of its pipeline time)
+                # under one 1F1B schedule only (replaying every schedule of a layout that
+                # runs nowhere cost 405B on pp=16 half its pipeline time)
                 shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
                                         for sched in _display_schedules(scheds)],
                             key=lambda o: o.step_s)
@@ -237,7 +237,13 @@ class _Best:
 
 
 def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]:
-    return [s for s in scheds if s.name in ("1F1B", "Interleaved1F1B")] or scheds
+    """The schedule a layout that fits nowhere is shown under: 1F1B (the leanest that runs
+    every forward early), else interleaved 1F1B, else the first weighed."""
+    for name in ("1F1B", "Interleaved1F1B"):
+        for s in scheds:
+            if s.name == name:
+                return [s]
+    return list(scheds[:1])
 
 
 def proxy_blocks(planned: Planned) -> int:

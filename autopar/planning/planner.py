@@ -628,9 +628,11 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
             return _CONFLICT
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
     sol = planner_solve(sp, sub, time_limit_s, domains=maps, local_polish=True)
-    if not sol.feasible and sub.usage_limit is not None:
-        # no completion fits: the fastest one, reported as not fitting (a pipeline weighs
-        # it again with other stage counts and schedules; --compare lists it)
+    if not sol.feasible and sub.usage_limit is not None and \
+            getattr(ref, "zero", None) is not None:
+        # a layout that carries its ZeRO stage is one a team ran (Megatron's distributed
+        # optimizer, a published run's): where no completion fits, the fastest one is
+        # reported as not fitting (a pipeline weighs it again with other schedules)
         sub = replace(sub, usage_limit=None)
         sol = planner_solve(sp, sub, time_limit_s / 4, domains=maps, local_polish=True)
     if not sol.feasible:
