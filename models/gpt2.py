@@ -81,7 +81,8 @@ class CausalSelfAttention(nn.Module):
         if self.fused:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            # the scale folded into the first GEMM's operand (Megatron: baddbmm's alpha)
+            scores = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-2, -1)
             mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
             probs = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
             y = F.dropout(probs, p, self.training) @ v if p > 0 else probs @ v
