@@ -129,9 +129,9 @@ def parallelize(
     (``docs/pipelines.md``). Stages are replicated over ``dp`` where the plan keeps their
     parameters whole, computing in the plan's precision (fp32 by default there, or bf16) and
     recomputing as it says, as the SPMD runtime does; else each runs its own plan on the
-    stage submesh with the parameters placed as planned, in fp32 without recomputation. What
-    the runtime cannot run as planned is refused with the fix. The model itself is left as it
-    was: train the returned module's parameters.
+    stage submesh with the parameters placed as planned, in the plan's precision and
+    recompute mode too. What the runtime cannot run as planned is refused with the fix. The
+    model itself is left as it was: train the returned module's parameters.
     """
     # time_limit_s bounds the whole call from here (autopar.ir.deadline)
     options = Options.of(options, **option_kwargs).with_deadline()
@@ -293,7 +293,8 @@ def _plan_stage_programs(model: nn.Module, example_inputs: tuple, layout: Any,
                                        layout.dmesh)
         return plan_stages(job.stages, job.block_path, job.first, job.targets, job.loss_fn,
                            job.mesh, job.tied, asked, time_limit_s,
-                           check=sp.check_stage_plan)
+                           check=sp.check_stage_plan, precision=layout.precision,
+                           recompute=layout.recompute)
 
     plans, inputs = sp.agree(make)
     return sp.PlannedStages(tuple(plans), tuple(inputs))

@@ -210,7 +210,9 @@ def findings(bub: list[tuple[Job, dict]], fid: list[tuple[Job, dict]], got: dict
     dp = next((n for n in by_name if n.startswith("data_parallel (dp=")), None)
     if fs and dp:
         plan = json.loads(by_name[fs][0].plan)
-        gathers = [c for c in plan["collectives"] if c["reason"] == "parameter gather"]
+        # the plan file groups its fields (version 8): the collectives are predicted ones
+        gathers = [c for c in plan["predicted"]["collectives"]
+                   if c["reason"] == "parameter gather"]
         n = sum(c["count"] for c in gathers)
         t = sum(c["time_s"] for c in gathers)
         out.append(

@@ -28,6 +28,10 @@ class GPT2Config:
     dropout: float = 0.0
     bias: bool = True
     layer_norm_eps: float = 1e-5
+    # True: one fused attention kernel (torch's SDPA). False: attention as Megatron-LM ran it
+    # before fused kernels (2021-22): the scores materialized, scaled, masked, softmaxed and
+    # dropped out as their own kernels between two batched GEMMs
+    fused_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -63,6 +67,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.fused = cfg.fused_attention
         # Output rows are laid out head-major, [head][q|k|v][head_dim] (Megatron's layout), so
         # sharding qkv.weight on dim 0 by whole heads hands each rank the q, k and v of its heads.
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
@@ -73,7 +78,14 @@ class CausalSelfAttention(nn.Module):
         qkv = self.qkv(x).view(b, s, self.n_head, 3 * self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            # the scale folded into the first GEMM's operand (Megatron: baddbmm's alpha)
+            scores = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-2, -1)
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            probs = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+            y = F.dropout(probs, p, self.training) @ v if p > 0 else probs @ v
         return self.proj(y.transpose(1, 2).reshape(b, s, d))
 
 

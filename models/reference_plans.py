@@ -43,6 +43,10 @@ class ReferencePlan:
     params: dict[str, Spec]
     inputs: dict[int, Spec]
     recompute: str = "none"  # the recomputation mode the layout runs with (passes.recompute)
+    # the ZeRO stage of the parameters it stores split (the planner's reference_mode: "3"
+    # re-gathers them in the backward, "2" keeps what the forward gathered, "1" also sums
+    # gradients whole); None: as its recomputation mode implies (full re-gathers)
+    zero: str | None = None
 
 
 # the fixed memory policies `autopar plan --compare` scores beside the layouts: what people
@@ -52,6 +56,18 @@ FIXED_POLICIES: dict[str, tuple[str, str]] = {
     "fsdp+full": ("fsdp", "full"),
     "megatron_tp+selective": ("megatron_tp", "selective"),
     "fsdp_tp_2d+full": ("fsdp_tp_2d", "full"),
+}
+
+
+# what `--compare` adds on a pipeline's stage mesh: Megatron-LM's layout (tensor parallel on
+# "tp", pipeline stages, a distributed optimizer: parameters and optimizer state split over dp,
+# gathered once per step and held whole across the microbatches, gradients reduce-scattered
+# once per step), with selective and with full recomputation. The layout is fsdp_tp_2d's
+# placement (fsdp's where the mesh has no "tp") at ZeRO stage 2, which inside a pipeline is
+# the distributed optimizer (passes/problem/sharding_problem.mark_once_per_step).
+PIPELINE_POLICIES: dict[str, tuple[str, str, str]] = {
+    "megatron_distopt+selective": ("fsdp_tp_2d", "selective", "2"),
+    "megatron_distopt+full": ("fsdp_tp_2d", "full", "2"),
 }
 
 
@@ -151,11 +167,12 @@ def applicable_plans(
 
 def comparison_plans(
     model: nn.Module, mesh_shape: tuple[int, ...], axes: tuple[str, ...], family: str,
-    batch_size: int | None = None,
+    batch_size: int | None = None, pipeline: bool = False,
 ) -> dict[str, ReferencePlan]:
     """What ``autopar plan --compare`` scores: every layout that applies to this mesh (one a
     model cannot take is left out), and each fixed memory policy of :data:`FIXED_POLICIES`
-    whose layout applies."""
+    whose layout applies; with ``pipeline`` (the mesh is a pipeline stage's), also
+    :data:`PIPELINE_POLICIES`."""
     refs: dict[str, ReferencePlan] = {}
     for name, fn in REFERENCE_PLANS.items():
         try:
@@ -167,7 +184,41 @@ def comparison_plans(
     for name, (layout, mode) in FIXED_POLICIES.items():
         if layout in refs:
             refs[name] = replace(refs[layout], name=name, recompute=mode)
+    if pipeline:
+        refs.update(pipeline_policies(refs))
     return refs
+
+
+def megatron_pipeline_layouts(model: nn.Module, mesh_shape: tuple[int, ...],
+                              axes: tuple[str, ...]) -> dict[str, ReferencePlan]:
+    """:data:`PIPELINE_POLICIES` on a pipeline stage's mesh, for any model these layouts take
+    (a Hugging Face model by its own layers; the family matters to no other rule here).
+    Empty where the stage mesh has no data-parallel axis of size > 1 (no optimizer to
+    distribute)."""
+    if not any(n > 1 and a != "tp" for n, a in zip(mesh_shape, axes)):
+        return {}
+    hf = any(type(m).__module__.startswith("transformers.") for m in model.modules())
+    family = "hf" if hf else "llama3"
+    base = {}
+    for name in ("fsdp_tp_2d", "fsdp"):
+        try:
+            ref = REFERENCE_PLANS[name](model, mesh_shape, axes, family)
+        except (ValueError, TypeError):
+            ref = None
+        if ref is not None:
+            base[name] = ref
+    return pipeline_policies(base)
+
+
+def pipeline_policies(refs: dict[str, ReferencePlan]) -> dict[str, ReferencePlan]:
+    """:data:`PIPELINE_POLICIES` laid out from the layouts ``refs`` holds (fsdp's where there
+    is no fsdp_tp_2d: a stage mesh without "tp")."""
+    out = {}
+    for name, (layout, mode, zero) in PIPELINE_POLICIES.items():
+        base = refs.get(layout) or refs.get("fsdp")
+        if base is not None:
+            out[name] = replace(base, name=name, recompute=mode, zero=zero)
+    return out
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -126,6 +126,18 @@ class _Slice:
     dst: Spec
 
 
+@dataclass(slots=True)
+class SplitBackward:
+    """A pipeline stage's backward in two (:meth:`LoweredGraph.stage_backward_input` and
+    :meth:`LoweredGraph.stage_backward_weight`, a zero-bubble schedule's I and W actions): the
+    backward steps its input's gradient needs, in order, then the others (the parameters'
+    gradients), with their gradient sync."""
+
+    input: list[_Step]
+    weight: list[_Step]
+    grad_sync: GradSyncSchedule
+
+
 class LoweredGraph:
     """The per-rank program for one (graph, plan) pair; between calls it holds no tensors but
     the graph's lifted constants."""
@@ -201,6 +213,8 @@ class LoweredGraph:
         self.grad_sync = GradSyncSchedule([s.name for s in self.bwd], reads, self.grads,
                                           self.grad_moves(), self.mesh_shape, self.bucketed,
                                           plan.decided.first_bucket_bytes, self.reduce_dtype)
+        # a pipeline stage's backward split into its input's and its weights' (or None)
+        self.bwd_split = self._split_backward(calls[n_fwd:])
         # (id(self.fwd / self.bwd), Inductor-compiled runs[, "profiled"]) -> its code
         self._compiled: dict[tuple, Program] = {}
 
@@ -245,6 +259,38 @@ class LoweredGraph:
             if name not in keep:
                 steps[i].free_after.append(name)
         return steps
+
+    def _split_backward(self, bwd: list[fx.Node]) -> SplitBackward | None:
+        """A stage's backward as :class:`SplitBackward`: the nodes its input's gradient
+        depends on (none on the first stage, whose input is token ids), then the rest, each
+        in the traced order; the gradient sync runs in the second. None where it does not
+        split: not a stage, parameters gathered in the backward (each half would gather them
+        again, collectives the plan did not price), or a parameter's gradient (or the loss's
+        seed) on the input gradient's path."""
+        if self.pg.stage is None or self.bwd_gathers:
+            return None
+        by_name = {n.name: n for n in bwd}
+        need: set[str] = set()
+        todo = [self.input_grad] if self.input_grad is not None else []
+        while todo:
+            name = todo.pop()
+            if name in need or name not in by_name:
+                continue
+            need.add(name)
+            todo += [i.producer for i in self._inputs(by_name[name])]
+        if any(g in need for g in self.grads if g) or (
+                self.seed is not None and self.seed in by_name and self.seed not in need):
+            return None
+        first = [n for n in bwd if n.name in need]
+        rest = [n for n in bwd if n.name not in need]
+        later = {i.producer for n in rest for i in self._inputs(n)}
+        weight = self._steps(rest, keep={g for g in self.grads if g})
+        reads = {i.producer: k for k, s in enumerate(weight) for i in s.inputs}
+        sync = GradSyncSchedule([s.name for s in weight], reads, self.grads, self.grad_moves(),
+                                self.mesh_shape, self.bucketed,
+                                self.plan.decided.first_bucket_bytes, self.reduce_dtype)
+        keep = later | ({self.input_grad} if self.input_grad is not None else set())
+        return SplitBackward(self._steps(first, keep=keep), weight, sync)
 
     def edges(self) -> list[tuple[TensorMeta, Spec, Spec, str]]:
         """Every reshard one step runs outside gradient syncs (:meth:`grad_moves`) and batched
@@ -335,21 +381,57 @@ class LoweredGraph:
         with ``sync=True`` and the same ``carry`` moves them with its own (see
         :class:`.grad_sync.GradSyncRun`)."""
         env = saved  # not a copy: the copy's source would hold every activation to the end
-        if self.output_grad is not None:  # the backward starts from the gradient received
-            env[self.output_grad], grad_out = grad_out, None
-        grad_loss = grad_out
+        grad_loss = self._backward_seed(env, grad_out)
         syncs = self.grad_sync.start(comm, env, carry, sync)
         self._run(self.bwd, self.bwd_gathers, env, comm, grad_loss, syncs.step_done)
-        grads = syncs.finish()
+        return self._synced(syncs.finish(), comm), self._input_grad(env, comm)
+
+    def stage_backward_input(self, saved: dict[str, Any], grad_out: torch.Tensor | None,
+                             comm: Comm) -> torch.Tensor | None:
+        """A split backward's first half (:attr:`bwd_split`): the steps the input's gradient
+        needs, on ``saved`` (which keeps what the second half reads), and the input's gradient
+        as :meth:`stage_backward` returns it."""
+        split = self.bwd_split
+        assert split is not None, "internal: this stage's backward does not split"
+        grad_loss = self._backward_seed(saved, grad_out)
+        self._run(split.input, [], saved, comm, grad_loss)
+        return self._input_grad(saved, comm)
+
+    def stage_backward_weight(self, saved: dict[str, Any], comm: Comm,
+                              carry: dict[int, torch.Tensor] | None = None, sync: bool = True
+                              ) -> list[torch.Tensor | None]:
+        """A split backward's second half, on what :meth:`stage_backward_input` left in
+        ``saved``: the parameters' gradients as :meth:`stage_backward` returns them (``carry``,
+        ``sync`` as there)."""
+        split = self.bwd_split
+        assert split is not None, "internal: this stage's backward does not split"
+        syncs = split.grad_sync.start(comm, saved, carry, sync)
+        self._run(split.weight, [], saved, comm, None, syncs.step_done)
+        return self._synced(syncs.finish(), comm)
+
+    def _backward_seed(self, env: dict[str, Any], grad_out: torch.Tensor | None
+                       ) -> torch.Tensor | None:
+        """Place a stage's received output gradient in ``env``; the loss's gradient (what
+        the seed is scaled by) where the graph ends in a loss."""
+        if self.output_grad is not None:  # the backward starts from the gradient received
+            env[self.output_grad] = grad_out
+            return None
+        return grad_out
+
+    def _synced(self, grads: list[torch.Tensor | None], comm: Comm
+                ) -> list[torch.Tensor | None]:
         for i, g in self.sliced_after_sync.items():  # ZeRO-1: each rank keeps its part
             if grads[i] is not None:
                 grads[i] = redistribute(grads[i], g.dst, self.param_specs[g.node], comm,
                                         "gradient sync")
-        dx = None
-        if self.input_grad is not None:
-            node, dst = self.boundary[-1]
-            dx = redistribute(env.pop(node), self.spec(node), dst, comm, BOUNDARY)
-        return grads, dx
+        return grads
+
+    def _input_grad(self, env: dict[str, Any], comm: Comm) -> torch.Tensor | None:
+        """A stage's input gradient, moved into the layout its input came in (None: none)."""
+        if self.input_grad is None:
+            return None
+        node, dst = self.boundary[-1]
+        return redistribute(env.pop(node), self.spec(node), dst, comm, BOUNDARY)
 
     def grad_moves(self) -> list[GradSync]:
         """Every gradient that must move into its parameter's spec (``index``: the parameter's
@@ -384,7 +466,10 @@ class LoweredGraph:
         if program is None:
             for s in steps:
                 s.localized = self._localize_once(s, comm)
-            launches = set(self.grad_sync.by_step) if steps is self.bwd else set()
+            split = self.bwd_split
+            launches = (set(self.grad_sync.by_step) if steps is self.bwd else
+                        set(split.grad_sync.by_step)
+                        if split is not None and steps is split.weight else set())
             marked = len(key) > 2
             program = self._compiled[key] = compile_steps(
                 steps, _call_localized, launches, self.seed, fuse=key[1],

@@ -56,12 +56,14 @@ class StageInputs:
 
 
 def trace_stage(stage: nn.Module, inputs: StageInputs, last: bool, loss_fn: Callable,
-                block_path: str) -> PlanGraph:
+                block_path: str, precision: Precision | None = None) -> PlanGraph:
     """The joint graph (:func:`capture_stage`) of a pipeline stage module whose blocks are
-    ``block_path`` (in its ``order`` where it has one), the loss computed on the last."""
+    ``block_path`` (in its ``order`` where it has one), the loss computed on the last, traced
+    under ``precision``'s policy (None: fp32)."""
     holder = stage.get_submodule(block_path)
     blocks = [holder[k] for k in getattr(stage, "order", list(holder.keys()))]
-    return capture_stage(stage, inputs.examples(), loss_fn if last else None, blocks)
+    return capture_stage(stage, inputs.examples(), loss_fn if last else None, blocks,
+                         precision)
 
 
 def capture_stage(

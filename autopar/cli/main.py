@@ -110,7 +110,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          "add one to the mesh, e.g. --mesh pp=2,dp=4")
     ref_mesh = mesh if pp is None else stage_mesh(mesh, pp)
     refs = comparison_plans(loaded.model, ref_mesh.shape, ref_mesh.axes, loaded.family,
-                            batch_size=args.batch) if args.compare else {}
+                            batch_size=args.batch, pipeline=pp is not None
+                            ) if args.compare else {}
     planner = make_plan if pp is None else plan_pipeline
     planned = planner(loaded.model, mesh, loaded.inputs, loaded.kwargs, options=options,
                       references=refs, model_name=loaded.name)

@@ -389,16 +389,10 @@ def _check_pipeline(mesh: Mesh, args: argparse.Namespace, preset: Any) -> None:
                               "scaling yet; use --precision bf16 or fp32, or a mesh without a "
                               "pp axis")
     tp = any(a == "tp" and n > 1 for a, n in zip(mesh.axes, mesh.shape))
-    asked = [f"--{k} {v}" for k, v, plain in (("precision", args.precision, (None, "fp32")),
-                                              ("recompute", args.recompute, ("auto", "none")))
-             if v not in plain]
-    if tp and asked:
-        raise TrainUsageError(f"{' '.join(asked)}: stages that run their own plan (a tp axis) "
-                              "run in fp32 without recomputation; leave it out, or use a mesh "
-                              "of axes pp and dp")
     if args.schedule:
         schedule = canonical_name(args.schedule)  # an unknown name: one line naming them
-        if args.recompute == "selective" and splits_backward(schedule):
+        # stage programs (a tp axis) recompute inside their one lowered backward
+        if args.recompute == "selective" and splits_backward(schedule) and not tp:
             raise TrainUsageError(f"--recompute selective: schedule {schedule} runs two "
                                   "backward passes over every block (input, then weight "
                                   "gradients) and selective checkpointing keeps each saved "

@@ -16,6 +16,10 @@ class DepthProxy:
     # microbatches whose saved activations a rank holds at once (pipelines; 1 otherwise)
     stands_for: int | None = None
     in_flight: float = 1.0
+    # microbatches per step (pipelines; 1 otherwise): what runs once per step (gradient
+    # syncs, gathers of parameters held whole across microbatches) weighs 1/microbatches
+    # against one microbatch's work
+    microbatches: int = 1
 
     @property
     def represented(self) -> int:

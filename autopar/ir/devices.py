@@ -7,6 +7,7 @@ differs between matmuls and memory-bound ops.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from autopar.ir.errors import MeshError
@@ -58,12 +59,57 @@ class DeviceProfile:
     # (0: every device computes on its own); the rates above are then per device with all of
     # them computing, and a device computes faster while others wait (pipeline bubbles)
     shared_cores: int = 0
+    # GEMMs by shape (:meth:`gemm_efficiency`): the streaming multiprocessors a GEMM's output
+    # tiles are spread over and the output tile of the library's large-GEMM kernels; 0 SMs:
+    # every GEMM at ``matmul_efficiency`` (the CPU)
+    sms: int = 0
+    gemm_tile: tuple[int, int] = (128, 128)
+    # fused (flash) attention, forward and backward, as a fraction of the dense peak, FLOPs
+    # counted as the kernel does them (autopar.capture.flops.attention_flops); 0: as a GEMM
+    attention_efficiency: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
-        """Achievable FLOP/s for ``dtype`` (falls back to float32's peak for unknown dtypes)."""
-        peak = self.peak_flops.get(dtype) or self.peak_flops["float32"]
-        return peak * self.matmul_efficiency
+        """Achievable FLOP/s for ``dtype`` of a large GEMM (falls back to float32's peak for
+        unknown dtypes)."""
+        return self.peak(dtype) * self.matmul_efficiency
+
+    def peak(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype) or self.peak_flops["float32"]
+
+    def gemm_efficiency(self, m: int, n: int, k: int) -> float:
+        """The fraction of the peak a GEMM ``[m, k] x [k, n]`` reaches: the large-GEMM
+        efficiency (``matmul_efficiency``) times the two losses NVIDIA's GEMM guide names for
+        small and odd shapes ("Matrix Multiplication Background User's Guide",
+        docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication): tile
+        quantization (the output is cut into tiles; one hanging over the edge computes in
+        full) and wave quantization (tiles run in waves of one per SM, the last wave part
+        empty). The library picks its tile per shape: ``gemm_tile`` for large GEMMs, or a
+        half or quarter of it, which fills more SMs but reuses each loaded element less (its
+        rate taken in proportion to the tile's arithmetic intensity, ``tm*tn/(tm+tn)``); the
+        best of them is taken. A skinny GEMM (the few tokens of a small microbatch) falls
+        well below the peak; a large one keeps ``matmul_efficiency``. ``k`` only lengthens a
+        tile's work; where it is small the GEMM is memory-bound, which the roofline prices."""
+        if self.sms <= 0 or m <= 0 or n <= 0 or k <= 0:
+            return self.matmul_efficiency
+        if m < n:  # the library lays the longer side along the tile's longer edge
+            m, n = n, m
+        big_m, big_n = self.gemm_tile
+        best = 0.0
+        for tm, tn in ((big_m, big_n), (big_m // 2, big_n), (big_m // 2, big_n // 2),
+                       (big_m // 4, big_n // 2)):
+            rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+            tile_use = (m * n) / (rows * tm * cols * tn)
+            tiles = rows * cols
+            wave_use = tiles / (math.ceil(tiles / self.sms) * self.sms)
+            intensity = (tm * tn / (tm + tn)) / (big_m * big_n / (big_m + big_n))
+            best = max(best, tile_use * wave_use * intensity)
+        return self.matmul_efficiency * best
+
+    def attention_flops_per_s(self, dtype: str) -> float:
+        """Achievable FLOP/s of a fused attention kernel (``attention_efficiency`` of the
+        peak; a profile without one prices attention as a large GEMM)."""
+        return self.peak(dtype) * (self.attention_efficiency or self.matmul_efficiency)
 
     def bytes_per_s(self) -> float:
         return self.mem_bandwidth * self.memory_efficiency
@@ -82,23 +128,79 @@ class DeviceProfile:
         return self.mem_capacity - self.memory_reserve
 
 
-def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib, pcie=50 * GBps) -> DeviceProfile:
+def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib, pcie=50 * GBps,
+         **figures) -> DeviceProfile:
     flops = {"float32": tf32, "float32_strict": fp32, "bfloat16": bf16, "float16": bf16}
     if fp8:
         flops["float8_e4m3fn"] = fp8
         flops["float8_e5m2"] = fp8
-    return DeviceProfile(name, flops, bw, cap, nvlink, ib, host_link_bandwidth=pcie)
+    return DeviceProfile(name, flops, bw, cap, nvlink, ib, host_link_bandwidth=pcie, **figures)
 
+
+# Where each figure comes from (docs/device_profiles.md says how the cost model reads them):
+#
+# - peaks: the vendors' dense tensor-core datasheet figures (A100: NVIDIA A100 datasheet,
+#   312 TFLOP/s bf16/fp16, 156 TF32; H100 SXM: H100 datasheet, 989 bf16, 495 TF32, 1979
+#   fp8); memory bandwidth and capacity from the same sheets.
+# - ``matmul_efficiency``: the maximum achievable matmul FLOP/s (MAMF) measured with
+#   bf16 torch.matmul over a search of large shapes, over the peak: A100 SXM 267.9 of 312
+#   (85.9%), H100 SXM 792.1 of 989 (80.1%) (S. Bekman, ml-engineering,
+#   compute/accelerator/README.md "Maximum Achievable Matmul FLOPS comparison table").
+# - ``sms`` and ``gemm_tile``: 108 SMs (A100), 132 (H100 SXM) (NVIDIA A100 and Hopper
+#   architecture whitepapers); cuBLAS's large-GEMM tiles 256x128 on both (the tile sizes
+#   NVIDIA's GEMM guide lists for Ampere and later: 256x128 the most efficient).
+# - ``attention_efficiency``: FlashAttention-2 (what torch's SDPA runs on these GPUs), forward
+#   and backward: 50-73% of an A100's peak (Dao, FlashAttention-2, arXiv 2307.08691, §4.1;
+#   0.6 taken for head dims 64-128 at sequences of 2k-8k); on H100, which FA2 does not use
+#   the Hopper-specific instructions of, torch's SDPA measured 287-304 TFLOP/s forward at
+#   head dim 128, sequences 1k-16k (pytorch/benchmark PR #2296), FA2 up to 335 forward and
+#   backward (the paper, §4.1): 0.3 of 989.
+# - ``intra_node_bandwidth``: NCCL bus bandwidth (nccl-tests ``busbw``, which the ring
+#   formulas of passes/cost/cost_model.py take as the per-device link) of large all-reduce,
+#   all-gather and reduce-scatter on 8 GPUs of one NVSwitch node: A100 NVLink3 230-250 GB/s,
+#   H100 NVLink4 460-480 GB/s for all-reduce with NVLink SHARP (docs.alayanew.com, "NCCL-tests
+#   in practice", reference numbers), about 370 GB/s for the ring collectives without it:
+#   230 and 370 taken, one figure for every collective kind.
+# - ``inter_node_bandwidth``: one NIC per GPU, at the rate the NCCL ring reaches over it:
+#   HDR InfiniBand 200 Gb/s = 25 GB/s (DGX A100), NDR/RoCE 400 Gb/s = 50 GB/s (DGX H100,
+#   Grand Teton), each at 90% (nccl-tests busbw across nodes reaches 90-95% of the NICs'
+#   line rate). A collective over an axis with k members in each node runs k rings side
+#   by side over k NICs (ir/mesh.py).
+# - latencies: a small NCCL collective costs 10-30 us (nccl-tests' small-message times:
+#   about 10 us inside a node, 20-30 us across nodes); per ring step 5 / 10 us plus 10 us
+#   issue overhead reproduce them for 8-64 ranks.
+# - ``memory_efficiency``: STREAM-like copies reach about 80-90% of HBM's peak (the
+#   default 0.8 kept).
+A100_MAMF = 267.9 / 312
+H100_MAMF = 792.1 / 989
+NCCL_IB = 0.9  # of a NIC's line rate that NCCL's rings reach across nodes
+_A100 = dict(sms=108, gemm_tile=(256, 128), attention_efficiency=0.6,
+             matmul_efficiency=A100_MAMF, inter_node_latency=10e-6)
+_H100 = dict(sms=132, gemm_tile=(256, 128), attention_efficiency=0.3,
+             matmul_efficiency=H100_MAMF, inter_node_latency=10e-6)
 
 # float32 matmuls are planned at TF32 rate, which is what torch uses with
 # ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``.
 PROFILES: dict[str, DeviceProfile] = {
     "h100": _gpu("h100", 67 * TFLOPS, 495 * TFLOPS, 989 * TFLOPS, 1979 * TFLOPS,
-                 3350 * GBps, 80 * GiB, 450 * GBps, 50 * GBps),
+                 3350 * GBps, 80 * GiB, 370 * GBps, NCCL_IB * 50 * GBps, **_H100),
+    # H100 SXM with 96 GB of HBM2e (Meta's Grand Teton, torchtitan's benchmarks), capped at
+    # 500 W: its clock under load, so its peak, lies between the SXM's 989 (700 W) and the
+    # H100 NVL's 835 TFLOP/s bf16 (H100 NVL datasheet, 350-400 W, the same 132 SMs), and its
+    # owners do not know it exactly (torchtitan's benchmark notes): the midpoint, 912, is
+    # taken. Its HBM2e bandwidth is not published: the SXM's 3.35 TB/s is kept (memory-bound
+    # ops are a small share of a training step). One 400 Gb/s NIC per GPU.
+    "h100-96gb": _gpu("h100-96gb", 62 * TFLOPS, 456 * TFLOPS, 912 * TFLOPS, 1824 * TFLOPS,
+                      3350 * GBps, 96 * GiB, 370 * GBps, NCCL_IB * 50 * GBps, **_H100),
     "h200": _gpu("h200", 67 * TFLOPS, 495 * TFLOPS, 989 * TFLOPS, 1979 * TFLOPS,
-                 4800 * GBps, 141 * GiB, 450 * GBps, 50 * GBps),
+                 4800 * GBps, 141 * GiB, 370 * GBps, NCCL_IB * 50 * GBps, **_H100),
     "a100": _gpu("a100", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,
-                 2039 * GBps, 80 * GiB, 300 * GBps, 25 * GBps, pcie=25 * GBps),
+                 2039 * GBps, 80 * GiB, 230 * GBps, NCCL_IB * 25 * GBps, pcie=25 * GBps,
+                 **_A100),
+    # the 40 GB A100 SXM: the same compute and links, HBM2 at 1,555 GB/s (A100 datasheet)
+    "a100-40gb": _gpu("a100-40gb", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,
+                      1555 * GBps, 40 * GiB, 230 * GBps, NCCL_IB * 25 * GBps, pcie=25 * GBps,
+                      **_A100),
     # A CPU process talking gloo over loopback, as `autopar train` runs, measured with 4 ranks
     # on a 2-core machine: a synchronous collective costs 2.5-4 ms whatever its size up to
     # 64 KiB (16 B all-reduce 3.4 ms, 64 KiB all-gather 3.9 ms; 7 ms right after compute, when
@@ -146,7 +248,8 @@ def get_profile(name: str | DeviceProfile) -> DeviceProfile:
     if isinstance(name, DeviceProfile):
         return name
     key = name.lower().replace("-", "").replace("_", "")
-    for alias, real in (("h100sxm", "h100"), ("a10080gb", "a100"), ("h200sxm", "h200")):
+    for alias, real in (("h100sxm", "h100"), ("a10080gb", "a100"), ("h200sxm", "h200"),
+                        ("h10096gb", "h100-96gb"), ("a10040gb", "a100-40gb")):
         if key == alias:
             key = real
     if key not in PROFILES:

@@ -116,12 +116,20 @@ class Mesh:
 def _default_links(
     shape: tuple[int, ...], profile: DeviceProfile
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each axis's link: the node's fabric where the axis and every axis inside it fit in a
+    node, else the network. An axis that crosses nodes with ``k`` of its members in each node
+    (the axes inside it fill less than a node) runs ``k`` rings side by side, each over its
+    own NIC (NCCL's multi-rail rings: one NIC per GPU), so its bus bandwidth is ``k`` NICs'
+    worth, at most the node's fabric."""
     bw, lat = [0.0] * len(shape), [0.0] * len(shape)
+    node = profile.devices_per_node
     inner = 1
     for i in reversed(range(len(shape))):
-        inner *= shape[i]
-        if inner <= profile.devices_per_node:
+        if inner * shape[i] <= node:
             bw[i], lat[i] = profile.intra_node_bandwidth, profile.intra_node_latency
         else:
-            bw[i], lat[i] = profile.inter_node_bandwidth, profile.inter_node_latency
+            rails = max(1, min(shape[i], node // inner)) if inner < node else 1
+            bw[i] = min(profile.intra_node_bandwidth, rails * profile.inter_node_bandwidth)
+            lat[i] = profile.inter_node_latency
+        inner *= shape[i]
     return tuple(bw), tuple(lat)

@@ -80,30 +80,44 @@ class Mode:
         return replace(self, offload=True)
 
 
-def candidate_modes(recompute: str, zero: str) -> list[Mode]:
+def candidate_modes(recompute: str, zero: str, held: bool = False) -> list[Mode]:
     """The modes the planner tries, first the one every other starts from: each recompute
     mode asked for (``auto``: none, selective, full), with and without re-gathering where the
     ZeRO stage is left to it (``full`` always re-gathers then: each layer keeps nothing), and
     ZeRO-1 (whole gradients all-reduced) beside the first. ZeRO-1 moves the bytes ZeRO-2
     does and holds whole gradients, so without gradient accumulation priced it does not win;
-    it is weighed, not assumed away."""
+    it is weighed, not assumed away. ``held``: a pipeline stage, whose parameters gathered
+    once per step are held whole across its microbatches (Megatron's distributed optimizer
+    with full recomputation), so ``full`` is also tried without re-gathering; ZeRO-1 is not
+    (a stage holds its whole gradients to the step's end either way, and all-reduces them at
+    twice ZeRO-2's reduce-scatter bytes)."""
     asked = ["none", "selective", "full"] if recompute == "auto" else [recompute]
     out = []
     for mode in asked:
-        if zero == "3" or (zero == "auto" and mode == "full"):
+        if held and zero == "auto" and mode == "full":
+            out += [Mode(mode), Mode(mode, regather=True)]
+        elif zero == "3" or (zero == "auto" and mode == "full"):
             out.append(Mode(mode, regather=True))
         elif zero == "auto" and mode != "full":
             out += [Mode(mode), Mode(mode, regather=True)] + (
-                [Mode(mode, whole_grads=True)] if mode == asked[0] else [])
+                [Mode(mode, whole_grads=True)] if mode == asked[0] and not held else [])
         else:
             out.append(Mode(mode, whole_grads=zero == "1"))
     return out
 
 
-def reference_mode(recompute: str) -> Mode:
-    """The mode a fixed policy's layout is completed in: full recomputation re-gathers (what
+def reference_mode(recompute: str, zero: str | None = None) -> Mode:
+    """The mode a fixed policy's layout is completed in. ``zero`` pins the ZeRO stage of the
+    parameters the layout stores split: ``"3"`` re-gathers them in the backward (FSDP's
+    reshard after forward), ``"2"`` keeps what the forward gathered, ``"1"`` also all-reduces
+    their gradients whole (a distributed optimizer). None: full recomputation re-gathers (what
     FSDP with per-block activation checkpointing does), the others keep what they gather."""
-    return Mode(recompute, regather=recompute == "full")
+    if zero is None or str(zero) == "auto":
+        return Mode(recompute, regather=recompute == "full")
+    stage = str(zero)
+    if stage not in ("1", "2", "3"):
+        raise PlanError(f"a reference layout's ZeRO stage {zero!r}: use 1, 2, 3 or None")
+    return Mode(recompute, regather=stage == "3", whole_grads=stage == "1")
 
 
 def mode_graph(pg: PlanGraph, mode: Mode | str) -> PlanGraph:

@@ -46,6 +46,7 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.pipeline_mesh import pipeline_axis, stage_mesh
 from autopar.ir.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
+from autopar.models.reference_plans import megatron_pipeline_layouts
 from autopar.passes.pipeline.cost import (
     Option,
     Overheads,
@@ -141,6 +142,11 @@ def plan_pipeline(
     names = schedule_names(fixed.schedule)
     limit, source = memory_limit(options.memory.budget, mesh.device)
     prec = options.resolved_precision(mesh.device)
+    # Megatron's layouts (tensor parallel, distributed optimizer; selective and full
+    # recomputation) are always weighed, so the plan is never slower than they are; they are
+    # listed among the references only where asked for (--compare)
+    asked_refs = set(references or ())
+    references = {**megatron_pipeline_layouts(model, sub.shape, sub.axes), **(references or {})}
 
     best: _Best | None = None
     weighed_all: list[Option] = []  # the solver's layout's, for the table
@@ -158,7 +164,7 @@ def plan_pipeline(
         t1 = time.perf_counter()
         pg = stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
                             math.ceil(n_blocks / p), options.search.max_layers, flight,
-                            trace_cache)
+                            trace_cache, microbatches=m)
         timings["trace_s"] += time.perf_counter() - t1
         try:
             planned = make_plan(model, sub, options=options, graph=pg,
@@ -182,9 +188,12 @@ def plan_pipeline(
                 weighed_all += weighed
             fitting = [o for o in weighed if o.split is not None]
             if name:
-                # a layout that fits no split is shown split at its best with no limit
+                # a layout that fits no split is shown split at its best with no limit,
+                # under one 1F1B schedule only (replaying every schedule of a layout that
+                # runs nowhere cost 405B on pp=16 half its pipeline time)
                 shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
-                                        for sched in scheds], key=lambda o: o.step_s)
+                                        for sched in _display_schedules(scheds)],
+                            key=lambda o: o.step_s)
                 got = _pipeline_cost(planned.plan.provenance.references[name], shown)
                 if name not in ref_costs or got.step_s < ref_costs[name].step_s:
                     ref_costs[name] = got
@@ -213,7 +222,8 @@ def plan_pipeline(
         decided=replace(plan.decided, pipeline=pipe,
                         input_shapes=_full_shapes(plan.decided.input_shapes, batch)),
         predicted=replace(plan.predicted, cost=_pipeline_cost(plan.predicted.cost, best.option)),
-        provenance=replace(pv, timings=timings, memory_budget=limit, references=ref_costs,
+        provenance=replace(pv, timings=timings, memory_budget=limit,
+                           references={k: c for k, c in ref_costs.items() if k in asked_refs},
                            memory_limit_source=source, model=model_name or pv.model))
     return replace(planned, plan=plan)
 
@@ -226,6 +236,16 @@ class _Best:
     option: Option
     profile: StageProfile
     overheads: Overheads
+
+
+def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]:
+    """The schedule a layout that fits nowhere is shown under: 1F1B (the leanest that runs
+    every forward early), else interleaved 1F1B, else the first weighed."""
+    for name in ("1F1B", "Interleaved1F1B"):
+        for s in scheds:
+            if s.name == name:
+                return [s]
+    return list(scheds[:1])
 
 
 def proxy_blocks(planned: Planned) -> int:
@@ -243,11 +263,12 @@ def _pipeline_cost(stand_in: PlanCost, opt: Option) -> PlanCost:
 
 def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn: Any,
                    prec: Any, mb_size: int, blocks: int, max_layers: int | None,
-                   in_flight: float, cache: dict | None = None) -> Any:
+                   in_flight: float, cache: dict | None = None, microbatches: int = 1) -> Any:
     """The stand-in of a stage of ``blocks`` blocks, traced at microbatches of ``mb_size``
-    (:func:`autopar.capture.depth_proxy.stage_representative`). The trace depends on the microbatch
-    and the blocks traced only, so ``cache`` keeps it for other stage sizes and in-flight
-    counts: a copy of the graph carries each call's own proxy."""
+    (:func:`autopar.capture.depth_proxy.stage_representative`), ``microbatches`` per step
+    (what runs once per step weighs 1/microbatches in its plan). The trace depends on the
+    microbatch and the blocks traced only, so ``cache`` keeps it for other stage sizes and
+    in-flight counts: a copy of the graph carries each call's own proxy."""
     batch = batch_size(inputs, kwargs)
     key = ("stage", mb_size, traced_blocks(blocks, max_layers), prec)
     hit = cache.get(key) if cache is not None else None
@@ -258,7 +279,7 @@ def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn
             if cache is not None:
                 cache[key] = hit
     pg = copy.copy(hit)
-    pg.proxy = proxy
+    pg.proxy = replace(proxy, microbatches=microbatches)
     pg.all_param_names = [n for n, q in model.named_parameters() if q.requires_grad]
     return pg
 
@@ -297,7 +318,7 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
         sync += over.tied_s if tied and k in (0, last) else 0.0
         stages.append(PipelineStage(
             k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
-            split.memory_bytes[k], int(held(k, sched.num_stages)), fwd,
+            split.memory_bytes[k], round(held(k, sched.num_stages)), fwd,
             prof.block.recompute_s * (j - i), sync,
             stage_time(sched, prof, i, j, n_blocks, over).split_s))
     fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)

@@ -153,8 +153,8 @@ def make_plan(
     t_trace = time.perf_counter() - t0
     refs_by_mode: dict[Mode, dict[str, Any]] = {}
     for name, ref in (references or {}).items():
-        refs_by_mode.setdefault(reference_mode(getattr(ref, "recompute", "none")),
-                                {})[name] = ref
+        mode = reference_mode(getattr(ref, "recompute", "none"), getattr(ref, "zero", None))
+        refs_by_mode.setdefault(mode, {})[name] = ref
     timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
     runs: dict[Mode, _ModeRun] = {}
 
@@ -176,7 +176,8 @@ def make_plan(
                                 prices_of=next(iter(runs.values())).sp if runs else None)
         return runs[mode]
 
-    candidates = candidate_modes(mem.recompute, mem.zero)
+    held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
+    candidates = candidate_modes(mem.recompute, mem.zero, held)
     first = run(candidates[0], own=True)  # also the start of the other modes' searches
     if first.choice is not None:
         seeds.append(first)
@@ -721,6 +722,13 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
             return _CONFLICT
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
     sol = planner_solve(sp, sub, time_limit_s, domains=maps, local_polish=True)
+    if not sol.feasible and sub.usage_limit is not None and \
+            getattr(ref, "zero", None) is not None:
+        # a layout that carries its ZeRO stage is one a team ran (Megatron's distributed
+        # optimizer, a published run's): where no completion fits, the fastest one is
+        # reported as not fitting (a pipeline weighs it again with other schedules)
+        sub = replace(sub, usage_limit=None)
+        sol = planner_solve(sp, sub, time_limit_s / 4, domains=maps, local_polish=True)
     if not sol.feasible:
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]

@@ -23,6 +23,7 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import spec_str
 from autopar.ir.plan import Plan
+from autopar.ir.precision import Precision
 
 # the stage plans asked for: given (dict by stage index), or made by a callable from the
 # stage's graph (its boundary pinned) and submesh; None: the planner's own (make_plan)
@@ -33,29 +34,34 @@ StagePlanCheck = Callable[[int, PlanGraph, Plan, Mesh, Plan | None, PlanGraph | 
 
 
 def solve_stage(model: nn.Module | None, graph: PlanGraph, mesh: Mesh, time_limit_s: float,
-                model_name: str, zero: int | str = "auto") -> Plan:
-    """A stage's plan on its pinned ``graph``, without a memory limit: the pipeline plan was
-    made under it, and a stage's graph holds one micro-batch, not the in-flight ones the
-    pipeline planner counted."""
+                model_name: str, zero: int | str = "auto", recompute: str = "none") -> Plan:
+    """A stage's plan on its pinned ``graph`` (traced under the pipeline's precision),
+    recomputing as ``recompute`` (a fixed mode: the pipeline's), without a memory limit: the
+    pipeline plan was made under it, and a stage's graph holds one micro-batch, not the
+    in-flight ones the pipeline planner counted."""
     from autopar.ir.options import Options
     from autopar.planning.planner import make_plan
 
     return make_plan(model, mesh, graph=graph, model_name=model_name,
                      options=Options.of(memory_budget=math.inf, workers=1,
-                                        time_limit_s=time_limit_s, zero=zero)).plan
+                                        time_limit_s=time_limit_s, zero=zero,
+                                        recompute=recompute)).plan
 
 
 def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageInputs,
                 targets: StageInputs, loss_fn: Callable, mesh: Mesh,
                 tied: Mapping[str, Sequence[int]], stage_plans: StagePlansAsked = None,
-                time_limit_s: float = 30.0, check: StagePlanCheck | None = None
+                time_limit_s: float = 30.0, check: StagePlanCheck | None = None,
+                precision: Precision | None = None, recompute: str = "none"
                 ) -> tuple[list[Plan], list[StageInputs]]:
     """Every stage's plan on ``mesh`` (the submesh), in order, and the inputs each was traced
     with. ``stages``: all of them (meta weights are enough); ``first``: the first stage's
     token ids, ``targets`` the last stage's targets; ``tied``: weight name -> the stages
     holding a copy; ``check``: run on each plan before it is kept (the runtime's
     ``check_stage_plan``). Each stage's inputs are pinned to the boundary layout, and a tied
-    weight on a later stage to the layout the first holder's plan gave it."""
+    weight on a later stage to the layout the first holder's plan gave it. Every stage is
+    traced under ``precision`` (None: fp32) and the planner's plans recompute as
+    ``recompute`` (plans given or made by a callable recompute as they say)."""
     n = len(stages)
     plans: list[Plan] = []
     inputs: list[StageInputs] = []
@@ -65,12 +71,12 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
     for s in range(n):
         last = s == n - 1
         ins = StageInputs(x.shapes + targets.shapes, x.dtypes + targets.dtypes) if last else x
-        graph = trace_stage(stages[s], ins, last, loss_fn, block_path)
+        graph = trace_stage(stages[s], ins, last, loss_fn, block_path, precision)
         pins = {name: spec for name, spec in placed.items() if s in tied.get(name, ())}
         pinned = pin_boundary(graph, mesh, pins)
         if stage_plans is None:
             plan = solve_stage(stages[s], pinned, mesh, time_limit_s,
-                               f"{type(stages[s]).__name__} {s}")
+                               f"{type(stages[s]).__name__} {s}", recompute=recompute)
         elif callable(stage_plans):
             plan = stage_plans(s, pinned, mesh)
         else:
@@ -110,8 +116,9 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
 def pinned_stage_plans(plan: Plan, time_limit_s: float
                        ) -> Callable[[int, PlanGraph, Mesh], Plan]:
     """The stage plans of a pipeline plan whose stages run one each: each stage's plan with
-    its parameters placed as the pipeline plan's stage layout places them and the rest
-    (activations, collectives) solved on the stage's own graph (:func:`solve_stage`)."""
+    its parameters placed as the pipeline plan's stage layout places them, recomputing in its
+    mode, and the rest (activations, collectives) solved on the stage's own graph
+    (:func:`solve_stage`; the graph is traced under the plan's precision)."""
     ps_ = plan.decided.param_state
     zero = 3 if ps_.regathered else 1 if ps_.zero1 else 2  # of the parameters it splits
 
@@ -119,6 +126,7 @@ def pinned_stage_plans(plan: Plan, time_limit_s: float
         params = plan.decided.params
         pins = {n: params[n] for n in graph.param_names if n in params}
         return solve_stage(None, pin_boundary(graph, mesh, pins), mesh, time_limit_s,
-                           f"{plan.provenance.model} stage {stage}", zero=zero)
+                           f"{plan.provenance.model} stage {stage}", zero=zero,
+                           recompute=plan.decided.recompute.mode)
 
     return stage_plan

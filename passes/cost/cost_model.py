@@ -316,8 +316,62 @@ def compute_time(
             traffic += m.nbytes / num_shards(s, mesh.shape)
     dtype = (out_metas[0] or in_metas[0]).dtype_name if (out_metas or in_metas) else "float32"
     dev = mesh.device
-    t_flops = flops / work_split(ins, outs, mesh) / dev.flops_per_s(dtype) if flops else 0.0
+    t_flops = 0.0
+    if flops:
+        t_flops = flops / work_split(ins, outs, mesh) / op_flops_per_s(op, dtype, in_metas,
+                                                                     ins, mesh)
     return max(t_flops, traffic / dev.bytes_per_s())
+
+
+GEMM_OPS = frozenset(f"aten.{n}" for n in ("mm.default", "addmm.default", "bmm.default",
+                                           "baddbmm.default"))
+
+
+def is_attention(op: str) -> bool:
+    """A fused attention kernel (torch's SDPA backends, forward or backward)."""
+    return "scaled_dot_product" in op or "flash_attention" in op or (
+        "efficient_attention" in op)
+
+
+def op_flops_per_s(op: str, dtype: str, in_metas: tuple[TensorMeta, ...],
+                   ins: tuple[Spec, ...], mesh: Mesh) -> float:
+    """The FLOP/s one device reaches on an op: a GEMM at its shape's efficiency (the local
+    ``m, n, k`` each device multiplies, :meth:`DeviceProfile.gemm_efficiency`), a fused
+    attention kernel at the profile's attention rate, anything else at the large-GEMM rate."""
+    dev = mesh.device
+    if is_attention(op):
+        return dev.attention_flops_per_s(dtype)
+    if op in GEMM_OPS and dev.sms > 0:
+        mnk = _gemm_shape(op, in_metas, ins, mesh.shape)
+        if mnk is not None:
+            return dev.peak(dtype) * dev.gemm_efficiency(*mnk)
+    return dev.flops_per_s(dtype)
+
+
+def _gemm_shape(op: str, in_metas: tuple[TensorMeta, ...], ins: tuple[Spec, ...],
+                mesh_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """``(m, n, k)`` of the GEMM one device runs (a batched GEMM's batch folded into ``m``),
+    from its operands' local shapes."""
+    first = 1 if op in ("aten.addmm.default", "aten.baddbmm.default") else 0
+    if len(in_metas) < first + 2 or len(ins) < first + 2:
+        return None
+    a = local_shape(in_metas[first].shape, ins[first], mesh_shape)
+    b = local_shape(in_metas[first + 1].shape, ins[first + 1], mesh_shape)
+    if len(a) < 2 or len(b) < 2:
+        return None
+    batch = math.prod(a[:-2]) if len(a) > 2 else 1
+    return batch * a[-2], b[-1], a[-1]
+
+
+def local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]
+                ) -> tuple[int, ...]:
+    """The shape of one device's piece of a tensor placed as ``spec``."""
+    out = list(shape)
+    for p, n in zip(spec, mesh_shape):
+        if isinstance(p, Shard) and out:
+            d = p.dim % len(out)
+            out[d] = max(1, out[d] // n)
+    return tuple(out)
 
 
 def param_bytes_per_device(meta: TensorMeta, spec: Spec, mesh: Mesh, optimizer: bool = True,

@@ -178,7 +178,8 @@ def overheads(boundary_bytes: float, mesh: Mesh, axis: int,
 def stage_time(sched: PipelineSchedule, prof: StageProfile, i: int, j: int, n_blocks: int,
                over: Overheads) -> StageTime:
     """The replay's times of a stage holding blocks [i, j), its overheads included. A stage
-    whose backward cannot split (a stage program) runs it whole in the input action; one
+    whose backward cannot split (a stage program whose backward gathers parameters) runs it
+    whole in the input action; one
     that splits it pays a second graph walk per autograd node and, where it recomputes, the
     recomputation again (the input and the weight pass each rerun the forward they need)."""
     fwd, bwd, _, _, kept = chunk_cost(prof, i, j, n_blocks)

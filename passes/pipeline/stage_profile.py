@@ -11,8 +11,9 @@ splits the plan's cost into the three parts the slicing DP (:mod:`.stage_split`)
 - ``post``: what runs after the last block (final norm, head, loss), on the last stage only.
 
 Each part has forward and backward time per microbatch (compute, and the plan's collectives
-inside the step, priced where the reading op runs), gradient synchronisation per step (once,
-after the last microbatch), state bytes (parameters with their gradients and optimizer state,
+inside the step, priced where the reading op runs), what runs once per step (the gradient
+synchronisation after the last microbatch, and the gathers of parameters held whole across the
+microbatches: ZeRO-1/2, a distributed optimizer), state bytes (parameters with their gradients and optimizer state,
 as placed), bytes kept for the backward per microbatch, and its largest transient. A node
 outside the blocks belongs to ``pre`` or ``post`` by where it runs: before the first block's
 forward or after the last block's backward is ``pre``, between is ``post``.
@@ -34,6 +35,7 @@ from autopar.ir import stage_kind
 from autopar.ir.graph import node_layer
 from autopar.ir.placements import local_shape
 from autopar.passes.cost.cost_model import loss_collectives
+from autopar.passes.memory import zero
 from autopar.passes.problem import bucket_fill
 from autopar.passes.problem.step_memory import step_usage
 from autopar.passes.problem.types import ShardingProblem
@@ -66,9 +68,9 @@ class StageProfile:
     post: PartCost
     boundary_bytes: float  # a block's input, per device and microbatch (sent between stages)
     weight_share: float  # the backward's share that computes weight gradients (deferrable)
-    # whether torch can split the stage's backward into its input and weight parts: a stage
-    # that runs its intra-op plan as one program (:func:`runs_as_program`) runs its backward
-    # whole, so the zero-bubble schedules' weight actions run nothing
+    # whether the stage's backward splits into its input and weight parts: a stage that runs
+    # its intra-op plan as one program (:func:`runs_as_program`) splits its lowered backward
+    # unless that gathers parameters (:func:`autopar.ir.stage_kind.program_splits_backward`)
     splits_backward: bool = True
     # gradient bytes per device of parameters both ends read (a head tied to the embedding):
     # the first and last stages each hold a copy and sum their gradients once per step
@@ -85,6 +87,19 @@ def runs_as_program(sp: ShardingProblem, choice: list[int]) -> bool:
     specs = (sp.strategies[i][choice[i]].outs[0] for i, n in enumerate(sp.nodes)
              if n.meta["autopar"].role == "param")
     return stage_kind.runs_as_program(sp.mesh.axes, sp.mesh.shape, specs, sp.zero1)
+
+
+def gathers_in_backward(sp: ShardingProblem, choice: list[int]) -> bool:
+    """Whether this layout's backward gathers a parameter (moves it out of its stored layout,
+    ZeRO-3's re-gathering), as the lowered program's backward would."""
+    def spec_out(i: int, k: int) -> tuple:
+        return tuple(sp.strategies[i][choice[i]].outs[k])
+
+    return any(e.in_idx >= 0 and sp.nodes[e.src].meta["autopar"].param_like
+               and sp.nodes[e.dst].meta["autopar"].phase == "bwd"
+               and spec_out(e.src, e.out_idx)
+               != tuple(sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx])
+               for e in sp.edges)
 
 
 def part_of_nodes(sp: ShardingProblem) -> list[str]:
@@ -163,7 +178,7 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
     for k, colls in scored.edge_collectives.items():
         e = sp.edges[k]
         t = sum(c.time_s for c in colls) * float(weight[e.dst])
-        if e.in_idx < 0:
+        if e.in_idx < 0 or e.once:  # once per step: a gradient sync, a held parameter's gather
             sync[parts[e.dst]] += t
             if e.dst in tied:
                 tied_sync["post" if parts[e.dst] == "pre" else "pre"] += t
@@ -174,12 +189,15 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
     fwd[parts[loss_i]] += sum(c.time_s for c in loss_collectives(
         loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0], sp.mesh))
 
-    # scale to the plan's own totals (its gradient syncs go out in buckets)
-    plan_sync = sum(c.time_s for c in scored.collectives if c.reason == "gradient sync")
+    # scale to the plan's own totals (its gradient syncs go out in buckets, its gathers per
+    # layer); the plan's cost weighs what runs once per step 1/microbatches
+    m = sp.microbatches
+    plan_sync = scored.once_s if m > 1 else sum(
+        c.time_s for c in scored.collectives if c.reason == "gradient sync")
     raw_sync = sum(sync.values())
     raw_rest = sum(fwd.values()) + sum(bwd.values())
     k_sync = plan_sync / raw_sync if raw_sync > 0 else 0.0
-    k_rest = (scored.cost.step_s - plan_sync) / raw_rest if raw_rest > 0 else 0.0
+    k_rest = (scored.cost.step_s - plan_sync / m) / raw_rest if raw_rest > 0 else 0.0
 
     state, saved, transient = _memory_parts(sp, choice, parts, tied)
 
@@ -193,7 +211,8 @@ def stage_profile(sp: ShardingProblem, choice: list[int], blocks: int,
         make("pre", 1.0), make("block", float(blocks)), make("post", 1.0),
         boundary_bytes=_boundary_bytes(sp, parts) / max(1, dp_size),
         weight_share=min(0.9, wgrad / block_bwd) if block_bwd > 0 else 0.5,
-        splits_backward=not runs_as_program(sp, choice),
+        splits_backward=not runs_as_program(sp, choice) or stage_kind.program_splits_backward(
+            gathers_in_backward(sp, choice)),
         tied_bytes=_tied_bytes(sp, choice, tied),
     )
 
@@ -241,7 +260,8 @@ def _memory_parts(sp: ShardingProblem, choice: list[int], parts: list[str], tied
     """State, kept-per-microbatch and largest transient bytes of each part, from the step's
     buffers (:func:`autopar.passes.problem.step_memory.step_usage`). A ``tied`` parameter's state is held
     by both ends (the first and last stages each keep a copy)."""
-    usage, live = step_usage(sp, choice)
+    once: set[int] = set()  # a parameter's gathered copies: one per step, not per microbatch
+    usage, live = step_usage(sp, choice, once)
     n_nodes = len(sp.nodes)
     turn = next((i for i, n in enumerate(sp.nodes) if n.meta["autopar"].phase == "bwd"),
                 n_nodes)
@@ -255,7 +275,8 @@ def _memory_parts(sp: ShardingProblem, choice: list[int], parts: list[str], tied
             continue
         owner = parts[k] if k < n_nodes else parts[min(a, n_nodes - 1)]
         role = sp.nodes[k].meta["autopar"].role if k < n_nodes else ""
-        if role in ("param", "grad"):
+        held_whole = k in once or (k < n_nodes and zero.param_root(sp.nodes[k]) is not None)
+        if role in ("param", "grad") or (held_whole and a < turn <= b):
             state[owner] += u
             if k in tied:
                 state["post" if owner == "pre" else "pre"] += u

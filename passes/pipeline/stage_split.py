@@ -88,10 +88,21 @@ def objective(times: Sequence[float], m: int, v: int = 1) -> float:
 
 
 def schedule_in_flight(schedule: PipelineSchedule) -> InFlightFn:
-    """The microbatches each stage of ``schedule`` holds at its peak. A stage's allocations
-    (forwards) and frees (backwards) all run on its own rank, so the count follows from the
-    order alone; unit times suffice."""
-    peaks = simulate(schedule, StageTime(1.0, 1.0, 1.0)).stage_peak_in_flight
+    """The microbatches each stage of ``schedule`` holds, counted so that a rank's stages
+    add up to what the rank holds at its peak. A stage's allocations (forwards) and frees
+    (backwards) all run on its own rank, so the counts follow from the order alone; unit
+    times suffice. A rank's stages peak at different times: under Interleaved1F1B (p=4, v=2,
+    m=8) its two stages peak at 8 and 4 on rank 0, but the rank holds 11 at once (Megatron's
+    ``2(p-r-1) + (v-1)p + 1``), and rank 1 holds 9, not 8 + 4. Each stage's own peak is
+    scaled by its rank's ratio (exact where the rank's stages keep equal activations)."""
+    sim = simulate(schedule, StageTime(1.0, 1.0, 1.0))
+    peaks = list(map(float, sim.stage_peak_in_flight))
+    for r in range(schedule.p):
+        mine = schedule.rank_stages(r)
+        total = sum(peaks[k] for k in mine)
+        if total > sim.peak_in_flight[r] > 0:
+            for k in mine:
+                peaks[k] *= sim.peak_in_flight[r] / total
     return lambda k, n: peaks[k]
 
 

@@ -139,7 +139,7 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
     meta = edge_meta(sp, e)
     src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
     kind = _kind(sp, e)
-    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, kind, e.written)
+    key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, kind, e.written, e.once)
     mat = sp.matrix_cache.get(key)
     if mat is None:
         src_specs, dst_specs = edge_specs(sp, e)
@@ -153,5 +153,8 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
         pos_dst = {s: i for i, s in enumerate(uniq_dst)}
         si = np.array([pos_src[s] for s in src_specs])
         di = np.array([pos_dst[s] for s in dst_specs])
-        mat = sp.matrix_cache[key] = table[np.ix_(si, di)]
+        mat = table[np.ix_(si, di)]
+        if e.once and sp.microbatches > 1:  # weighed against one microbatch's work
+            mat = np.where(mat >= FORBIDDEN, mat, mat / sp.microbatches)
+        sp.matrix_cache[key] = mat
     return mat if rows is None else mat[rows]

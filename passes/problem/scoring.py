@@ -43,6 +43,10 @@ class Scored:
     cost: PlanCost
     collectives: list[CollectiveUse]
     edge_collectives: dict[int, list[cm.Collective]]  # edge index -> its collectives
+    # of the collectives' time, what runs once per step (``Edge.once``: a pipeline stage's
+    # gradient syncs and gathers of parameters held across microbatches), at full price;
+    # ``cost`` weighs it 1/microbatches, as the solver does
+    once_s: float = 0.0
 
 
 def edge_reason(sp: ShardingProblem, e: Edge) -> str:
@@ -81,15 +85,20 @@ def _add_gradient_syncs(
 def _add_param_gathers(
     sp: ShardingProblem, gathers: list[ParamGather], per_edge: dict[int, list[cm.Collective]],
     agg: dict[tuple[str, str, str], list[float]],
-) -> None:
+) -> float:
     """Parameter gathers go out one all-gather per layer, phase and axis, as the runtime
-    issues them (:func:`autopar.passes.cost.buckets.gather_groups`)."""
+    issues them (:func:`autopar.passes.cost.buckets.gather_groups`). Returns the time of
+    those that run once per step (``Edge.once``)."""
+    once = 0.0
     for group in gather_groups(gathers):
         (c0,) = per_edge[group[0].index]
         slot = agg.setdefault(("all_gather", c0.axis, "parameter gather"), [0, 0.0, 0.0])
         slot[0] += group[0].weight  # a traced layer's group stands for its untraced copies
         slot[1] += sum(per_edge[g.index][0].bytes * g.weight for g in group)
         slot[2] += sum(per_edge[g.index][0].time_s * g.weight for g in group)
+        once += sum(per_edge[g.index][0].time_s * g.weight for g in group
+                    if sp.edges[g.index].once)
+    return once
 
 
 def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
@@ -128,7 +137,11 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         else:
             add(colls, edge_reason(sp, e), float(weight[e.dst]))
     _add_gradient_syncs(sp, syncs, per_edge, agg)
-    _add_param_gathers(sp, gathers, per_edge, agg)
+    once_s = _add_param_gathers(sp, gathers, per_edge, agg)
+    if sp.microbatches > 1:
+        once_s += sum(v[2] for (_, _, reason), v in agg.items() if reason == "gradient sync")
+    else:
+        once_s = 0.0
     for i, s in enumerate(choice):  # all-reduces inside an op: priced in its node cost
         colls = in_op_collectives(sp.nodes[i].meta["autopar"], sp.strategies[i][s], sp.mesh)
         if colls:
@@ -144,7 +157,8 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         n = sp.mesh.ndim
         add(cm.reshard_collectives(TensorMeta((), torch.float32), (Partial(),) * n,
                                    (Replicate(),) * n, sp.mesh), "loss scaling")
-    comm = float(sum(v[2] for v in agg.values()))
+    # what runs once per step weighs 1/microbatches against one microbatch's work
+    comm = float(sum(v[2] for v in agg.values())) - once_s * (1 - 1 / sp.microbatches)
     # the whole step's buffers, not only each node's output: a per-node usage misses the
     # copies two layouts make (gathered weights kept by views, reshard copies, gradient
     # buckets) and keeps a producer that a moved view does not alias (benchmarks/memory.py:
@@ -155,4 +169,4 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         CollectiveUse(kind, axis, int(round(v[0])), float(v[1]), float(v[2]), reason)
         for (kind, axis, reason), v in sorted(agg.items(), key=lambda kv: -kv[1][2])
     ]
-    return Scored(PlanCost(compute + comm, compute, comm, mem), collectives, per_edge)
+    return Scored(PlanCost(compute + comm, compute, comm, mem), collectives, per_edge, once_s)

@@ -135,11 +135,14 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         sp.in_flight = f = pg.proxy.in_flight
         turn = next((i for i, n in enumerate(nodes) if n.meta["autopar"].phase == "bwd"),
                     len(nodes))
+        sp.microbatches = pg.proxy.microbatches
         for i, w in enumerate(sp.weight):
             if w != 1.0:
                 sp.node_cost[i] = sp.node_cost[i] * w
             a, b = sp.live[i]
-            if nodes[i].meta["autopar"].role in ("param", "grad"):
+            # a parameter's own cast or view is one copy per step, whatever is in flight
+            if nodes[i].meta["autopar"].role in ("param", "grad") or \
+                    zero.param_root(nodes[i]) is not None:
                 scale = w
             else:
                 scale = w * f if a < turn <= b else 1.0
@@ -147,6 +150,8 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
                 sp.usage[i] = sp.usage[i] * scale
     else:
         sp.weight = np.ones(len(nodes))
+    if sp.microbatches > 1:
+        mark_once_per_step(sp)
     stage_boundary.apply(sp, pg)  # a pipeline stage's pinned inputs and priced outputs
     sp.peak_time = _replicated_peak(sp)
     merge_followers(sp)
@@ -154,6 +159,26 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     assign_variables(sp, share_layers)
     sp.problem = reduced_problem(sp, memory_budget)
     return sp
+
+
+def mark_once_per_step(sp: ShardingProblem) -> None:
+    """Mark the edges a pipeline stage runs once per step rather than once per microbatch:
+    every gradient sync (gradients are summed over the microbatches, then synced once, as
+    under DDP's ``no_sync``), and the forward's gathers of a parameter that the backward
+    does not gather again (ZeRO-1/2, Megatron's distributed optimizer): its gathered copy is
+    kept whole across the microbatches, so it is gathered once, after the optimizer step.
+    A parameter the backward reads afresh (a re-gathering copy of its view, ZeRO-3, or an op
+    that reads it itself, a norm's weight) is gathered per microbatch, both ways."""
+    regathered = {sp.nodes[e.src] for e in sp.edges
+                  if e.in_idx >= 0 and sp.nodes[e.src].meta["autopar"].role == "param"
+                  and sp.nodes[e.dst].meta["autopar"].phase == "bwd"}
+    for e in sp.edges:
+        if e.in_idx < 0:
+            e.once = True
+        elif sp.nodes[e.dst].meta["autopar"].phase == "fwd" and \
+                sp.nodes[e.src].meta["autopar"].param_like:
+            root = zero.param_root(sp.nodes[e.src])
+            e.once = root is not None and root not in regathered
 
 
 def _frozen(x):

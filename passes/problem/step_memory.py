@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from autopar.passes.problem.types import ShardingProblem
 
 
-def step_usage(sp: ShardingProblem, choice: list[int]
+def step_usage(sp: ShardingProblem, choice: list[int], once: set[int] | None = None
                ) -> tuple[list[float], list[tuple[int, int]]]:
     """Everything one step holds under a complete assignment, as ``(bytes, interval)`` lists
     for :func:`peak_memory`: each node's output (``sp.usage``) and the buffers that exist only
@@ -42,6 +42,11 @@ def step_usage(sp: ShardingProblem, choice: list[int]
     after its own last reader (intervals recomputed with :func:`live_intervals`' ``moved``).
     A move that only slices a replicated piece (``R -> S(d)``) into a block still contiguous
     is a view of its input, as the runtime's ``narrow(...).contiguous()`` leaves it: no copy.
+
+    In a pipeline stage's stand-in, a buffer kept for the backward is held once per
+    microbatch in flight, except a parameter's gathered copy: one per step, whatever is in
+    flight. ``once``, where given, receives the indices of the entries past the nodes' own
+    that are such copies (a node's own is a parameter's cast or view by its role).
     """
     weight = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
     usage = [float(sp.usage[i][s]) for i, s in enumerate(choice)]
@@ -78,8 +83,11 @@ def step_usage(sp: ShardingProblem, choice: list[int]
     turn = next((i for i, n in enumerate(sp.nodes) if n.meta["autopar"].phase == "bwd"),
                 len(sp.nodes))
 
-    def held(nbytes: float, a: int, b: int, w: float) -> None:
-        usage.append(nbytes * (w * sp.in_flight if a < turn <= b else 1.0))
+    def held(nbytes: float, a: int, b: int, w: float, per_step: bool = False) -> None:
+        if per_step and once is not None:
+            once.add(len(usage))
+        f = 1.0 if per_step else sp.in_flight
+        usage.append(nbytes * (w * f if a < turn <= b else 1.0))
         live.append((a, b))
 
     for i, k in enumerate(choice):
@@ -94,7 +102,8 @@ def step_usage(sp: ShardingProblem, choice: list[int]
         f = sp.nodes[i].meta["autopar"]
         held(activation_bytes(f.out, sp.strategies[i][choice[i]].outs[0], sp.mesh),
              i, view_end[i], float(weight[i]))
-    copies: dict[tuple, list] = {}  # one buffer per key: [bytes, start, end, layer weight]
+    # one buffer per key: [bytes, start, end, layer weight, a parameter's copy]
+    copies: dict[tuple, list] = {}
     groups: dict[tuple, list] = {}  # a layer's gather: [start, last reader, {member key: dim}]
     for e, src, dst in moves:
         meta = sp.nodes[e.src].meta["autopar"].outputs[e.out_idx]
@@ -103,7 +112,8 @@ def step_usage(sp: ShardingProblem, choice: list[int]
         key = (e.src, e.out_idx, dst, gather_unit(n) if move is not None else e.dst)
         end = view_end[e.dst] if n.meta["autopar"].op in VIEW_OPS else e.dst
         nbytes = activation_bytes(meta, dst, sp.mesh)
-        slot = copies.setdefault(key, [nbytes, e.dst, end, float(weight[e.dst])])
+        slot = copies.setdefault(key, [nbytes, e.dst, end, float(weight[e.dst]),
+                                       sp.nodes[e.src].meta["autopar"].param_like])
         slot[1], slot[2] = min(slot[1], e.dst), max(slot[2], end)
         if move is not None:
             g = groups.setdefault((gather_unit(n), move[0], meta.dtype), [e.dst, e.dst, {}])
@@ -119,8 +129,8 @@ def step_usage(sp: ShardingProblem, choice: list[int]
         held(sum(b for _, b in members.values()) + (rows if copied else 0.0), a, a, 1.0)
         for k in members:
             copies[k][1], copies[k][2] = a, max(copies[k][2], last)
-    for nbytes, a, b, w in copies.values():
-        held(nbytes, a, b, w)
+    for nbytes, a, b, w, param in copies.values():
+        held(nbytes, a, b, w, param)
     for group, kind in sync_groups(syncs, sp.mesh.shape,
                                    first_bytes=first_bucket_bytes(sp.mesh.device)):
         if kind is None:

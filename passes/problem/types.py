@@ -26,6 +26,9 @@ class Edge:
     # the consumer writes that input in place (a buffer's running stats): the value must reach
     # it as it is, or the write would land on a copy (edge_costs forbids every reshard)
     written: bool = False
+    # runs once per step, not once per microbatch (a pipeline stage's gradient sync, and the
+    # gather of a parameter held whole across the microbatches): weighed 1/microbatches
+    once: bool = False
 
 
 @dataclass
@@ -61,6 +64,7 @@ class ShardingProblem:
     boundary: list[tuple[int, tuple]] = field(default_factory=list)
     weight: np.ndarray | None = None  # real layers each node stands for (depth proxy)
     in_flight: float = 1.0  # microbatches whose kept activations a rank holds (pipelines)
+    microbatches: int = 1  # per step (pipelines): an edge marked ``once`` weighs 1/this
     peak_time: int = 0
     live: list[tuple[int, int]] = field(default_factory=list)
     # reduction results

@@ -15,11 +15,11 @@ stage mesh, the stages are plain modules replicated over ``dp`` (any schedule, a
 models and Hugging Face ones), computing in the plan's precision and recomputing as it says,
 as the SPMD runtime does (:mod:`.planned_stage`); where it splits them (a ``tp`` axis,
 ZeRO/FSDP over ``dp``), each stage runs its own intra-op plan with the parameters placed as
-the pipeline plan says (:mod:`.stage_program`; ``autopar.api`` makes those plans), in fp32
-without recomputation. What neither runs as written (offload, fp16's loss scaling; bf16,
-recomputation or a split-backward schedule in stage programs; selective recomputation under
-a split backward) is refused with the cause and the fix (:func:`check_runnable`),
-never run as something else.
+the pipeline plan says (:mod:`.stage_program`; ``autopar.api`` makes those plans), each
+traced under the plan's precision and recomputing in its mode. What neither runs as written
+(offload, fp16's loss scaling; selective recomputation in plain stages under a split
+backward) is refused with the cause and the fix (:func:`check_runnable`), never run as
+something else.
 """
 
 from __future__ import annotations
@@ -242,8 +242,8 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
     any recompute mode as the SPMD runtime does (:mod:`.planned_stage`; selective
     recomputation under schedules with a whole backward), in autopar's stage modules; nothing
     runs offloaded optimizer state or fp16's loss scaling; stage programs run autopar's GPT-2
-    and Llama-3 stages in fp32, without recomputation, under any schedule (one that splits
-    the backward runs a program's backward whole in its input action)."""
+    and Llama-3 stages in fp32 or bf16 and any recompute mode (inside their lowered
+    backward), under any schedule."""
     pipe = plan.decided.pipeline
     assert pipe is not None
     fix_fit = ("give a larger memory_budget (--memory-budget), more pipeline stages or "
@@ -275,14 +275,6 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
         return
     why = ("its stage mesh has a 'tp' axis" if "tp" in plan.decided.mesh_axes else
            "its stage layout splits parameters over dp (ZeRO/FSDP)")
-    if prec.mixed or mode != "none":
-        what = [f"computes in {prec.name}"] * prec.mixed + \
-            [f"recomputes activations ({mode})"] * (mode != "none")
-        fix = ["precision='fp32'"] * prec.mixed + ["recompute='none'"] * (mode != "none")
-        raise PlanError(f"the plan {' and '.join(what)}, but stages that run their own plan "
-                        f"({why}) trace and run in fp32 without recomputation: plan it with "
-                        f"{' and '.join(fix)}, or use a mesh of axes ('pp', 'dp') whose "
-                        "stages stay replicated")
     if model is not None and ps.module_family(model) not in ("gpt2", "llama3"):
         raise PlanError(f"the plan runs each stage's own intra-op plan ({why}), which pipelines "
                         f"do for autopar's GPT-2 and Llama-3 models only, not "
@@ -292,11 +284,12 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
 
 def runnable_option(plan: Plan) -> ScheduleOption | None:
     """Where the planner chose a schedule the plan's stages cannot run (a split backward
-    under selective recomputation), the fastest option it weighed that they can; None where
-    its choice runs."""
+    under selective recomputation in plain stages), the fastest option it weighed that they
+    can; None where its choice runs."""
     pipe = plan.decided.pipeline
     assert pipe is not None
-    if plan.decided.recompute.mode != "selective" or not splits_backward(pipe.schedule):
+    if plan.decided.recompute.mode != "selective" or not splits_backward(pipe.schedule) \
+            or plan_runs_as_program(plan):
         return None
     fit = [o for o in pipe.options if math.isfinite(o.step_s)
            and not splits_backward(o.schedule)]
@@ -371,8 +364,9 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
             "forward return the output when called with the inputs alone, and pass "
             "loss_fn=(output, targets) -> loss, or run it on a mesh without a 'pp' axis")
     options: dict[str, Any] = {"frontend": "auto"}
-    if plan_runs_as_program(plan):
-        options = {"frontend": "module"}
+    if plan_runs_as_program(plan):  # each stage traced under them, planned in the mode
+        options = {"frontend": "module", "precision": plan.decided.precision,
+                   "recompute": plan.decided.recompute.mode}
     else:
         # as the SPMD runtime runs them (planned_stage)
         options["precision"] = plan.decided.precision

@@ -82,6 +82,14 @@ def _mesh_groups(mesh: Any) -> tuple[Any, dict[str, Any]]:
 AXES = ("pp", "dp", "tp")  # a pipeline's mesh axes: stages, data and tensor parallelism
 
 
+def _tp_size(mesh: Any) -> int:
+    """The size of ``mesh``'s ``tp`` axis (a torch DeviceMesh or an :class:`autopar.Mesh`),
+    1 where it has none: read before any process group is made."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or getattr(mesh, "axes", None) or ())
+    shape = tuple(getattr(mesh, "shape", None) or ())
+    return shape[names.index("tp")] if "tp" in names and len(shape) == len(names) else 1
+
+
 def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
                    split: Sequence[int] | Sequence[tuple[int, int]] | None = None,
                    schedule: str = "1f1b", n_microbatches: int = 4, virtual: int | None = None,
@@ -118,8 +126,9 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     runtime does under a plan's (:mod:`.planned_stage`: parameters cast once per forward,
     fp32 masters and gradients, gradients averaged over ``dp`` in the precision's reduce
     dtype; each block checkpointed); they need autopar's stage modules (``frontend``
-    ``"module"``, which ``"auto"`` then picks). Stages that run a plan each run fp32 without
-    recomputation.
+    ``"module"``, which ``"auto"`` then picks). Stages that run a plan each compute and
+    recompute as their plans say (traced under the precision, the plan's recomputation
+    applied to the traced stage), which must be ``precision`` and ``recompute``.
     """
     layout = pipeline_layout(model, example_inputs, mesh, split, schedule, n_microbatches,
                              virtual, frontend, loss_fn, stage_plans is not None, precision,
@@ -167,7 +176,10 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
     info.torch_class()  # this torch has it
     style, per_rank = info.placement, info.stages_per_rank
     prec = resolve_precision(precision or "fp32", None)
-    check_modes(prec, recompute, schedule if info.splits_backward else None)
+    # a stage program recomputes inside its one lowered backward, whatever the schedule does
+    # with it; a plain stage's selective checkpointing holds for one backward pass only
+    plain_split = info.splits_backward and not (plans_given or _tp_size(mesh) > 1)
+    check_modes(prec, recompute, schedule if plain_split else None)
     modes = prec.mixed or recompute != "none"  # the stages run under planned_stage
     virtual = virtual if virtual is not None else (per_rank or 1)
     if per_rank is not None and virtual != per_rank:
@@ -189,12 +201,6 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
     programs = tp > 1 or plans_given
     if programs:
         frontend = _program_frontend(family, frontend, schedule, names)
-        if modes:
-            raise PlanError(
-                f"stages that run a plan each (a 'tp' axis, or stage_plans) trace and run in "
-                f"fp32 without recomputation, not {prec.name} with recompute={recompute!r}: "
-                "pass precision='fp32' and recompute='none', or use a mesh of axes "
-                "('pp', 'dp')")
     elif modes:
         frontend = modes_frontend(model, family, frontend, prec, recompute)
     n_stages = pp * virtual
@@ -209,7 +215,7 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
     if device.type == "cuda":  # this process's GPU (init_from_env set it from LOCAL_RANK)
         device = torch.device("cuda", torch.cuda.current_device())
     loss = loss_fn or ps.loss_fn_for(model)
-    if prec.mixed:
+    if prec.mixed and not programs:  # a program traces its loss under the policy itself
         loss = under_policy(loss, prec)
     if programs:
         from autopar.runtime.pipeline.stage_program import stage_submesh
@@ -238,7 +244,8 @@ def build_from_layout(model: nn.Module, example_inputs: tuple, layout: PipelineL
                 "autopar.api.build_pipeline (it plans them) or autopar.parallelize")
         mods, stages, plans = build_programs(model, lay.block_path, lay.ranges, lay.local,
                                              lay.dmesh, groups["pp"], loss, lay.device,
-                                             stage_plans)
+                                             stage_plans, lay.precision, lay.recompute,
+                                             info.splits_backward)
         loss = _loss_of_last_stage  # the last stage's program computes the loss itself
     else:
         mods, stages, frontend = _module_stages(

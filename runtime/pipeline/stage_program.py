@@ -26,6 +26,7 @@ limit; every rank must run the same program). The runtime runs them and makes no
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import local_shape, spec_str
 from autopar.ir.plan import Plan
+from autopar.ir.precision import Precision
+from autopar.runtime import _compat
 from autopar.runtime.parallel_module import ParallelModule, ProgramCall, store_fresh_grads
 
 TARGETS = "targets"  # the keyword input the last stage reads its targets from
@@ -66,7 +69,13 @@ class _StageStep(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:  # type: ignore[override]
         call: ProgramCall = ctx.call
         saved, ctx.saved_env = ctx.saved_env, None
-        carry, sync = call.pm._grad_sync_turn()
+        prog = call.pm
+        if prog.split_weights and call.lowered.bwd_split is not None:
+            # the input's gradient now; the weights' when the schedule's W action runs
+            dx = call.lowered.stage_backward_input(saved, grad_out.contiguous(), prog._comm)
+            prog._weights_left.append((call, saved))
+            return (None, dx, *[None] * len(prog._param_list))
+        carry, sync = prog._grad_sync_turn()
         grads, dx = call.run_stage_backward(saved, grad_out.contiguous(), carry, sync)
         return (None, dx, *store_fresh_grads(ctx, call.pm._param_list, grads, skip=1))
 
@@ -80,10 +89,18 @@ class StageProgram(ParallelModule):
     backward but the step's last keeps its parameters' local gradient contributions (the ones
     the sync would sum or move into their parameter's layout) in a carry, and the last adds
     them to its own before running the sync, as DDP's ``no_sync`` does under torch's
-    schedules. The last is counted, not told: under the split-backward schedules the program's
-    whole backward runs in the input action, which torch calls with ``last_backward=False``
-    for every micro-batch. Collectives that make activations' gradients run in every
-    backward. Outside such a bracket every backward syncs its own gradients."""
+    schedules. The last is counted, not told: under the split-backward schedules the
+    weights' halves run in the W actions, which torch calls with ``last_backward=False`` for
+    every micro-batch. Collectives that make activations' gradients run in every backward.
+    Outside such a bracket every backward syncs its own gradients.
+
+    With ``split_weights`` (a schedule that splits the backward, :func:`build_programs` sets
+    it), a backward runs the steps the input's gradient needs (the I action) and leaves the
+    rest, the weights' gradients and their sync, to the runner :meth:`weight_runner` hands
+    torch's stage (the W action), as the zero-bubble schedules expect: the lowered program's
+    :attr:`~autopar.runtime.lower.LoweredGraph.bwd_split`. A stage whose backward does not
+    split (:meth:`~autopar.runtime.lower.LoweredGraph._split_backward`) runs it whole in
+    the I action."""
 
     def __init__(self, stage: nn.Module, submesh: Any, graph: PlanGraph, plan: Plan,
                  compile: bool = False) -> None:
@@ -97,6 +114,9 @@ class StageProgram(ParallelModule):
         self._defer = 0  # backwards in this step, the sync in the last (<= 1: in every one)
         self._seen = 0  # backwards run so far in this step
         self._carry: dict[int, torch.Tensor] = {}  # parameter index -> local gradient sum
+        self.split_weights = False  # the weights' gradients in a W action of their own
+        self._weights_left: list[tuple[ProgramCall, dict]] = []  # I actions run, W not yet
+        self.weight_actions = 0  # the weights' halves run since it was built
 
     def defer_grad_sync(self, n_backwards: int) -> None:
         """The next ``n_backwards`` backwards are one step's: run the plan's gradient sync
@@ -113,6 +133,25 @@ class StageProgram(ParallelModule):
                 f"internal: the stage program's gradient sync was deferred to its backward "
                 f"{want} of the step, but {seen} ran: {left} parameters' gradients were "
                 "never summed across ranks")
+
+    def weight_runner(self) -> Callable[[], None]:
+        """What the W action of the backward just run (torch's ``dw_builder``, called right
+        after it) runs: the weights' half of its split backward, or nothing where it ran
+        whole."""
+        if not self._weights_left:
+            return _nothing
+        call, saved = self._weights_left.pop()
+        return functools.partial(self._run_weights, call, saved)
+
+    def _run_weights(self, call: ProgramCall, saved: dict) -> None:
+        carry, sync = self._grad_sync_turn()
+        grads = call.lowered.stage_backward_weight(saved, self._comm, carry, sync)
+        self.weight_actions += 1
+        saved.clear()
+        for p, g in zip(self._param_list, grads):  # accumulated as autograd would
+            if g is not None:
+                d = _compat.dtensor_like(p, g)
+                p.grad = d if p.grad is None else p.grad + d
 
     def _grad_sync_turn(self) -> tuple[dict[int, torch.Tensor] | None, bool]:
         """(carry, whether this backward runs the gradient sync) for the backward starting."""
@@ -280,11 +319,15 @@ def local_output(program: StageProgram, device: torch.device) -> torch.Tensor:
 
 def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int, int]],
                    local: Sequence[int], dmesh: Any, pp_group: Any, loss_fn: Callable,
-                   device: torch.device, planned: PlannedStages
+                   device: torch.device, planned: PlannedStages,
+                   precision: Precision | None = None, recompute: str = "none",
+                   split_backward: bool = False
                    ) -> tuple[dict[int, StageProgram], list, list[Plan]]:
     """This rank's stages as :class:`StageProgram` s on the submesh of ``dmesh``'s axes other
-    than ``pp``, running the plans ``planned`` gives, torch's ``PipelineStage`` over each
-    (static shapes: this rank's pieces), and every stage's plan."""
+    than ``pp``, running the plans ``planned`` gives (each must compute in ``precision``,
+    None: fp32, and recompute in mode ``recompute``), torch's ``PipelineStage`` over each
+    (static shapes: this rank's pieces), and every stage's plan. ``split_backward``: the
+    schedule splits the backward (I and W actions), and so do the programs."""
     from torch.distributed.pipelining import PipelineStage
 
     from autopar.passes.memory.recompute import apply_recompute
@@ -296,27 +339,41 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
         raise PlanError(f"{len(planned.plans)} stage plans for a pipeline of {n_stages} stages: "
                         "give one plan per stage")
     plans, inputs = list(planned.plans), list(planned.inputs)
+    for s, plan in enumerate(plans):
+        _check_modes(s, plan, precision, recompute)
     mods = ps.module_stages(model, block_path, ranges, local)
     programs: dict[int, StageProgram] = {}
     stages = []
     for s in local:
-        graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path)
-        graph = apply_recompute(graph, plans[s].decided.recompute.nodes)  # as the plan was made
+        # traced under the plan's precision (its casts are ops of the program, the parameters
+        # stay fp32 masters) and recomputing what the plan recomputes, as the plan was made
+        graph = trace_stage(mods[s], inputs[s], s == n_stages - 1, loss_fn, block_path,
+                            plans[s].decided.precision)
+        graph = apply_recompute(graph, plans[s].decided.recompute.nodes)
         programs[s] = prog = StageProgram(mods[s], submesh, graph, plans[s])
-        # the program's backward is one lowered piece: under a schedule that splits it (ZBV,
-        # DualPipeV, InterleavedZeroBubble) the input action runs it whole, as torch does for
-        # a stage given a weight-gradient builder, and the weight action has nothing left
+        # under a schedule that splits the backward (ZBV, DualPipeV, InterleavedZeroBubble)
+        # torch runs the program's backward in the I action and the runner its dw_builder
+        # made in the W action: the weights' half (StageProgram.weight_runner)
+        prog.split_weights = split_backward
         stages.append(PipelineStage(prog, s, n_stages, device,
                                     input_args=local_example(inputs[s], plans[s], graph,
                                                              device, 1),
                                     output_args=local_output(prog, device), group=pp_group,
-                                    dw_builder=_weights_done))
+                                    dw_builder=prog.weight_runner))
     return programs, stages, plans
 
 
-def _weights_done() -> Callable[[], None]:
-    """A stage program's weight-gradient runner: its gradients were made with its input's."""
-    return _nothing
+def _check_modes(s: int, plan: Plan, precision: Precision | None, recompute: str) -> None:
+    """Refuse a stage plan made for another precision or recompute mode than the pipeline
+    runs (its graph would be traced otherwise than it was planned)."""
+    want = precision or Precision()
+    d = plan.decided
+    if d.precision.name != want.name or d.recompute.mode != recompute:
+        raise PlanError(
+            f"stage {s}'s plan computes in {d.precision.name} with recompute "
+            f"{d.recompute.mode!r}, but the pipeline runs {want.name} with recompute "
+            f"{recompute!r}: build it with precision={d.precision.name!r} and "
+            f"recompute={d.recompute.mode!r}, or plan the stages for what it runs")
 
 
 def _nothing() -> None:

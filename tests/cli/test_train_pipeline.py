@@ -34,10 +34,6 @@ from harness.spmd import train_usage_error
      "--schedule, --microbatches and --virtual need a pipeline axis"),
     (["--mesh", "pp=2,ep=2"], "pipelines run on mesh axes 'pp', 'dp' and 'tp'; ep=2 is not"),
     (["--mesh", "pp=2,dp=2", "--compile"], "--compile does not apply to pipelines yet"),
-    # bf16 and recomputation run on stages replicated over dp (test_pipeline_modes.py)
-    (["--mesh", "pp=2,tp=2", "--precision", "bf16", "--recompute", "full"],
-     "--precision bf16 --recompute full: stages that run their own plan (a tp axis) run in "
-     "fp32 without recomputation"),
     (["--mesh", "pp=2,dp=2", "--precision", "fp16"],
      "--precision fp16: pipeline stages do not do fp16's dynamic loss scaling yet; use "
      "--precision bf16"),

@@ -325,3 +325,48 @@ def four_block_model(preset_name: str, batch: int, seq: int) -> tuple[nn.Module,
     model = preset.build("cpu")
     torch.manual_seed(1)
     return model, preset.example_inputs(batch, seq, "cpu")
+
+
+@contextlib.contextmanager
+def one_process() -> Iterator[None]:
+    """This process as a world of one (gloo), for autopar's single-device SPMD run."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def one_device_run(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
+                   microbatches: int, precision: str, steps: int) -> dict:
+    """autopar's single-device run of ``model`` (``parallelize`` on a one-device mesh: the
+    traced step under ``precision``'s policy), each step the batch as ``microbatches``
+    micro-batches whose losses, divided by their number, are backwarded in turn (as a
+    pipeline accumulates them), ``steps`` AdamW steps: each step's loss, the last step's
+    gradients and the parameters after."""
+    m, rows = microbatches, tokens.shape[0] // microbatches
+    with one_process():
+        pm = autopar.parallelize(model, autopar.Mesh((1,), ("dp",), "cpu"),
+                                 (tokens[:rows], targets[:rows]), precision=precision,
+                                 recompute="none", time_limit_s=2.0)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        losses: list[float] = []
+        grads: dict = {}
+        for _ in range(steps):
+            total = 0.0
+            for xs, ys in zip(tokens.chunk(m), targets.chunk(m)):
+                part = pm(xs, ys) / m
+                part.backward()
+                total += float(part.detach())
+            losses.append(total)
+            grads = {n: _held(p.grad) for n, p in pm.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        return {"losses": losses, "grads": grads,
+                "params": {n: _held(p) for n, p in pm.named_parameters()}}
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()

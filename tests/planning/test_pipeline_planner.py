@@ -91,8 +91,9 @@ def test_the_runtime_costs_are_the_profiles_and_the_timeline_replays_them():
 
 
 @pytest.mark.parametrize("axes,shape", [(("pp", "dp"), (2, 2)), (("pp", "tp"), (2, 2))])
-def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes, shape):
+def test_stage_programs_split_the_backward_unless_it_gathers_parameters(axes, shape):
     from autopar.ir.stage_kind import plan_runs_as_program
+    from autopar.passes.pipeline.stage_profile import gathers_in_backward
     from autopar.planning.pipeline import proxy_blocks, stage_mesh
 
     model, inputs = gpt(n_layer=4)
@@ -101,15 +102,18 @@ def test_stages_that_run_their_plan_as_a_program_do_not_split_the_backward(axes,
     pipe = planned.plan.decided.pipeline
     prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned),
                          stage_mesh(mesh, 0).data_parallel_size)
-    # the stage kind the planner priced is the one the runtime reads off the plan made
-    assert prof.splits_backward == (not plan_runs_as_program(planned.plan))
+    # the stage kind the planner priced is the one the runtime reads off the plan made; a
+    # stage program splits its lowered backward unless that gathers parameters
+    program = plan_runs_as_program(planned.plan)
+    assert program == ("tp" in axes)
+    gathers = gathers_in_backward(planned.problem, planned.node_choice)
+    assert prof.splits_backward == (not program or not gathers)
     if prof.splits_backward:
         assert pipe.weight_share > 0 and all(st.split_s > 0 for st in pipe.stages)
     else:
-        # a stage program's backward runs whole in the input action: no weight part to
-        # defer, and no second graph walk to pay for
+        # a backward run whole in the input action: no weight part to defer, and no second
+        # graph walk to pay for
         assert pipe.weight_share == 0 and all(st.split_s == 0 for st in pipe.stages)
-    assert ("tp" in axes) == (not prof.splits_backward)
 
 
 def test_a_split_backward_recomputes_in_both_passes():

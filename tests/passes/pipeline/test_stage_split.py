@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.ir.errors import PlanError
-from autopar.passes.pipeline.schedule import PipelineSchedule, simulate
+from autopar.passes.pipeline.schedule import PipelineSchedule, StageTime, simulate
 from autopar.passes.pipeline.stage_split import (
     StageCost,
     layer_cost,
@@ -186,3 +186,17 @@ def test_no_fit_names_the_memory_that_would_fit_and_what_helps():
     assert "needs 6 GiB" in msg
     for hint in ("more pipeline stages", "fewer microbatches in flight", "recomputation"):
         assert hint in msg.lower()
+
+
+@pytest.mark.parametrize("p, v, m", [(4, 2, 8), (4, 4, 8), (8, 2, 16)])
+def test_an_interleaved_ranks_in_flight_is_what_it_holds_at_once_not_its_stages_peaks(p, v, m):
+    sched = PipelineSchedule("Interleaved1F1B", p, v, m)
+    flight = schedule_in_flight(sched)
+    held = [sum(flight(k, sched.num_stages) for k in sched.rank_stages(r)) for r in range(p)]
+    # Megatron's interleaved warm-up: 2(p-r-1) + (v-1)p forwards, then one more in 1F1B
+    assert held == pytest.approx([2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)])
+    # less than the sum of each stage's own peak, which come at different times
+    peaks = simulate(sched, StageTime(1.0, 1.0, 1.0)).stage_peak_in_flight
+    assert sum(held) < sum(peaks)
+    one = PipelineSchedule("1F1B", p, 1, m)
+    assert [schedule_in_flight(one)(k, p) for k in range(p)] == [p - k for k in range(p)]

@@ -25,23 +25,21 @@ gradients and parameters within 1e-3 (a quarter of bf16's rounding; measured: eq
 bit), and at least 5e-3 away from fp32's (measured 2e-2), so precision not applied fails.
 
 What plain stages do not run (fp16, selective recomputation under a split backward, torch's
-traced stages) and stage programs in bf16 or recomputing are refused here for
-``build_pipeline``, in ``test_pipeline_parallelize.py`` for ``parallelize`` and in
-``test_train_pipeline.py`` for ``autopar train``.
+traced stages) is refused here for ``build_pipeline``, in ``test_pipeline_parallelize.py``
+for ``parallelize`` and in ``test_train_pipeline.py`` for ``autopar train``. Stage programs
+(pp x tp) in bf16 and recomputing: ``test_pipeline_tp.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness.spmd import EPS, LR, fake_world, rel_err
+from harness.spmd import EPS, LR, fake_world, one_device_run, rel_err
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
@@ -197,10 +195,6 @@ def test_what_plain_stages_do_not_run_is_refused() -> None:
                                             r".*not fp32 with recompute='full': use "
                                             r"frontend='module'"):
             build_pipeline(model, inputs, pp, frontend="trace", recompute="full")
-        tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-        with pytest.raises(PlanError, match=r"stages that run a plan each .* trace and run in "
-                                            r"fp32 without recomputation, not bf16"):
-            build_pipeline(model, inputs, tp, precision="bf16")
 
 
 # --- 2 gloo processes -----------------------------------------------------------------------
@@ -270,29 +264,6 @@ def _counted(step, counts: Counter):
     return run
 
 
-@contextlib.contextmanager
-def _one_process() -> Iterator[None]:
-    """This process as a world of one (gloo), for autopar's single-device SPMD run."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _one_device(preset: str, m: int, precision: str) -> dict:
-    """autopar's single-device run (the traced step under ``precision``), the batch as ``m``
-    micro-batches accumulated, as the pipeline's."""
-    model, (x, y) = _build(preset)
-    with _one_process():
-        pm = autopar.parallelize(model, autopar.Mesh((1,), ("dp",), "cpu"),
-                                 (x[: BATCH // m], y[: BATCH // m]), precision=precision,
-                                 recompute="none", time_limit_s=2.0)
-        return _train(pm, _steps(pm, x, y, m))
-
-
 def test_pipelines_recompute_and_compute_in_bf16_as_one_device() -> None:
     from autopar.runtime.launch import launch
 
@@ -316,7 +287,8 @@ def test_pipelines_recompute_and_compute_in_bf16_as_one_device() -> None:
         got = {what: {n: t for rep in reports for n, t in rep[name]["got"][what].items()}
                for what in ("grads", "params")}
         got["losses"] = reports[0][name]["got"]["losses"]
-        same = _one_device(preset, m, precision)
+        model, (x, y) = _build(preset)
+        same = one_device_run(model, x, y, m, precision, STEPS)
         model, (x, y) = _build(preset)
         fp32 = _train(model, _steps(model, x, y, m))
         assert set(got["params"]) == set(same["params"]), name  # every parameter, once

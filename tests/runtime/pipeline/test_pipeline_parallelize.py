@@ -277,12 +277,6 @@ def test_what_the_pipeline_runtime_cannot_run_is_refused() -> None:
     _refused(PlanError, r"which pipelines do for autopar's GPT-2 and Llama-3 models only, not "
              r"LlamaForCausalLM: use a mesh of axes \('pp', 'dp'\)", (2, 2), ("pp", "tp"),
              hf=True, schedule="1F1B")
-    # plain stages run bf16 and recomputation (test_pipeline_modes.py); stage programs do not
-    _refused(PlanError, r"the plan computes in bf16 and recomputes activations \(full\), but "
-             r"stages that run their own plan \(its stage mesh has a 'tp' axis\) trace and run "
-             r"in fp32 without recomputation: plan it with precision='fp32' and "
-             r"recompute='none', or use a mesh of axes \('pp', 'dp'\)", (2, 2), ("pp", "tp"),
-             precision="bf16", recompute="full", schedule="1F1B")
     _refused(PlanError, r"the plan computes in fp16, whose dynamic loss scaling pipeline stages "
              r"do not do yet: plan it with precision='bf16'", (2, 2), precision="fp16")
     _refused(PlanError, r"the plan recomputes selectively under ZBVZeroBubble, whose backward "
@@ -312,3 +306,23 @@ def test_a_given_plan_must_match(tmp_path) -> None:
     flat = make_plan(model, autopar.Mesh((4,), ("dp",), "cpu"), inputs,
                      options=Options.of(time_limit_s=2.0)).plan
     _refused(PlanError, r"the plan has no pipeline section", (2, 2), plan=flat)
+
+
+def test_stage_programs_are_built_in_the_plans_precision_and_recompute_mode() -> None:
+    """A pp x tp pipeline plan in bf16 that recomputes runs as stage programs in its
+    precision and recompute mode (no refusal), and one under a split backward keeps its
+    schedule: a program recomputes inside its lowered backward, whichever half runs it."""
+    from autopar.planning.pipeline import plan_pipeline
+    from autopar.runtime.pipeline import module as pm
+
+    model, inputs = _gpt2(4)
+    mesh = autopar.Mesh((2, 2), ("pp", "tp"), "cpu")
+    for recompute, schedule in (("full", "1F1B"), ("selective", "ZBVZeroBubble")):
+        plan = plan_pipeline(model, mesh, inputs, options=Options.of(
+            time_limit_s=2.0, precision="bf16", recompute=recompute, schedule=schedule)).plan
+        _, options = pm.build_options(model, plan, inputs, None)
+        mode = plan.decided.recompute.mode
+        assert mode != "none"
+        assert (options["precision"].name, options["recompute"]) == ("bf16", mode)
+        assert options["schedule"] == schedule_info(schedule).key
+        assert pm.runnable_option(plan) is None  # no other schedule forced on it

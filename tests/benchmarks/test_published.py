@@ -1,0 +1,134 @@
+"""``benchmarks/published.py``: a published run's layout read as autopar pins it, the reasons a
+run is not expressible, the model rebuilt from its numbers, and one small run planned end to
+end with the published layout pinned (its ZeRO stage and recomputation as published)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.planning.modes import Mode, reference_mode
+
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT / "benchmarks"))
+_spec = importlib.util.spec_from_file_location("bench_published", _ROOT / "benchmarks" /
+                                               "published.py")
+published = importlib.util.module_from_spec(_spec)
+sys.modules["bench_published"] = published  # dataclasses read their module's namespace
+_spec.loader.exec_module(published)
+
+MEGATRON = {
+    "id": "m",
+    "model": {"params": 1.0e9, "layers": 8, "hidden": 1024, "heads": 16, "kv_heads": None,
+              "ffn": None, "vocab": 51200, "seq": 2048},
+    "gpu": {"type": "A100 80GB (DGX A100)", "count": 64, "per_node": 8},
+    "layout": {"tp": 4, "pp": 2, "dp": 8, "cp": 1, "virtual": 2,
+               "schedule": "interleaved 1F1B", "micro_batch": 2, "global_batch_seqs": 256,
+               "global_batch_tokens": 524288, "sequence_parallel": False,
+               "zero": "none (DDP: local)", "recompute": "full (--checkpoint-activations)",
+               "precision": "fp16 mixed precision"},
+    "compare": {"tokens_per_s_per_gpu": 1000.0},
+}
+
+
+def run_with(**layout):
+    run = copy.deepcopy(MEGATRON)
+    run["layout"].update(layout)
+    return run
+
+
+def test_megatron_layout_is_read_as_published():
+    lay = published.read_layout(MEGATRON)
+    assert (lay.tp, lay.pp, lay.dp, lay.gpus) == (4, 2, 8, 64)
+    assert (lay.schedule, lay.virtual, lay.microbatches) == ("Interleaved1F1B", 2, 16)
+    assert (lay.zero, lay.recompute, lay.precision, lay.device) == (None, "full", "fp16", "a100")
+    assert lay.mesh_text == "pp=2,dp=8,tp=4"
+
+
+@pytest.mark.parametrize("words,stage", [
+    ("FSDP (FSDP2, fully sharded over all GPUs)", "3"),
+    ("ZeRO stage 1 (DeepSpeed BF16_Optimizer)", "1"),
+    ("none (DDP: torch)", None),
+])
+def test_zero_words(words, stage):
+    assert published.read_layout(run_with(zero=words)).zero == stage
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"micro_batch": None}, "layout.micro_batch"),
+    ({"global_batch_seqs": "2M tokens"}, "layout.global_batch_seqs"),
+    ({"cp": 2}, "context parallel"),
+    ({"recompute": "not stated"}, "recompute"),
+    ({"dp": 3}, "is not the 64 GPUs"),
+    ({"global_batch_seqs": 250}, "does not split"),
+    ({"zero": "something else"}, "not a ZeRO stage"),
+])
+def test_not_expressible_names_the_reason(change, why):
+    with pytest.raises(published.NotExpressible, match=why):
+        published.read_layout(run_with(**change))
+
+
+def test_unknown_gpu_is_not_expressible():
+    run = copy.deepcopy(MEGATRON)
+    run["gpu"]["type"] = "MI300X"
+    row = published.plan_run(run, search=False, time_limit_s=1.0)
+    assert row["expressible"] is False and "no device profile" in row["why"]
+    assert row["measured_tokens_per_s_per_gpu"] == 1000.0
+
+
+def test_dp_derived_from_the_gpu_count():
+    lay = published.read_layout(run_with(dp=None))
+    assert lay.dp == 8
+
+
+def test_models_rebuilt_gpt_or_llama_style():
+    gpt = published.build_model(MEGATRON["model"])
+    assert gpt.family == "gpt2" and gpt.config.n_layer == 8
+    llama = published.build_model({**MEGATRON["model"], "kv_heads": 4, "ffn": 2816})
+    assert llama.family == "llama3" and llama.config.n_kv_heads == 4
+    with pytest.raises(published.NotExpressible, match="cannot be built"):
+        published.build_model({**MEGATRON["model"], "heads": 7})
+
+
+def test_reference_mode_pins_the_zero_stage():
+    assert reference_mode("full") == Mode("full", regather=True)
+    assert reference_mode("selective", "3") == Mode("selective", regather=True)
+    assert reference_mode("full", "2") == Mode("full")
+    assert reference_mode("none", "1") == Mode("none", whole_grads=True)
+
+
+def test_small_run_planned_end_to_end():
+    run = {
+        "id": "tiny",
+        "model": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": None, "ffn": None,
+                  "vocab": 256, "seq": 64},
+        "gpu": {"type": "A100 80GB", "count": 4, "per_node": 8},
+        "layout": {"tp": 2, "pp": 1, "dp": 2, "cp": 1, "virtual": None, "schedule": "none",
+                   "micro_batch": 2, "global_batch_seqs": 4, "sequence_parallel": False,
+                   "zero": "FSDP", "recompute": "selective", "precision": "bf16"},
+        "compare": {"tokens_per_s_per_gpu": 1.0e5},
+    }
+    row = published.plan_run(run, search=False, time_limit_s=1.0)
+    assert row["expressible"], row["why"]
+    assert row["predicted_published_layout_tokens_per_s_per_gpu"] > 0
+    # autopar's own plan is weighed with the published layout beside it: never slower
+    assert (row["autopar_tokens_per_s_per_gpu"]
+            >= row["predicted_published_layout_tokens_per_s_per_gpu"] * 0.999)
+    assert row["autopar_layout"]["mesh"] == "dp=2,tp=2"
+    assert set(row) >= {"id", "expressible", "why", "measured_tokens_per_s_per_gpu",
+                        "predicted_published_layout_tokens_per_s_per_gpu",
+                        "autopar_tokens_per_s_per_gpu", "autopar_layout", "plan_s"}
+    text = published.report([row])
+    assert "tiny" in text and "median absolute error" in text
+
+
+def test_a_run_too_slow_to_plan_is_reported_not_skipped():
+    row = published.plan_in_child(MEGATRON, search=False, time_limit_s=1.0, timeout_s=0.01)
+    assert row["id"] == "m" and row["expressible"]
+    assert row["why"].startswith("too slow to plan")
+    assert row["predicted_published_layout_tokens_per_s_per_gpu"] is None
+    assert "too slow to plan" in published.report([row])
