@@ -114,7 +114,9 @@ def test_a_pipeline_plan_is_never_slower_than_megatrons_layouts():
     refs = comparison_plans(model, (2, 2), ("dp", "tp"), "llama3", pipeline=True)
     assert megatron <= set(refs) and refs["megatron_distopt+full"].zero == "2"
     refs = {k: refs[k] for k in megatron}
-    opts = Options.of(time_limit_s=0.5, max_layers=4, microbatches=4, recompute="full")
+    # a limit that lets every reference be completed on a loaded machine (the whole call,
+    # tracing included, counts against it; a tiny model's solves stop well before it)
+    opts = Options.of(time_limit_s=20.0, max_layers=4, microbatches=4, recompute="full")
     plan = plan_pipeline(model, mesh, inputs, options=opts, references=refs).plan
     got = plan.provenance.references
     assert set(got) == megatron
