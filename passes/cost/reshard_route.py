@@ -22,6 +22,8 @@ import itertools
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from autopar.ir.placements import Placement, Replicate, Shard, Spec
 
 Steps = list[tuple[int, Placement]]
@@ -85,41 +87,57 @@ def _block_permutations(src: Spec, dst: Spec, steps: list[tuple[int, Placement]]
         if full[d] % n_blocks:
             return None
         # only the axes that split this dim move its blocks: the ranks that differ on the
-        # others hold the same blocks (so 1,024 devices of 128x8 simulate 128 or 8 ranks)
-        coords = [tuple(dict(zip(axes, sub)).get(ax, 0) for ax in range(len(mesh_shape)))
-                  for sub in itertools.product(*(range(mesh_shape[ax]) for ax in axes))]
-        state = {c: _piece(src, d, n_blocks, mesh_shape, c) for c in coords}
+        # others hold the same blocks. Every rank's block list at once, as one array indexed
+        # by its coordinates on ``axes`` then the list, of size 1 on an axis the lists do not
+        # depend on (broadcast: meshes of thousands of devices made per-rank Python lists of
+        # thousands of blocks, 2 s a route on 8,192 devices)
+        state = _pieces(src, d, n_blocks, mesh_shape, axes)
         cur = list(src)
         for ax, b in steps:
             a, n = cur[ax], mesh_shape[ax]
-            if a == sd and b != sd:
-                state = {c: list(itertools.chain.from_iterable(
-                    state[c[:ax] + (j,) + c[ax + 1:]] for j in range(n))) for c in coords}
-            elif b == sd and a != sd:
-                state = {c: _part(state[c], n, c[ax]) for c in coords}
+            if (a == sd) == (b == sd):
+                cur[ax] = b
+                continue
+            i = axes.index(ax)
+            full_i = state.shape[:i] + (n,) + state.shape[i + 1:]
+            state = np.broadcast_to(state, full_i)
+            if a == sd:  # gather: each rank gets its peers' lists, in order (then alike on i)
+                got = np.moveaxis(state, i, -2)
+                state = np.expand_dims(got.reshape(*got.shape[:-2], n * state.shape[-1]), i)
+            else:  # slice: each rank keeps its own part of its list
+                k = state.shape[-1] // n
+                parts = np.moveaxis(state.reshape(*state.shape[:-1], n, k), i, 0)
+                idx = np.arange(n)
+                state = np.moveaxis(parts[idx, ..., idx, :], 0, i)
             cur[ax] = b
-        perm = None
-        for c in coords:
-            want = _piece(dst, d, n_blocks, mesh_shape, c)
-            if sorted(want) != sorted(state[c]):
-                return None
-            at = {blk: k for k, blk in enumerate(state[c])}
-            p = [at[blk] for blk in want]
-            if perm is not None and p != perm:
-                return None
-            perm = p
-        if perm is not None and perm != sorted(perm):
+        want = _pieces(dst, d, n_blocks, mesh_shape, axes)
+        if state.shape[-1] != want.shape[-1]:
+            return None
+        # a piece is a contiguous ascending range: where each of its blocks sits in the first
+        # rank's list is the permutation; every rank must hold its piece under that same one
+        order = np.argsort(state[(0,) * len(axes)], kind="stable")
+        if not (state[..., order] == want).all():
+            return None  # some rank holds other blocks, or needs another permutation
+        perm = [int(x) for x in order]
+        if perm != sorted(perm):
             perms[d] = perm
     return perms
 
 
-def _piece(spec: Spec, d: int, n_blocks: int, mesh_shape: tuple[int, ...],
-           coord: tuple[int, ...]) -> list[int]:
-    blocks = list(range(n_blocks))
+def _pieces(spec: Spec, d: int, n_blocks: int, mesh_shape: tuple[int, ...],
+            axes: list[int]) -> np.ndarray:
+    """Every rank's ``spec`` piece of dim ``d`` cut in ``n_blocks`` blocks, as block ids, in an
+    array indexed by the rank's coordinates on ``axes`` and then the piece (all ranks at
+    once: the axes sharding ``d`` nest, each cutting the previous part)."""
+    start = np.zeros((1,) * len(axes), dtype=np.int32)  # size 1 on axes not cutting it
+    size = n_blocks
     for ax, p in enumerate(spec):
         if p == Shard(d):
-            blocks = _part(blocks, mesh_shape[ax], coord[ax])
-    return blocks
+            size //= mesh_shape[ax]
+            shape = [1] * len(axes)
+            shape[axes.index(ax)] = mesh_shape[ax]
+            start = start + np.arange(mesh_shape[ax], dtype=np.int32).reshape(shape) * size
+    return start[..., None] + np.arange(size, dtype=np.int32)
 
 
 def _part(blocks: list[int], n: int, i: int) -> list[int]:

@@ -32,6 +32,7 @@ split reports each rank's exact total.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -95,6 +96,14 @@ def schedule_in_flight(schedule: PipelineSchedule) -> InFlightFn:
     m=8) its two stages peak at 8 and 4 on rank 0, but the rank holds 11 at once (Megatron's
     ``2(p-r-1) + (v-1)p + 1``), and rank 1 holds 9, not 8 + 4. Each stage's own peak is
     scaled by its rank's ratio (exact where the rank's stages keep equal activations)."""
+    peaks = _stage_peaks(schedule)
+    return lambda k, n: peaks[k]
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_peaks(schedule: PipelineSchedule) -> tuple[float, ...]:
+    """:func:`schedule_in_flight`'s counts, replayed once per schedule (they depend on the
+    order alone; a plan weighs each schedule for every layout and microbatch count)."""
     sim = simulate(schedule, StageTime(1.0, 1.0, 1.0))
     peaks = list(map(float, sim.stage_peak_in_flight))
     for r in range(schedule.p):
@@ -103,7 +112,7 @@ def schedule_in_flight(schedule: PipelineSchedule) -> InFlightFn:
         if total > sim.peak_in_flight[r] > 0:
             for k in mine:
                 peaks[k] *= sim.peak_in_flight[r] / total
-    return lambda k, n: peaks[k]
+    return tuple(peaks)
 
 
 def layer_cost(times: Sequence[float], memory: Sequence[float] | None = None,
