@@ -204,6 +204,14 @@ def plan_pipeline(
                 if best is None or key < best.key:
                     best = _Best(key, planned, name, opt, prof, over)
         timings["pipeline_s"] += time.perf_counter() - t2
+    if best is None and options.memory.recompute == "auto":
+        # the stand-in chose its recomputation for one microbatch in flight; where that
+        # mode fits no split with the schedules' microbatches in flight, plan the leanest
+        return plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
+                             options.replace(recompute="full"),
+                             references={k: v for k, v in references.items() if k in asked_refs},
+                             model_name=model_name, microbatch_choices=microbatch_choices,
+                             trace_cache=trace_cache)
     if best is None:
         raise PlanError(_no_fit(failures, weighed_all, limit, p, n_blocks))
     planned = best.planned

@@ -188,7 +188,7 @@ class PlannedStage(nn.Module):
         tags: dict = {}
         for t in self._tags:  # nested modules' tags merged, inner over outer, as capture's
             tags.update(t)
-        keep = (not selective(tags) or draws(op, args, kwargs)
+        keep = (not selective(tags, str(op)) or draws(op, args, kwargs)
                 or getattr(op, "_schema", None) is not None and op._schema.is_mutable)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
