@@ -120,6 +120,11 @@ def init_from_env(
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this group (0: the first attempt, or no torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def _elastic_store(timeout_s: float) -> dict[str, Any]:
     """Under torchrun's shared store: ``init_process_group``'s store, rank and world size, the
     store's keys this attempt's own (else nothing: torch's ``env://`` as it is).
@@ -136,8 +141,7 @@ def _elastic_store(timeout_s: float) -> dict[str, Any]:
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
-    return {"store": dist.PrefixStore(f"autopar/attempt_{attempt}", store),
+    return {"store": dist.PrefixStore(f"autopar/attempt_{restart_count()}", store),
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 

@@ -47,11 +47,6 @@ SAMPLER_FLAGS = {"seed": "--seed", "batch_size": "--batch", "seq_len": "--seq",
                  "corpus_tokens": "(the corpus)"}
 
 
-def restart_count() -> int:
-    """How many times torchrun has restarted this group (0: the first attempt, or no torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-
-
 def start_step(directory: str | None, resume: bool, steps: int) -> int | None:
     """The committed checkpoint step this run resumes from, None for a run from step 0; or a
     :class:`UsageError` naming the cause and the fix. The same on every rank: no rank writes
@@ -59,6 +54,7 @@ def start_step(directory: str | None, resume: bool, steps: int) -> int | None:
     if directory is None:
         return None
     from autopar.checkpoint import latest_step
+    from autopar.runtime.launch import restart_count
 
     latest = latest_step(directory)
     restarted = restart_count() > 0
@@ -153,6 +149,8 @@ class Checkpointer:
 
 def planned_kill(rank: int) -> int | None:
     """The step at whose start this rank kills itself (:data:`KILL_VAR`), on a first attempt."""
+    from autopar.runtime.launch import restart_count
+
     spec = os.environ.get(KILL_VAR)
     if not spec or restart_count() > 0:
         return None

@@ -39,7 +39,6 @@ from autopar.cli.resume import (
     Checkpointer,
     kill_self,
     planned_kill,
-    restart_count,
     restore_loop,
     start_step,
 )
@@ -656,6 +655,8 @@ def _summary(name: str, r: RunResult, tokens_per_step: int, clip: float | None =
 
 def _checkpoint_text(cfg: TrainConfig) -> str:
     """Where the run saves, and where it resumed from (a torchrun restart says which)."""
+    from autopar.runtime.launch import restart_count
+
     again = f" (torchrun restart {restart_count()})" if restart_count() else ""
     if cfg.checkpoint_dir is None:
         return f"; from step 0 again{again}: no --checkpoint-dir to resume from" if again else ""

@@ -18,6 +18,7 @@ from harness.spmd import train_usage_error
 from autopar.cli import resume
 from autopar.cli.corpus import BatchSampler
 from autopar.cli.options import UsageError
+from autopar.runtime.launch import restart_count
 
 # --- option errors ----------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ def test_the_kill_hook_fires_on_the_first_attempt_only(monkeypatch: pytest.Monke
     monkeypatch.setenv(resume.KILL_VAR, "1:5")
     assert resume.planned_kill(1) == 5 and resume.planned_kill(0) is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert resume.restart_count() == 1 and resume.planned_kill(1) is None
+    assert restart_count() == 1 and resume.planned_kill(1) is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     monkeypatch.setenv(resume.KILL_VAR, "one:5")
     with pytest.raises(UsageError, match="write RANK:STEP, e.g. 1:5"):
