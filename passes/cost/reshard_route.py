@@ -18,7 +18,6 @@ runs).
 
 from __future__ import annotations
 
-import itertools
 import math
 from functools import lru_cache
 
