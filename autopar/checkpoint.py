@@ -59,7 +59,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from autopar.ir.errors import CheckpointError
+from autopar.ir.errors import CheckpointError, first_line
 
 __all__ = ["CheckpointError", "Resumed", "SaveHandle", "latest_step", "load", "save"]
 
@@ -455,8 +455,7 @@ def _first_line(e: Any) -> str:
     if isinstance(e, CheckpointException) and e.failures:
         rank, cause = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
         return f"rank {rank}: {_first_line(getattr(cause, 'exception', cause))}"
-    lines = str(e).strip().splitlines()
-    return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:200]
+    return first_line(e)
 
 
 # --- names, state, optimizer ---------------------------------------------------------------------

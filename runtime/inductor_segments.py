@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autopar.ir.errors import first_line
+
 _VIEWS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
           torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
 MIN_OPS = 2  # a run shorter than this (getitems not counted) stays eager: nothing to fuse
@@ -120,7 +122,7 @@ class CompiledRun:
                 f"Inductor could not compile a run of the per-rank program ({len(self.names)} "
                 f"steps from {self.names[0]!r}: {', '.join(ops[:6])}"
                 f"{', ...' if len(ops) > 6 else ''}), so it runs eagerly: "
-                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                f"{first_line(e)}. "
                 "parallelize(..., compile=False) runs the whole program eagerly without trying",
                 stacklevel=2)
             return self.graph_module

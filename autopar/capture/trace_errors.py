@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.ir.errors import first_line
+
 # frames in these trees are the tracer's, not the model's
 _TORCH = os.path.dirname(torch.__file__)
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # autopar/
@@ -41,16 +43,16 @@ def explain(e: BaseException, model: nn.Module) -> str:
                 "the choice a non-tensor input (a bool or int argument, a constant of the trace)")
     if kind in _VALUE_SHAPE:
         return (f"an op's output shape is data-dependent{where} (nonzero, a boolean "
-                f"mask, unique: {_first_line(e)}): autopar traces on fake tensors, which have "
+                f"mask, unique: {first_line(e, kind=False)}): autopar traces on fake tensors, which have "
                 "shapes but no values. Keep shapes static (multiply by the mask instead of "
                 "indexing with it) or pass the sizes in as inputs")
     if kind in _NO_FAKE:
-        op = _first_line(e)
+        op = first_line(e, kind=False)
         name = op.rsplit(".", 1)[0].replace(".", "::", 1)
         return (f"the op {op} has no fake-tensor implementation, so it cannot be traced"
                 f"{where}: register one that returns an empty tensor of the output's shape "
                 f"and dtype with @torch.library.register_fake({name!r})")
-    return (f"tracing the training step failed with {kind}{where}: {_first_line(e)}. autopar "
+    return (f"tracing the training step failed with {kind}{where}: {first_line(e, kind=False)}. autopar "
             "traces on fake tensors: data-dependent shapes (nonzero, boolean masks) and .item() "
             "calls cannot be traced; make the shapes static or pass them in as inputs")
 
@@ -87,6 +89,3 @@ def _under_cwd(path: str) -> bool:
     return os.path.abspath(path).startswith(os.getcwd() + os.sep)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -22,3 +22,13 @@ class MeshError(AutoparError, ValueError):
 class CheckpointError(AutoparError, ValueError):
     """A checkpoint cannot be saved or loaded as asked (none committed, damaged, another
     model's); nothing of the model, the optimizer or the last committed checkpoint is lost."""
+
+
+def first_line(e: BaseException, *, kind: bool = True) -> str:
+    """An exception's message in one line for a one-line error: its first line, led by the
+    exception's type name unless ``kind=False``, at most 200 characters."""
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else ""
+    if kind or not text:
+        text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text[:200]
