@@ -25,6 +25,7 @@ tested here, not the cost model, which ``test_sharding_problem.py`` checks on re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -41,7 +42,7 @@ from autopar.passes.problem import reduction
 from autopar.passes.problem.types import Edge, ShardingProblem
 from autopar.solver import Problem, evaluate, make_problem, solve
 
-SETTINGS = settings(max_examples=150, deadline=None,
+SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -152,8 +153,8 @@ def sharding_problems(draw, leaf_followers_only: bool = False, max_nodes: int = 
                 prev = v  # with leaf followers only, a one-input op is read by nothing
         x = prev
     kh = draw(st.integers(1, 3))
-    loss = add("loss", "head", "loss", None, [x], [object() for _ in range(kh)],
-               draw(_ints(kh, 0, 20)), draw(use_of(kh)), 1.0)
+    add("loss", "head", "loss", None, [x], [object() for _ in range(kh)],
+        draw(_ints(kh, 0, 20)), draw(use_of(kh)), 1.0)
     n = len(nodes)
     edges = [Edge(s, d, 0, j) for s, d, j in pairs]
     if with_param and not leaf_followers_only and draw(st.booleans()):
@@ -175,7 +176,6 @@ def sharding_problems(draw, leaf_followers_only: bool = False, max_nodes: int = 
     sp.live = live
     if draw(st.booleans()):
         sp.unary[n - 1] = np.asarray(draw(_ints(kh, 0, 10)), dtype=float)
-    lo = hi = 0.0
     prof_lo, prof_hi = np.zeros(n + 2), np.zeros(n + 2)
     for (a, b), u in zip(live, use):
         prof_lo[a:b + 1] += u.min()
@@ -300,6 +300,7 @@ def test_leaf_followers_keep_the_optimum_under_limits(d: Drawn) -> None:
     sol = solve(red, timeout_s=10, seed=0)
     assert sol.feasible and _close(sol.cost, want)
     assert evaluate(flat, d.sp.expand(sol.assignment))[1]
+    assert sol.lower_bound is None or sol.lower_bound <= want + 1e-9
 
 
 def _with_limit(p: Problem, limit: float | None) -> Problem:
@@ -377,3 +378,75 @@ def test_a_rebuild_at_new_prices_keeps_the_variables(d: Drawn, share: bool, data
         after = reduction.reduced_problem(d.sp, d.limit)
     assert (d.sp.group_of == groups).all()
     assert [len(c) for c in after.costs] == [len(c) for c in before.costs]
+
+
+# --- real graphs: the reductions of a traced model under a binding budget ------------------
+
+
+@functools.cache
+def _traced(name: str, n_layers: int):
+    from autopar.capture.joint import capture
+    from autopar.models import get_preset
+
+    key = "n_layer" if name.startswith("gpt2") else "n_layers"
+    preset = get_preset(name).replace(**{key: n_layers})
+    return capture(preset.build("meta"), preset.example_inputs(4, 32))
+
+
+def _binding_budget(sp: ShardingProblem, frac: float) -> float:
+    """``frac`` of the way from the leanest peak (every node at its smallest) to the
+    replicated one."""
+    from autopar.passes.memory.peak import peak_memory
+
+    lean = peak_memory([float(u.min()) for u in sp.usage], sp.live)[0]
+    whole = peak_memory([float(u[0]) for u in sp.usage], sp.live)[0]
+    return lean + frac * (whole - lean)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama3-tiny"])
+def test_a_traced_model_under_a_budget(name: str) -> None:
+    """Under a binding budget, on a traced model: every reduced plan costs what its
+    expansion scores and uses, at the constrained instant, what its nodes do there; the
+    followers merged above their smallest layout exceed it by at most the slack together."""
+    from autopar.ir.mesh import Mesh
+    from autopar.passes.problem import sharding_problem
+    from autopar.passes.problem.scoring import score_assignment
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    pg = _traced(name, 2)
+    free = sharding_problem.build(pg, mesh)
+    budget = _binding_budget(free, 0.3)
+    sp = sharding_problem.build(pg, mesh, budget)
+    p = sp.problem
+    assert p.num_nodes > free.problem.num_nodes  # some followers stand apart at this budget
+    rng = np.random.default_rng(0)
+    t = sp.peak_time
+    for _ in range(5):
+        a = [int(rng.integers(len(c))) for c in p.costs]
+        choice = sp.expand(a)
+        cost, _, used = evaluate(p, a)
+        assert cost == pytest.approx(score_assignment(sp, choice).cost.step_s, rel=1e-9)
+        there = sum(float(sp.usage[i][s]) for i, s in enumerate(choice)
+                    if sp.live[i][0] <= t <= sp.live[i][1])
+        assert used == pytest.approx(there, rel=1e-9)
+    excess = sum(float(sp.usage[v][sp.follow[v]].max() - sp.usage[v].min())
+                 for v in range(len(sp.nodes)) if sp.group_of[v] != v)
+    assert excess <= reduction.MERGE_SLACK * budget * (1 + 1e-9)
+
+
+def test_under_a_budget_variables_do_not_grow_with_depth(monkeypatch) -> None:
+    """More layers put more of each kind of follower over the slack, but a kind stands
+    apart in every layer at once: the variables are never more than with every kind apart,
+    whatever the depth."""
+    from autopar.ir.mesh import Mesh
+    from autopar.passes.problem import sharding_problem
+
+    mesh = Mesh((2, 2), ("dp", "tp"))
+    shallow, deep = _traced("gpt2-tiny", 2), _traced("gpt2-tiny", 4)
+    budget = _binding_budget(sharding_problem.build(shallow, mesh), 0.3)
+    sp = sharding_problem.build(deep, mesh, budget)
+    assert sp.shared_layers == 3
+    monkeypatch.setattr(reduction, "MERGE_SLACK", 0.0)
+    every_kind_apart = sharding_problem.build(shallow, mesh, budget).problem.num_nodes
+    assert sp.problem.num_nodes <= every_kind_apart
+    assert sharding_problem.build(deep, mesh, budget).problem.num_nodes == every_kind_apart
