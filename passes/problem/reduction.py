@@ -11,7 +11,10 @@ Both are exact for the costs: the reduced objective of any assignment equals the
 score of its expansion (``ShardingProblem.expand``). Merging narrows the search, though: a
 follower's layout is fixed by its producer's before its consumers are seen, so
 :func:`refine_followers` re-chooses the followers of a solved plan with their whole
-neighbourhood. Memory is constrained at one instant, the peak of the all-replicated plan.
+neighbourhood. Memory is constrained at one instant (the peak of the all-replicated plan,
+or where the planner moves it), exactly there: a reduced plan uses what its expansion holds
+at that instant. Under a budget, merging keeps the plans that fit up to a small slack
+(:data:`MERGE_SLACK`; see ``docs/planning.md``).
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ def merge_followers(sp: ShardingProblem, memory_budget: float | None = None) -> 
     partial sum kept partial rather than reduce-scattered), it is merged only while the
     excess of all such followers together stays within ``MERGE_SLACK`` of the budget, the
     smallest excesses first; the others stay variables of their own (the same op in every
-    repeated layer alike). Merging by cost alone
-    fixed a follower at its cheapest layout even where a smaller one was what let a plan
-    fit, and the reduced problem could call a budget infeasible that some plan met. The
-    excesses are measured at the prices of the first build; a rebuild keeps its groups."""
+    repeated layer alike). Merging by cost alone fixed a follower at its cheapest layout
+    even where a smaller one was what let a plan fit, and the reduced problem could call a
+    budget infeasible that some plan met. The excesses are measured at the prices of the
+    first build; a rebuild keeps its groups."""
     n = len(sp.nodes)
     in_edges: list[list[Edge]] = [[] for _ in range(n)]
     for e in sp.edges:
@@ -110,10 +113,7 @@ def _kept_apart(sp: ShardingProblem, in_edges: list[list[Edge]], candidates: lis
     kinds: dict[tuple, list[tuple[float, int]]] = {}
     for v in candidates:
         u = sp.usage[v]
-        if u.min() == u.max():
-            continue
-        e = in_edges[v][0]
-        choice = _follower_choice(_follower_cost(sp, e), u)
+        choice = _follower_choice(_follower_cost(sp, in_edges[v][0]), u)
         kind = _signature(sp, v)  # not its producer's: a first layer reads another op
         kinds.setdefault(kind, []).append((float(u[choice].max() - u.min()), v))
     room = MERGE_SLACK * max(memory_budget, 0.0)
