@@ -154,7 +154,7 @@ def apply(sp: ShardingProblem, fills: dict[tuple, float], memory_budget: float |
 
 
 def _rebuild(sp: ShardingProblem, memory_budget: float | None) -> None:
-    merge_followers(sp)
+    merge_followers(sp, memory_budget)
     assign_variables(sp, sp.share_layers)
     sp.problem = reduced_problem(sp, memory_budget)
 

@@ -11,7 +11,10 @@ Both are exact for the costs: the reduced objective of any assignment equals the
 score of its expansion (``ShardingProblem.expand``). Merging narrows the search, though: a
 follower's layout is fixed by its producer's before its consumers are seen, so
 :func:`refine_followers` re-chooses the followers of a solved plan with their whole
-neighbourhood. Memory is constrained at one instant, the peak of the all-replicated plan.
+neighbourhood. Memory is constrained at one instant (the peak of the all-replicated plan,
+or where the planner moves it), exactly there: a reduced plan uses what its expansion holds
+at that instant. Under a budget, merging keeps the plans that fit up to a small slack
+(:data:`MERGE_SLACK`; see ``docs/planning.md``).
 """
 
 from __future__ import annotations
@@ -31,31 +34,100 @@ if TYPE_CHECKING:
 # --- reduction 1: followers -----------------------------------------------------------------
 
 
-def merge_followers(sp: ShardingProblem) -> None:
+# Under a memory budget, what the followers merged at a layout larger than their smallest may
+# use above it, all of them together, as a share of the budget (see merge_followers)
+MERGE_SLACK = 0.01
+
+
+def merge_followers(sp: ShardingProblem, memory_budget: float | None = None) -> None:
+    """Merge each one-input node into its producer's group.
+
+    Under a memory budget a follower takes the smallest of its cheapest strategies, and where
+    even that is larger than its smallest strategy for some strategy of its producer (a
+    partial sum kept partial rather than reduce-scattered), it is merged only while the
+    excess of all such followers together stays within ``MERGE_SLACK`` of the budget, the
+    smallest excesses first; the others stay variables of their own (the same op in every
+    repeated layer alike). Merging by cost alone fixed a follower at its cheapest layout
+    even where a smaller one was what let a plan fit, and the reduced problem could call a
+    budget infeasible that some plan met. The excesses are measured at the prices of the
+    first build; a rebuild keeps its groups."""
     n = len(sp.nodes)
     in_edges: list[list[Edge]] = [[] for _ in range(n)]
     for e in sp.edges:
         if e.in_idx >= 0:
             in_edges[e.dst].append(e)
+    candidates = [v for v in range(n)
+                  if len(in_edges[v]) == 1 and sp.nodes[v].op != "placeholder"]
+    if sp.group_of is not None:
+        # a rebuild at new prices (problem/bucket_fill.py) keeps the followers that stood
+        # apart, so the variables stay the same and the solutions its rounds hand on fit it
+        apart = {v for v in candidates if sp.group_of[v] == v}
+    else:
+        apart = _kept_apart(sp, in_edges, candidates, memory_budget)
     group = np.arange(n)
     follow = [np.arange(len(s)) for s in sp.strategies]
     sp.group_cost = [c + sp.unary[i] if i in sp.unary else c.copy()
                      for i, c in enumerate(sp.node_cost)]
-    for v in range(n):  # nodes are in topological order, so producers are settled first
-        ins = in_edges[v]
-        if len(ins) != 1 or sp.nodes[v].op == "placeholder":
+    for v in candidates:  # nodes are in topological order, so producers are settled first
+        if v in apart:
             continue
-        e = ins[0]
+        e = in_edges[v][0]
         root = group[e.src]
         rows = follow[e.src]  # producer strategy for each root strategy
-        own = sp.node_cost[v] + sp.unary[v] if v in sp.unary else sp.node_cost[v]
-        mat = edge_matrix(sp, e, rows) * sp.weight[v] + own[None, :]
-        choice = np.argmin(mat, axis=1)
+        mat = _follower_cost(sp, e, rows)
+        choice = _follower_choice(mat, sp.usage[v] if memory_budget is not None else None)
         follow[v] = choice
         group[v] = root
         sp.group_cost[root] = sp.group_cost[root] + mat[np.arange(len(choice)), choice]
     sp.group_of = group
     sp.follow = follow
+
+
+def _follower_cost(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) -> np.ndarray:
+    """Follower ``e.dst``'s own cost and its input edge's, per (producer, own) strategy."""
+    v = e.dst
+    own = sp.node_cost[v] + sp.unary[v] if v in sp.unary else sp.node_cost[v]
+    return edge_matrix(sp, e, rows) * sp.weight[v] + own[None, :]
+
+
+def _follower_choice(mat: np.ndarray, usage: np.ndarray | None) -> np.ndarray:
+    """A follower's strategy for each row of ``mat`` (its cost per producer strategy): the
+    cheapest; given its ``usage`` (under a budget), the smallest of the cheapest."""
+    if usage is None or usage.min() == usage.max():
+        return np.argmin(mat, axis=1)
+    best = mat.min(axis=1, keepdims=True)
+    cheapest = mat <= best + 1e-12 * np.abs(best)
+    return np.argmin(np.where(cheapest, usage[None, :], np.inf), axis=1)
+
+
+def _kept_apart(sp: ShardingProblem, in_edges: list[list[Edge]], candidates: list[int],
+                memory_budget: float | None) -> set[int]:
+    """The followers left unmerged under ``memory_budget``: those whose merged layout may
+    exceed their smallest, past the first that fit in ``MERGE_SLACK`` of the budget
+    together. An excess is taken over every strategy of the producer, so it bounds the
+    excess under whatever the producer's group makes of it. The same op on the same shapes
+    (the same strategy list object) is decided as one wherever it is, so that repeated
+    layers still line up to share their variables."""
+    if memory_budget is None:
+        return set()
+    kinds: dict[tuple, list[tuple[float, int]]] = {}
+    for v in candidates:
+        u = sp.usage[v]
+        choice = _follower_choice(_follower_cost(sp, in_edges[v][0]), u)
+        kind = _signature(sp, v)  # not its producer's: a first layer reads another op
+        kinds.setdefault(kind, []).append((float(u[choice].max() - u.min()), v))
+    room = MERGE_SLACK * max(memory_budget, 0.0)
+    apart: set[int] = set()
+    # a kind's members may differ in excess (a depth proxy weighs its layers apart): one
+    # with none is kept apart with the rest of its kind
+    excess = [m for m in kinds.values() if max(m)[0] > 0]
+    for members in sorted(excess, key=lambda m: (max(m)[0], len(m))):
+        total = sum(g for g, _ in members)
+        if total <= room:
+            room -= total
+        else:
+            apart.update(v for _, v in members)
+    return apart
 
 
 # --- reduction 2: shared layer variables ----------------------------------------------------

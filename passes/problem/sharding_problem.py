@@ -154,7 +154,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         mark_once_per_step(sp)
     stage_boundary.apply(sp, pg)  # a pipeline stage's pinned inputs and priced outputs
     sp.peak_time = _replicated_peak(sp)
-    merge_followers(sp)
+    merge_followers(sp, memory_budget)
     sp.share_layers = share_layers
     assign_variables(sp, share_layers)
     sp.problem = reduced_problem(sp, memory_budget)

@@ -1,0 +1,101 @@
+"""The solver's own exact reductions under memory limits, assignment by assignment.
+
+``test_limits.py`` checks their optima against brute force; here every assignment of the
+reduced form is checked against the original: presolve (``reduce.py``) keeps each kept
+strategy's cost, usage and live interval, so a reduced plan costs, uses at every instant and
+fits exactly as its expansion does; a rigid unit (``contract.py``) costs, for each choice of
+its root, what its members and the edges among them cost at the strategies it implies.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+from harness.brute import brute_optimum
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autopar.solver import Problem, evaluate, make_problem
+from autopar.solver.contract import contract
+from autopar.solver.problem import usage_profile
+from autopar.solver.reduce import FORBIDDEN, presolve
+
+BIG = 1e18
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def limited_problems(draw, max_nodes: int = 5) -> Problem:
+    """Overlapping live ranges (some empty), rigid and forbidden edge pairs, and a limit
+    between the smallest and the largest peak (now and then below the smallest)."""
+    n = draw(st.integers(2, max_nodes))
+    k = [draw(st.integers(1, 3)) for _ in range(n)]
+    costs = [[draw(st.integers(0, 30)) for _ in range(ki)] for ki in k]
+    usages = [[draw(st.integers(0, 9)) for _ in range(ki)] for ki in k]
+    intervals = []
+    for _ in range(n):
+        a = draw(st.integers(0, 4))
+        intervals.append((a, a + draw(st.integers(0, 3))))
+    edges, mats = [], []
+    for _ in range(draw(st.integers(1, 2 * n))):
+        u, v = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+        m = np.array([[draw(st.integers(0, 20)) for _ in range(k[v])] for _ in range(k[u])],
+                     dtype=float)
+        kind = draw(st.integers(0, 3))
+        if kind == 0 and k[u] == k[v]:  # rigid: one partner per strategy
+            perm = draw(st.permutations(list(range(k[u]))))
+            keep = np.zeros(m.shape, dtype=bool)
+            keep[np.arange(k[u]), perm] = True
+            m[~keep] = BIG
+        elif kind == 1:
+            m[m > 15] = BIG
+        elif kind == 2:  # separable: folded into the node costs
+            m = np.add.outer(m[:, 0], m[0, :])
+        edges.append((u, v))
+        mats.append(m)
+    lo, hi = np.zeros(10), np.zeros(10)
+    for (a, b), us in zip(intervals, usages):
+        lo[a:b] += min(us)
+        hi[a:b] += max(us)
+    frac = draw(st.sampled_from([None, -0.1, 0.0, 0.3, 0.6, 1.0]))
+    limit = None if frac is None else float(np.floor(lo.max() + frac * (hi.max() - lo.max())))
+    return make_problem(costs, usages, intervals, edges, mats, limit)
+
+
+@SETTINGS
+@given(limited_problems())
+def test_every_presolved_plan_costs_uses_and_fits_as_its_expansion(p: Problem) -> None:
+    red, _ = presolve(p)
+    q = red.problem
+    assert [tuple(iv) for iv in q.intervals] == [tuple(iv) for iv in p.intervals]
+    for a in itertools.product(*[range(len(c)) for c in q.costs]):
+        full = red.expand(np.array(a))
+        cost, ok, peak = evaluate(q, a)
+        fcost, fok, fpeak = evaluate(p, full)
+        assert cost == fcost or math.isclose(cost, fcost, rel_tol=1e-12)
+        assert (usage_profile(q, np.array(a)) == usage_profile(p, full)).all()
+        assert (ok, peak) == (fok, fpeak)
+    if red.infeasible:  # proven: nothing fits at all
+        assert math.isinf(brute_optimum(p)[0])
+
+
+@SETTINGS
+@given(limited_problems())
+def test_a_unit_costs_what_its_members_do(p: Problem) -> None:
+    """Every choice of every unit's root: the unit's cost plus the edges between units is
+    the original cost of the node assignment the choices imply (inf where a choice breaks a
+    tie inside the unit); memory is then that assignment's, which the model checks per node."""
+    inner = [(u, v, m) for (u, v), m in zip(p.edges, p.edge_costs)]
+    units = contract(p.costs, inner, FORBIDDEN)
+    ks = [len(c) for c in units.costs]
+    for t in itertools.product(*[range(k) for k in ks]):
+        a = np.array([units.maps[i][t[units.unit_of[i]]] for i in range(p.num_nodes)])
+        got = sum(units.costs[u][t[u]] for u in range(len(ks)))
+        got += sum(m[t[x], t[y]] for x, y, m in units.edges)
+        want = evaluate(p, a)[0]
+        if math.isinf(got):  # a forbidden member choice or pair inside the unit
+            assert want >= FORBIDDEN
+        else:
+            assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-9)
