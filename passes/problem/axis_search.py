@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from autopar.passes.problem.types import ShardingProblem
-from autopar.solver.elimination import greedy_order, minimise
+from autopar.solver.elimination import cheap_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -83,7 +83,7 @@ class _Steps:
         dom = [len(a) for a in allowed]
         order = self.orders.get(tuple(dom), ())
         if order == ():
-            order = self.orders[tuple(dom)] = greedy_order(p.edges, dom, _MAX_ENTRIES)
+            order = self.orders[tuple(dom)] = _order(p.edges, dom)
         if order is None:
             return None, False
         if p.usage_limit is not None and len(set(map(tuple, p.intervals))) > 1:
@@ -107,6 +107,18 @@ class _Steps:
 
 # sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)
 _MAX_ENTRIES = 4e6
+# elimination orders by graph and domain sizes, kept across solves: a planner solves problems
+# of one graph many times (the memory fit's retries, repricings, modes that copy nothing)
+_ORDERS: dict[tuple, list[int] | None] = {}
+
+
+def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
+    key = (tuple(map(tuple, edges)), tuple(dom))
+    if key not in _ORDERS:
+        if len(_ORDERS) > 4096:
+            _ORDERS.clear()
+        _ORDERS[key] = cheap_order(edges, dom, _MAX_ENTRIES)
+    return _ORDERS[key]
 
 
 def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
