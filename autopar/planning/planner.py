@@ -40,7 +40,11 @@ from autopar.passes.cost.buckets import first_bucket_bytes
 from autopar.passes.memory import zero as zero_mod
 from autopar.passes.memory.peak import peak_memory
 from autopar.passes.problem import bucket_fill, sharding_problem, zero_stages
-from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
+from autopar.passes.problem.axis_search import (
+    solve_axiswise,
+    sweep_declined_steps,
+    sweep_was_exact,
+)
 from autopar.passes.problem.edge_costs import edge_collectives
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
@@ -191,7 +195,7 @@ def make_plan(
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, own,
                                 timings, seed=seeds[0] if seeds else None, offload=stored,
                                 prices_of=next(iter(runs.values())).sp if runs else None,
-                                mpg=mpg, must_fit=not any(r.fits for r in runs.values()))
+                                mpg=mpg, must_fit=not runs)
         return runs[mode]
 
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
@@ -352,8 +356,9 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     (its placements, each copy as its original). ``offload``: whether parameters may keep
     their optimizer state on the host (:func:`autopar.passes.problem.sharding_problem.build`).
     ``shown``: a plan that fits is shown as the best so far (not the no-limit plan that only
-    seeds the other modes). ``mpg``: the mode's graph, where already made. ``must_fit``: no
-    plan that fits is at hand yet (the memory fit then goes on past the deadline)."""
+    seeds the other modes). ``mpg``: the mode's graph, where already made. ``must_fit``: the first
+    mode planned, with no plan at hand yet: its memory fit goes on past the deadline (the
+    other modes' stop there, falling back to the leanest layout where that fits)."""
     time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
     dl = search.deadline if search.deadline is not None else Deadline(time_limit_s)
     mpg = mpg if mpg is not None else mode_graph(pg, mode)
@@ -580,7 +585,8 @@ def planner_solve(
     7 where the sweep's steps were too wide to eliminate (Mixtral on a 1-D mesh; the exact
     polish still runs there) and 2 on one gpt2-xl 8x8 completion of fsdp, not the best
     reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s.
-    ``local_polish="always"``: the local moves alone polish, exact sweep or not.
+    ``local_polish="always"``: the local moves alone polish, exact sweep or not, unless a
+    step was too wide to solve (then the sweep may not have moved: CP-SAT searches).
     ``restarts``: the sweeps' random starts besides the hints."""
     t0 = time.perf_counter()
     best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains,
@@ -588,7 +594,8 @@ def planner_solve(
     if best is not None and best.status == "optimal":
         return best
     if (local_polish and best is not None and best.feasible
-            and (sweep_was_exact(best) or local_polish == "always")):
+            and (sweep_was_exact(best)
+                 or (local_polish == "always" and not sweep_declined_steps(best)))):
         other = solve(problem, timeout_s=LOCAL_POLISH_S, hint=best.assignment,
                       method="heuristic")
         return other if other.feasible and other.cost < best.cost else best
