@@ -52,11 +52,14 @@ def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
     from autopar.passes.problem import sharding_problem
     from autopar.planning.modes import Mode, mode_graph
 
-    # the leanest of the modes tried that recompute everything (with the optimizer state
-    # offloaded where that was tried too)
-    full = [r.sp for m, r in runs.items() if m.recompute == "full"]
-    sp = min(full, key=lambda p: leanest(p)[0]) if full else sharding_problem.build(
-        mode_graph(pg, Mode("full", regather=True)), mesh, limit)
+    # the leanest of the modes tried (with the optimizer state offloaded where that was
+    # tried too), full recomputation among them (a mode whose problem another mode's
+    # already was is not planned again, so "full" may stand under another name)
+    tried = [r.sp for r in runs.values()]
+    if not any(m.recompute == "full" for m in runs):
+        tried.append(sharding_problem.build(mode_graph(pg, Mode("full", regather=True)), mesh,
+                                            limit))
+    sp = min(tried, key=lambda p: leanest(p)[0])
     need, state = leanest(sp)
     acts = max(need - state, 0.0)
     lim = limit or float("inf")

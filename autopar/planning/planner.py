@@ -40,7 +40,11 @@ from autopar.passes.cost.buckets import first_bucket_bytes
 from autopar.passes.memory import zero as zero_mod
 from autopar.passes.memory.peak import peak_memory
 from autopar.passes.problem import bucket_fill, sharding_problem, zero_stages
-from autopar.passes.problem.axis_search import solve_axiswise, sweep_was_exact
+from autopar.passes.problem.axis_search import (
+    solve_axiswise,
+    sweep_declined_steps,
+    sweep_was_exact,
+)
 from autopar.passes.problem.edge_costs import edge_collectives
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
@@ -57,6 +61,14 @@ REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradien
 POLISH_S = 2.0
 # the local moves' budget in a reference completion's polish (they stop sooner when done)
 LOCAL_POLISH_S = 0.5
+# random starts of the sweeps that solve again from a plan (a memory fit's retry, a repricing):
+# the plan is their start, and under a memory limit each random start's sweep costs a few
+# eliminations per step (the Lagrangian walk): 16 of them were most of such a solve's time
+RETRY_RESTARTS = 2
+# random starts of a first solve under a memory limit: besides them the leanest layout, the
+# best reference and another mode's plan start it. The encoder of benchmarks/solver.py at 0.7
+# and 0.5 of its peak found the same plans from 4 as from 16 in half the CPU time
+LIMIT_RESTARTS = 4
 
 
 @dataclass
@@ -162,10 +174,19 @@ def make_plan(
     # offload offered from the start?
     stored = "none" if mem.offload == "auto" else mem.offload
 
-    def run(mode: Mode, own: bool, of: int = 1) -> _ModeRun:
+    graphs: dict[tuple, Mode] = {}  # what a mode's problem is made of -> the mode planned
+
+    def run(mode: Mode, own: bool, of: int = 1) -> _ModeRun | None:
         """Plan ``mode``, the first of ``of`` modes still to plan: each gets its share of
         the time left (the first mode solved could otherwise spend the whole limit, and a
-        later one, the only one that fits, get nothing)."""
+        later one, the only one that fits, get nothing). None: a mode already planned has
+        the same problem (no node it would copy, as re-gathering on a model whose layers
+        use each parameter once, or recomputation of a model with nothing to recompute)."""
+        mpg = mode_graph(pg, mode)
+        key = (frozenset(mpg.recomputed.items()), mode.whole_grads, mode.offload)
+        if own and key in graphs and graphs[key] in runs and runs[graphs[key]].sol is not None:
+            return None
+        graphs.setdefault(key, mode)
         dl.phase(f"planning mode {mode.label}")
         # past the deadline with nothing that fits, each mode still gets MIN_MODE_S
         dl.floor = MIN_SOLVE_S if any(r.fits for r in runs.values()) else MIN_MODE_S
@@ -173,12 +194,14 @@ def make_plan(
                                                  max(MIN_MODE_S, dl.left() / of)))
         runs[mode] = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, own,
                                 timings, seed=seeds[0] if seeds else None, offload=stored,
-                                prices_of=next(iter(runs.values())).sp if runs else None)
+                                prices_of=next(iter(runs.values())).sp if runs else None,
+                                mpg=mpg, must_fit=not runs)
         return runs[mode]
 
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
     candidates = candidate_modes(mem.recompute, mem.zero, held)
     first = run(candidates[0], own=True)  # also the start of the other modes' searches
+    assert first is not None
     if first.choice is not None:
         seeds.append(first)
     elif limit is not None and len(candidates) > 1:
@@ -325,17 +348,20 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                references: dict[str, Any], search: SearchOptions, own: bool,
                timings: dict[str, float], seed: _ModeRun | None = None,
                offload: str = "none", prices_of: ShardingProblem | None = None,
-               shown: bool = True) -> _ModeRun:
+               shown: bool = True, mpg: PlanGraph | None = None,
+               must_fit: bool = False) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode, within ``search``'s
     time limit, margin and workers. ``seed``: another mode's plan, a start for the solver
     (its placements, each copy as its original). ``offload``: whether parameters may keep
     their optimizer state on the host (:func:`autopar.passes.problem.sharding_problem.build`).
     ``shown``: a plan that fits is shown as the best so far (not the no-limit plan that only
-    seeds the other modes)."""
+    seeds the other modes). ``mpg``: the mode's graph, where already made. ``must_fit``: the first
+    mode planned, with no plan at hand yet: its memory fit goes on past the deadline (the
+    other modes' stop there, falling back to the leanest layout where that fits)."""
     time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
     dl = search.deadline if search.deadline is not None else Deadline(time_limit_s)
-    mpg = mode_graph(pg, mode)
+    mpg = mpg if mpg is not None else mode_graph(pg, mode)
     t1 = time.perf_counter()
     sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=mode.whole_grads,
                                 prices_of=prices_of)
@@ -364,7 +390,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     # a mode seeded with another's plan has that plan to fall back on: half the time
     sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
-                               hint, seeds, dl)
+                               hint, seeds, dl, must_fit=must_fit)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
@@ -385,7 +411,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
             break
         t3 = time.perf_counter()
         again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
-                                     tuple(sol.assignment), deadline=dl, again=True)
+                                     tuple(sol.assignment), deadline=dl,
+                                     restarts=RETRY_RESTARTS)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
@@ -546,6 +573,7 @@ def _fits(mem_bytes: float, budget: float | None) -> bool:
 def planner_solve(
     sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
     domains: list[np.ndarray] | None = None, local_polish: bool | str = False,
+    restarts: int = 16,
 ) -> Solution:
     """Axis-by-axis exact sweeps from several starts, then the general solver from the best
     point for what is left of a short polishing budget; the better answer wins.
@@ -557,13 +585,17 @@ def planner_solve(
     7 where the sweep's steps were too wide to eliminate (Mixtral on a 1-D mesh; the exact
     polish still runs there) and 2 on one gpt2-xl 8x8 completion of fsdp, not the best
     reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s.
-    ``local_polish="always"``: the local moves alone polish, exact sweep or not."""
+    ``local_polish="always"``: the local moves alone polish, exact sweep or not, unless a
+    step was too wide to solve (then the sweep may not have moved: CP-SAT searches).
+    ``restarts``: the sweeps' random starts besides the hints."""
     t0 = time.perf_counter()
-    best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains)
+    best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains,
+                          restarts=restarts)
     if best is not None and best.status == "optimal":
         return best
     if (local_polish and best is not None and best.feasible
-            and (sweep_was_exact(best) or local_polish == "always")):
+            and (sweep_was_exact(best)
+                 or (local_polish == "always" and not sweep_declined_steps(best)))):
         other = solve(problem, timeout_s=LOCAL_POLISH_S, hint=best.assignment,
                       method="heuristic")
         return other if other.feasible and other.cost < best.cost else best
@@ -584,7 +616,7 @@ def planner_solve(
 def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
-    deadline: Deadline | None = None, again: bool = False,
+    deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -595,16 +627,22 @@ def _solve_within_budget(
     Under a budget the leanest assignment (every variable at its smallest usage) starts the
     search too: it fits wherever anything does, and the sweeps, which move one axis at a
     time, can miss every fitting point of a tight limit from the other starts. Where they
-    still find none, the general solver gets the time left."""
+    still find none, the general solver gets the time left. ``must_fit``: no plan that fits
+    is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
+    deadline's floor)."""
     assert sp.problem is not None
     t0 = time.perf_counter()
     problem = sp.problem
     hints = ([hint] if hint is not None else []) + (more_hints or [])
     if budget is not None:
         hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
-    # a solve again from a plan (a repricing's) polishes under a memory limit as a retry does
+    # under a memory limit every solve is polished by local moves, not CP-SAT: the reduced
+    # problem counts one instant of the step, so CP-SAT's proof is of a problem the memory
+    # fit may then tighten, and it spent its whole polish (2 s) without one (on the 3-layer
+    # MLP at 0.7 of its peak, 6 modes x 1.7 s of 20 s, to improve one plan by 0.04%)
     sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
-                           local_polish=again and budget is not None)
+                           local_polish=budget is not None,
+                           restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS))
     if budget is None or not sol.feasible:
         return sol
     # each instant constrained so far: its problem at the budget (what sp.problem becomes
@@ -615,14 +653,14 @@ def _solve_within_budget(
     at_budget = {sp.peak_time: problem}
     tight = {sp.peak_time: problem}
     for _ in range(4):
-        if deadline is not None and deadline.expired():
-            deadline.cut("the memory fit's rounds")
-            return sol
         choice = sp.expand(sol.assignment)
         # the whole step's peak, as the plan reports it (reshard copies, gathers included)
         peak, instant = peak_memory(*step_usage(sp, choice))
         if _fits(peak, budget):
             return sol
+        if deadline is not None and deadline.expired() and not must_fit:
+            deadline.cut("the memory fit's rounds")
+            return _leanest_if_fits(sp, sol, budget)
         if instant not in tight:  # the problem constrains the instant that binds now
             sp.peak_time = instant
             at_budget[instant] = tight[instant] = reduced_problem(sp, budget)
@@ -640,22 +678,41 @@ def _solve_within_budget(
         retry_s = max(1.0, time_limit_s / 4)
         retry = _solve_or_search(sp, problem, deadline.cap(retry_s) if deadline else retry_s,
                                  [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
-                                 time.perf_counter(), local_polish=True)
+                                 time.perf_counter(), local_polish=True,
+                                 restarts=RETRY_RESTARTS)
         if not retry.feasible:
-            return retry
+            return _leanest_if_fits(sp, retry, budget)
         sol = retry
-    return sol
+    return _leanest_if_fits(sp, sol, budget)
+
+
+def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solution:
+    """``sol`` where its whole step fits ``budget``; otherwise the leanest assignment (every
+    variable at its smallest usage at the constrained instant) where that fits: the memory
+    fit's rounds can run out, or be cut by the time limit, on a plan that still overshoots,
+    and "no plan found" must not be the answer where the leanest layouts fit."""
+    assert sp.problem is not None
+    if sol.feasible and _fits(peak_memory(*step_usage(sp, sp.expand(sol.assignment)))[0],
+                              budget):
+        return sol
+    lean = tuple(int(np.argmin(u)) for u in sp.problem.usages)
+    if not _fits(peak_memory(*step_usage(sp, sp.expand(lean)))[0], budget):
+        return sol
+    cost, _, used = evaluate(sp.problem, lean)
+    return Solution(lean, float(cost), True, "feasible", sol.time_s, "leanest layout", None,
+                    used)
 
 
 def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
-                     hints: list, t0: float, local_polish: bool = False) -> Solution:
+                     hints: list, t0: float, local_polish: bool = False,
+                     restarts: int = 16) -> Solution:
     """:func:`planner_solve`, then, where it found nothing that fits a memory limit, the
     general solver for the time left. ``local_polish``: a memory fit's retry, which starts
     from a solution that nearly fits, is polished by local moves, not CP-SAT (under a memory
     limit CP-SAT rarely proves anything on the planner's problems and spends its whole polish
     budget, round after round: 2 s a round on a 20-variable MLP)."""
     sol = planner_solve(sp, problem, time_limit_s, hints or None,
-                        local_polish="always" if local_polish else False)
+                        local_polish="always" if local_polish else False, restarts=restarts)
     left = time_limit_s - (time.perf_counter() - t0)
     if sol.feasible or problem.usage_limit is None or left < 1.0:
         return sol

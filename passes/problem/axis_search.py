@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from autopar.passes.problem.types import ShardingProblem
-from autopar.solver.elimination import greedy_order, minimise
+from autopar.solver.elimination import cheap_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -65,6 +65,7 @@ class _Steps:
         self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
         self.orders: dict[tuple[int, ...], list[int] | None] = {}
         self.live = [e > s for s, e in p.intervals]
+        self.declined = 0  # steps too wide to eliminate (or not of the one-instant form)
 
     def step(self, k: int, cur: np.ndarray, deadline: float) -> tuple[np.ndarray | None, bool]:
         """The best point reachable from ``cur`` by changing axis ``k`` only (None when the
@@ -83,11 +84,12 @@ class _Steps:
         dom = [len(a) for a in allowed]
         order = self.orders.get(tuple(dom), ())
         if order == ():
-            order = self.orders[tuple(dom)] = greedy_order(p.edges, dom, _MAX_ENTRIES)
-        if order is None:
+            order = self.orders[tuple(dom)] = _order(p.edges, dom)
+        if order is None or (p.usage_limit is not None
+                             and len(set(map(tuple, p.intervals))) > 1):
+            # too wide, or not the one-instant form elimination handles
+            self.declined += 1
             return None, False
-        if p.usage_limit is not None and len(set(map(tuple, p.intervals))) > 1:
-            return None, False  # not the one-instant form elimination handles
         costs = [c[a] for c, a in zip(p.costs, allowed)]
         usages = [u[a] for u, a in zip(p.usages, allowed)]
         ecosts = [m.take(allowed[u], 0).take(allowed[v], 1)  # as m[np.ix_(...)], faster
@@ -107,6 +109,18 @@ class _Steps:
 
 # sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)
 _MAX_ENTRIES = 4e6
+# elimination orders by graph and domain sizes, kept across solves: a planner solves problems
+# of one graph many times (the memory fit's retries, repricings, modes that copy nothing)
+_ORDERS: dict[tuple, list[int] | None] = {}
+
+
+def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
+    key = (tuple(map(tuple, edges)), tuple(dom))
+    if key not in _ORDERS:
+        if len(_ORDERS) > 4096:
+            _ORDERS.clear()
+        _ORDERS[key] = cheap_order(edges, dom, _MAX_ENTRIES)
+    return _ORDERS[key]
 
 
 def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
@@ -164,16 +178,25 @@ def solve_axiswise(
     cost, ok, peak = evaluate(p, best)
     # on a 1-D mesh one step spans every strategy: an exact step is the global optimum
     status = "optimal" if sp.mesh.ndim == 1 and best_exact else "feasible"
+    method = SWEEP if best_exact else SWEEP_DECLINED if steps.declined else SWEEP_INEXACT
     return Solution(tuple(int(x) for x in best), cost, ok, status if ok else "timeout-no-solution",
-                    time.monotonic() - t0, SWEEP if best_exact else SWEEP_INEXACT, None, peak)
+                    time.monotonic() - t0, method, None, peak)
 
 
 SWEEP = "axis-sweep"
 # some step of the best sweep was not solved exactly: too wide to eliminate (it was skipped),
 # or a memory limit made it a Lagrangian step
 SWEEP_INEXACT = "axis-sweep (inexact steps)"
+# some step was too wide to eliminate and was skipped: the sweep may have moved little or not
+# at all (moe-tiny on 2 x 2: every step), and only the general solver searches
+SWEEP_DECLINED = "axis-sweep (steps too wide skipped)"
 
 
 def sweep_was_exact(sol: Solution) -> bool:
     """Whether every step of the sweep that gave ``sol`` was solved exactly."""
     return sol.method == SWEEP
+
+
+def sweep_declined_steps(sol: Solution) -> bool:
+    """Whether some step of the sweeps that gave ``sol`` was too wide to solve."""
+    return sol.method == SWEEP_DECLINED

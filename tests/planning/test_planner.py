@@ -305,3 +305,60 @@ def test_zero_auto_weighs_zero1_beside_the_first_mode():
     assert modes[:3] == ["none", "none+zero3", "none+zero1"]
     assert "full+zero3" in modes and not any(m.endswith("+zero1") for m in modes[3:])
     assert [m.label for m in candidate_modes("none", "1")] == ["none+zero1"]
+
+
+def _mlp_tiny_graph():
+    from autopar.capture.joint import capture
+
+    preset = get_preset("mlp-tiny")
+    model, inputs = preset.build("meta"), preset.example_inputs(8, 0)
+    return model, inputs, capture(model, inputs)
+
+
+def test_modes_with_the_same_problem_are_planned_once(monkeypatch):
+    """A mode that copies no node its predecessor did not (nothing more to recompute or
+    re-gather) is the same problem: planned once, and the plan is as good as planning all."""
+    import math
+
+    from autopar.planning import planner
+    from autopar.planning.modes import candidate_modes, mode_graph
+
+    model, inputs, graph = _mlp_tiny_graph()
+    mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
+    peak = make_plan(model, mesh, inputs, graph=graph, options=Options.of(
+        memory_budget=math.inf, recompute="none")).plan.predicted.cost.mem_bytes
+    planned: list = []
+    real = planner._plan_mode
+
+    def counting(pg, mesh_, mode, *a, **k):
+        planned.append(mode)
+        return real(pg, mesh_, mode, *a, **k)
+
+    monkeypatch.setattr(planner, "_plan_mode", counting)
+    make_plan(model, mesh, inputs, graph=graph,
+              options=Options.of(memory_budget=0.7 * peak, time_limit_s=60))
+    keys = {(frozenset(mode_graph(graph, m).recomputed.items()), m.whole_grads, m.offload)
+            for m in planned}
+    assert len(planned) > 1 and len(keys) == len(planned)  # no problem planned twice
+    distinct = {(frozenset(mode_graph(graph, m).recomputed.items()), m.whole_grads)
+                for m in candidate_modes("auto", "auto")}
+    assert len(distinct) < len(candidate_modes("auto", "auto"))  # the case is a real one
+
+
+def test_a_fit_that_overshoots_falls_back_to_the_leanest_layout_where_that_fits():
+    from autopar.passes.memory.peak import peak_memory
+    from autopar.passes.problem import sharding_problem
+    from autopar.passes.problem.step_memory import step_usage
+    from autopar.planning import planner
+    from autopar.solver import Solution
+
+    _, _, graph = _mlp_tiny_graph()
+    sp = sharding_problem.build(graph, Mesh((2, 2), ("dp", "tp"), "cpu"), None)
+    lean = tuple(int(u.argmin()) for u in sp.problem.usages)
+    need = peak_memory(*step_usage(sp, sp.expand(lean)))[0]
+    replicated = Solution((0,) * sp.problem.num_nodes, 1.0, True, "feasible", 0.0, "sweep")
+    assert peak_memory(*step_usage(sp, sp.expand(replicated.assignment)))[0] > need
+    got = planner._leanest_if_fits(sp, replicated, need)
+    assert got.method == "leanest layout" and got.assignment == lean
+    # where the leanest layout does not fit either, the solution is returned as it was
+    assert planner._leanest_if_fits(sp, replicated, need * 0.99) is replicated
