@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.nn as nn
 
 from autopar.capture.depth_proxy import longest_block_list
 from autopar.capture.joint import capture
+from autopar.ir.deadline import Deadline
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
@@ -39,7 +40,8 @@ from autopar.planning.parallel_map import forked_map
 from autopar.planning.pipeline import batch_size, microbatch_counts, plan_pipeline, stand_in_graph
 from autopar.planning.planner import make_plan
 
-QUICK_S = 1.0  # the solver's limit per shape during the search
+QUICK_S = 1.0  # the solver's limit per solve during the search
+SHAPE_LIMIT_S = 30.0  # each shape's whole planning call (its modes, references, memory fit)
 # what a search plans each shape with where no options are given
 SEARCH_OPTIONS = Options.of(time_limit_s=QUICK_S, max_layers=4)
 
@@ -101,12 +103,14 @@ def search_shapes(
     devices_per_node: int | None = None,
     loss_fn: Callable | None = None,
     model_name: str = "",
+    references_for: Callable[[MeshShape], dict[str, Any]] | None = None,
 ) -> list[ShapeResult]:
     """Every candidate shape planned, fastest first (those with no plan last, with why).
     ``options`` go to the planners as they are; None: :data:`SEARCH_OPTIONS` (a short solver
     limit, 4 traced layers). ``search.workers`` is the processes the shapes fan out to (each
-    shape's own planning then runs on one)."""
-    options = (options if options is not None else SEARCH_OPTIONS).with_deadline()
+    shape's own planning then runs on one). ``references_for``: the reference layouts to
+    weigh beside each shape's plan (``--compare``; on the stage submesh for a pipeline)."""
+    options = options if options is not None else SEARCH_OPTIONS
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
     cache: dict = {}
@@ -125,22 +129,26 @@ def search_shapes(
             stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
                            math.ceil(n_blocks / s.pp), max_layers, 1.0, cache)
 
-    def plan_one(s: MeshShape) -> ShapeResult:
+    def plan_one(s: MeshShape, opts: Options) -> ShapeResult:
         mesh = shape_mesh(s, device)
+        # each shape's planning call has a time limit of its own (its solves QUICK_S each):
+        # one limit for the whole search would leave the shapes planned last with their
+        # first mode only, and the choice would depend on the order and the machine's load
+        opts = replace(opts, search=replace(opts.search, deadline=Deadline(SHAPE_LIMIT_S)))
+        refs = references_for(s) if references_for is not None else None
         try:
             if s.pp == 1:
-                planned = make_plan(model, mesh, options=each, graph=cache["whole"],
-                                    model_name=model_name)
+                planned = make_plan(model, mesh, options=opts, graph=cache["whole"],
+                                    model_name=model_name, references=refs)
             else:
                 planned = plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
-                                        each.replace(precision=prec), model_name=model_name,
-                                        microbatch_choices=1, trace_cache=cache)
+                                        opts.replace(precision=prec), model_name=model_name, microbatch_choices=1,
+                                        trace_cache=cache, references=refs)
         except PlanError as e:
             return ShapeResult(s, math.inf, math.inf, None, str(e).split(";")[0])
         c = planned.plan.predicted.cost
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
-    results = forked_map(plan_one, shapes, options.search.workers)
+    results = forked_map(lambda s: plan_one(s, each), shapes, options.search.workers)
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))
-

@@ -36,6 +36,11 @@ from autopar.passes.strategies.registry import (
 )
 
 
+# strategy lists by (mesh shape, offload), then by node key (_strategy_key): the last few
+# meshes' (a list depends on the node's op, argument shapes and values and the mesh shape only)
+_STRATEGY_LISTS: dict[tuple, dict] = {}
+
+
 def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
           share_layers: bool = True, offload: str = "none", zero1: bool = False,
           prices_of: ShardingProblem | None = None) -> ShardingProblem:
@@ -50,8 +55,11 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     strategies: list[list[Strategy]] = []
     missing: dict[str, int] = {}
     # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
-    # once and shared (the same list object), which also lets edge matrices be cached
-    cache: dict = {}
+    # once and shared (the same list object), which also lets edge matrices be cached; kept
+    # across builds on meshes of this shape (a planner builds one problem per mode)
+    cache = _STRATEGY_LISTS.setdefault((mesh.shape, offload), {})
+    while len(_STRATEGY_LISTS) > 4:
+        del _STRATEGY_LISTS[next(iter(_STRATEGY_LISTS))]
     for n in nodes:
         facts: NodeFacts = n.meta["autopar"]
         key = _strategy_key(n)
