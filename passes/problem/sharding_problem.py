@@ -36,11 +36,6 @@ from autopar.passes.strategies.registry import (
 )
 
 
-# strategy lists by (mesh shape, offload), then by node key (_strategy_key): the last few
-# meshes' (a list depends on the node's op, argument shapes and values and the mesh shape only)
-_STRATEGY_LISTS: dict[tuple, dict] = {}
-
-
 def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
           share_layers: bool = True, offload: str = "none", zero1: bool = False,
           prices_of: ShardingProblem | None = None) -> ShardingProblem:
@@ -55,11 +50,12 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     strategies: list[list[Strategy]] = []
     missing: dict[str, int] = {}
     # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
-    # once and shared (the same list object), which also lets edge matrices be cached; kept
-    # across builds on meshes of this shape (a planner builds one problem per mode)
-    cache = _STRATEGY_LISTS.setdefault((mesh.shape, offload), {})
-    while len(_STRATEGY_LISTS) > 4:
-        del _STRATEGY_LISTS[next(iter(_STRATEGY_LISTS))]
+    # once and shared (the same list object), which also lets edge matrices be cached; a
+    # problem on this mesh (prices_of: the planner's other modes) lends its lists, by offload
+    lent = getattr(prices_of, "strategy_lists", None) if prices_of is not None \
+        and prices_of.mesh is mesh else None
+    lent = lent if lent is not None else {}
+    cache = lent.setdefault(offload, {})
     for n in nodes:
         facts: NodeFacts = n.meta["autopar"]
         key = _strategy_key(n)
@@ -99,6 +95,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
 
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
     sp.zero1 = zero1
+    sp.strategy_lists = lent  # type: ignore[attr-defined]
     if prices_of is not None and prices_of.mesh is mesh:
         # keyed by spec ids and tensor price keys, valid in any problem on this mesh (not the
         # matrix cache: it is keyed by the ids of this build's strategy lists)
