@@ -9,7 +9,7 @@ divide it; a pipeline needs a microbatch count that keeps microbatches divisible
 otherwise. The search is exhaustive over shapes, so its choice is the best of the
 enumeration under the cost model (a test checks it against planning each shape alone).
 
-What keeps it within a minute for 405B on 1,024 devices (22 shapes):
+What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
 
 - each shape is planned with a short solver limit (``time_limit_s``, 1 s by default) and one
   microbatch count; the answers barely move with more time (measured: 405B's 22 shapes at
@@ -132,12 +132,12 @@ def search_shapes(
             stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
                            math.ceil(n_blocks / s.pp), max_layers, 1.0, cache)
 
-    def plan_one(s: MeshShape, opts: Options) -> ShapeResult:
+    def plan_one(s: MeshShape) -> ShapeResult:
         mesh = shape_mesh(s, device)
         # each shape's planning call has a time limit of its own (its solves QUICK_S each):
         # one limit for the whole search would leave the shapes planned last with their
         # first mode only, and the choice would depend on the order and the machine's load
-        opts = replace(opts, search=replace(opts.search, deadline=Deadline(SHAPE_LIMIT_S)))
+        opts = replace(each, search=replace(each.search, deadline=Deadline(SHAPE_LIMIT_S)))
         refs = references_for(s) if references_for is not None else None
         try:
             if s.pp == 1:
@@ -145,13 +145,14 @@ def search_shapes(
                                     model_name=model_name, references=refs)
             else:
                 planned = plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
-                                        opts.replace(precision=prec), model_name=model_name, microbatch_choices=1,
-                                        trace_cache=cache, references=refs)
+                                        opts.replace(precision=prec), model_name=model_name,
+                                        microbatch_choices=1, trace_cache=cache,
+                                        references=refs)
         except PlanError as e:
             return ShapeResult(s, math.inf, math.inf, None, str(e).split(";")[0])
         c = planned.plan.predicted.cost
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
-    results = forked_map(lambda s: plan_one(s, each), shapes, options.search.workers)
+    results = forked_map(plan_one, shapes, options.search.workers)
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))

@@ -14,9 +14,9 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
+from autopar.passes.pipeline.cost import overheads
 from autopar.passes.pipeline.stage_profile import stage_profile
 from autopar.planning.mesh_shapes import MeshShape
-from autopar.passes.pipeline.cost import overheads
 from autopar.planning.pipeline import (
     busy_bound,
     microbatch_counts,
