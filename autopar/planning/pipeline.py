@@ -183,9 +183,11 @@ def plan_pipeline(
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
             over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
+            # a layout only weighed to be kept where faster, and it cannot be (nor tie with
+            # the best at the key's 6 digits, where the leaner would win)
             if name and name not in asked_refs and best is not None and \
-                    busy_bound(prof, n_blocks, p, m, over) >= best.option.step_s:
-                continue  # a layout only weighed to be kept where faster, and it cannot be
+                    busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
+                continue
             weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
             if not name:
                 weighed_all += weighed
