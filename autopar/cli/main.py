@@ -125,21 +125,32 @@ def plan_for_devices(args: argparse.Namespace) -> int:
     side by side, then the winner's plan (:mod:`autopar.planning.shapes`)."""
     from autopar.ir.units import fmt_bytes, fmt_time
     from autopar.planning.parallel_map import default_workers
-    from autopar.planning.pipeline import plan_pipeline
+    from autopar.planning.pipeline import plan_pipeline, stage_mesh
     from autopar.planning.planner import make_plan
     from autopar.planning.shapes import QUICK_S, search_shapes, shape_mesh
 
-    if args.schedule or args.microbatches or args.virtual or args.compare:
+    if args.schedule or args.microbatches or args.virtual:
         raise UsageError("--devices picks the mesh shape itself: drop --schedule, "
-                         "--microbatches, --virtual and --compare, or give --mesh")
+                         "--microbatches and --virtual, or give --mesh")
     progress = plan_progress(args.time_limit, force=args.progress)
     options = options_from_args(args, workers=1).with_deadline(progress)
     loaded = load_model(args.model, args.batch, args.seq)
+
+    def references_for(shape):  # --compare: the fixed layouts, on the shape's stage submesh
+        from autopar.models.reference_plans import comparison_plans
+
+        mesh = shape_mesh(shape, args.device)
+        pp = "pp" in mesh.axes
+        sub = stage_mesh(mesh, mesh.axes.index("pp")) if pp else mesh
+        return comparison_plans(loaded.model, sub.shape, sub.axes, loaded.family,
+                                batch_size=args.batch, pipeline=pp)
+
     # each shape with the search's short solver limit, the shapes over every core
     results = search_shapes(loaded.model, args.devices, loaded.inputs, loaded.kwargs,
                             args.device,
                             options.replace(time_limit_s=QUICK_S, workers=default_workers()),
-                            model_name=loaded.name)
+                            model_name=loaded.name,
+                            references_for=references_for if args.compare else None)
     if progress is not None:
         progress.close()
     fitting = [r for r in results if r.fits]

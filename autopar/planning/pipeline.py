@@ -183,6 +183,11 @@ def plan_pipeline(
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
             over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
+            # a layout only weighed to be kept where faster, and it cannot be (nor tie with
+            # the best at the key's 6 digits, where the leaner would win)
+            if name and name not in asked_refs and best is not None and \
+                    busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
+                continue
             weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
             if not name:
                 weighed_all += weighed
@@ -254,6 +259,15 @@ def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]
             if s.name == name:
                 return [s]
     return list(scheds[:1])
+
+
+def busy_bound(prof: StageProfile, n_blocks: int, p: int, m: int, over: Overheads) -> float:
+    """A lower bound on the step of any split and schedule of ``prof`` over ``p`` ranks and
+    ``m`` microbatches: the ranks' work, spread evenly, at the fastest a rank computes. (A
+    rank runs its actions one at a time, and the replay only adds to them: sends, overheads,
+    waits, the gradient sync.)"""
+    work = sum(c.time_s * k for c, k in ((prof.pre, 1), (prof.block, n_blocks), (prof.post, 1)))
+    return m * work / p / max(over.speed or (1.0,))
 
 
 def proxy_blocks(planned: Planned) -> int:

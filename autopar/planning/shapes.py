@@ -9,11 +9,14 @@ divide it; a pipeline needs a microbatch count that keeps microbatches divisible
 otherwise. The search is exhaustive over shapes, so its choice is the best of the
 enumeration under the cost model (a test checks it against planning each shape alone).
 
-What keeps it within a minute for 405B on 1,024 devices (22 shapes):
+What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
 
 - each shape is planned with a short solver limit (``time_limit_s``, 1 s by default) and one
   microbatch count; the answers barely move with more time (measured: 405B's 22 shapes at
-  1 s and 3 s differ by under 1% in step time, the same ranking);
+  1 s and 3 s differ by under 1% in step time, the same ranking). Each shape's planning call
+  has a time limit of its own (:data:`SHAPE_LIMIT_S`), not a share of one for the whole
+  search: under one limit the shapes planned last got their first mode only, and the choice
+  depended on their order and on the machine's load;
 - the traced stand-ins are shared: a trace depends only on the microbatch and the blocks
   traced, not on the submesh, so it is made once in this process before the shapes fan out;
 - the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`).
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.nn as nn
 
 from autopar.capture.depth_proxy import longest_block_list
 from autopar.capture.joint import capture
+from autopar.ir.deadline import Deadline
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
@@ -39,7 +43,8 @@ from autopar.planning.parallel_map import forked_map
 from autopar.planning.pipeline import batch_size, microbatch_counts, plan_pipeline, stand_in_graph
 from autopar.planning.planner import make_plan
 
-QUICK_S = 1.0  # the solver's limit per shape during the search
+QUICK_S = 1.0  # the solver's limit per solve during the search
+SHAPE_LIMIT_S = 120.0  # each shape's whole planning call (its modes, references, memory fit)
 # what a search plans each shape with where no options are given
 SEARCH_OPTIONS = Options.of(time_limit_s=QUICK_S, max_layers=4)
 
@@ -101,12 +106,14 @@ def search_shapes(
     devices_per_node: int | None = None,
     loss_fn: Callable | None = None,
     model_name: str = "",
+    references_for: Callable[[MeshShape], dict[str, Any]] | None = None,
 ) -> list[ShapeResult]:
     """Every candidate shape planned, fastest first (those with no plan last, with why).
     ``options`` go to the planners as they are; None: :data:`SEARCH_OPTIONS` (a short solver
     limit, 4 traced layers). ``search.workers`` is the processes the shapes fan out to (each
-    shape's own planning then runs on one)."""
-    options = (options if options is not None else SEARCH_OPTIONS).with_deadline()
+    shape's own planning then runs on one). ``references_for``: the reference layouts to
+    weigh beside each shape's plan (``--compare``; on the stage submesh for a pipeline)."""
+    options = options if options is not None else SEARCH_OPTIONS
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
     cache: dict = {}
@@ -127,14 +134,20 @@ def search_shapes(
 
     def plan_one(s: MeshShape) -> ShapeResult:
         mesh = shape_mesh(s, device)
+        # each shape's planning call has a time limit of its own (its solves QUICK_S each):
+        # one limit for the whole search would leave the shapes planned last with their
+        # first mode only, and the choice would depend on the order and the machine's load
+        opts = replace(each, search=replace(each.search, deadline=Deadline(SHAPE_LIMIT_S)))
+        refs = references_for(s) if references_for is not None else None
         try:
             if s.pp == 1:
-                planned = make_plan(model, mesh, options=each, graph=cache["whole"],
-                                    model_name=model_name)
+                planned = make_plan(model, mesh, options=opts, graph=cache["whole"],
+                                    model_name=model_name, references=refs)
             else:
                 planned = plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
-                                        each.replace(precision=prec), model_name=model_name,
-                                        microbatch_choices=1, trace_cache=cache)
+                                        opts.replace(precision=prec), model_name=model_name,
+                                        microbatch_choices=1, trace_cache=cache,
+                                        references=refs)
         except PlanError as e:
             return ShapeResult(s, math.inf, math.inf, None, str(e).split(";")[0])
         c = planned.plan.predicted.cost
@@ -143,4 +156,3 @@ def search_shapes(
     results = forked_map(plan_one, shapes, options.search.workers)
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))
-

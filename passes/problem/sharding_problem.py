@@ -50,8 +50,12 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     strategies: list[list[Strategy]] = []
     missing: dict[str, int] = {}
     # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
-    # once and shared (the same list object), which also lets edge matrices be cached
-    cache: dict = {}
+    # once and shared (the same list object), which also lets edge matrices be cached; a
+    # problem on this mesh (prices_of: the planner's other modes) lends its lists, by offload
+    lent = getattr(prices_of, "strategy_lists", None) if prices_of is not None \
+        and prices_of.mesh is mesh else None
+    lent = lent if lent is not None else {}
+    cache = lent.setdefault(offload, {})
     for n in nodes:
         facts: NodeFacts = n.meta["autopar"]
         key = _strategy_key(n)
@@ -91,6 +95,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
 
     sp = ShardingProblem(mesh, nodes, strategies, [], [], edges, missing)
     sp.zero1 = zero1
+    sp.strategy_lists = lent  # type: ignore[attr-defined]
     if prices_of is not None and prices_of.mesh is mesh:
         # keyed by spec ids and tensor price keys, valid in any problem on this mesh (not the
         # matrix cache: it is keyed by the ids of this build's strategy lists)

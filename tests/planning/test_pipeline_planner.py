@@ -14,9 +14,16 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
+from autopar.passes.pipeline.cost import overheads
 from autopar.passes.pipeline.stage_profile import stage_profile
 from autopar.planning.mesh_shapes import MeshShape
-from autopar.planning.pipeline import microbatch_counts, plan_pipeline, predict_split
+from autopar.planning.pipeline import (
+    busy_bound,
+    microbatch_counts,
+    plan_pipeline,
+    predict_split,
+    proxy_blocks,
+)
 from autopar.planning.planner import make_plan
 from autopar.planning.shapes import SEARCH_OPTIONS, candidate_shapes, search_shapes, shape_mesh
 from autopar.report.table import plan_table
@@ -249,10 +256,12 @@ def test_cli_plans_a_pp_mesh_and_a_device_count(capsys, tmp_path):
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert "0F0" in names and "gradient sync" in names
     code = main(["plan", "gpt2-tiny", "--devices", "4", "--batch", "8", "--seq", "32",
-                 "--device", "cpu"])
+                 "--device", "cpu", "--compare"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "mesh shapes of 4 devices" in out and "pp x dp x tp" in out
+    # --compare: the winner's shape with the fixed layouts beside it
+    assert "reference plans, scored by the same cost model" in out
     code = main(["plan", "gpt2-tiny", "--mesh", "dp=2", "--schedule", "1F1B"])
     out, err = capsys.readouterr()
     assert code == 2 and "need a pipeline axis" in err
@@ -270,3 +279,20 @@ def test_llama3_405b_on_1024_gpus_gets_real_stages_that_fit():
     assert pipe.stages[-1].end_block == 126 and pipe.microbatches >= 8
     assert max(pipe.rank_memory_bytes) <= 74 * GiB
     assert 0.0 < pipe.bubble < 0.5
+
+
+def test_the_busy_bound_is_below_every_schedule_weighed():
+    # plan_pipeline skips a layout weighed only to be kept where faster when this bound
+    # already reaches the best step: the bound must lie below every option's replayed step
+    model, inputs = gpt(n_layer=8)
+    mesh = Mesh((4, 2), ("pp", "dp"), "cpu")
+    planned = plan_pipeline(model, mesh, inputs, microbatch_choices=1,
+                            options=Options.of(time_limit_s=2.0))
+    pipe = planned.plan.decided.pipeline
+    prof = stage_profile(planned.problem, planned.node_choice, proxy_blocks(planned), 2)
+    over = overheads(prof.boundary_bytes, mesh, 0, prof.tied_bytes)
+    bound = busy_bound(prof, 8, 4, pipe.microbatches, over)
+    assert bound > 0
+    weighed = [o for o in pipe.options if math.isfinite(o.step_s)]
+    assert len(weighed) >= 3
+    assert all(o.step_s >= bound * (1 - 1e-9) for o in weighed)
