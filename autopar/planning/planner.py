@@ -786,7 +786,7 @@ def exact_completion(sp: ShardingProblem, problem: Problem,
         else:
             ls.a, ls.load = start.astype(np.int64), usage_profile(problem, start)
         ls.groups = Groups(ls)
-        for _ in range(EXACT_ROUNDS):
+        for _ in range(EXACT_ROUNDS if len(ls.free_nodes) else 0):  # else nothing to move
             before = ls.cost()
             while ls.sweep():
                 pass
