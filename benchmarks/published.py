@@ -38,6 +38,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,7 +302,10 @@ def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str
     return PinnedLayout("published", ref.params, ref.inputs, layout.recompute, layout.zero)
 
 
-def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
+def plan_run(run: dict, search: bool, time_limit_s: float,
+             priced: Callable[[dict], None] | None = None) -> dict:
+    """One run's row. ``priced``: told the row once the published layout is priced, before
+    autopar's own plan (a run too slow to plan keeps its published layout's price)."""
     from autopar.ir.mesh import Mesh
     from autopar.ir.options import Options
     from autopar.ir.pipeline_mesh import stage_mesh
@@ -372,6 +376,8 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
     out["published_step_s"] = round(cost.step_s, 4)
     out["published_mem_gib"] = round(cost.mem_bytes / 2**30, 1)
     out["published_fits"] = bool(limit is None or cost.mem_bytes <= limit)
+    if priced is not None:
+        priced(dict(out))
 
     # autopar's own: on the published mesh (the published layout beside it), then the shapes
     t1 = time.perf_counter()
@@ -463,6 +469,7 @@ def report(rows: list[dict]) -> str:
             f"{err:+.0%}" if err is not None else "-",
             {True: "yes", False: f"no ({r.get('published_mem_gib')} GiB)"}.get(
                 r.get("published_fits"), "-"),
+            "too slow to plan" if r.get("autopar_too_slow") else
             _num(r["autopar_tokens_per_s_per_gpu"]),
             " ".join(str(x) for x in (lay.get("mesh"), lay.get("schedule") or "",
                                        f"zero={lay.get('zero')}", lay.get("recompute"),
@@ -493,6 +500,10 @@ def report(rows: list[dict]) -> str:
             lines.append(f"- {r['id']}: not expressible: {r['why']}")
         elif r["why"]:
             lines.append(f"- {r['id']}: {r['why']}")
+        elif r.get("autopar_too_slow"):
+            lines.append(f"- {r['id']}: the published layout priced in {r.get('published_plan_s')}"
+                         f" s; autopar's own plan: too slow to plan, no answer within "
+                         f"{r['plan_s']:.0f} s")
     return "\n".join(lines)
 
 
@@ -512,13 +523,21 @@ def plan_in_child(run: dict, search: bool, time_limit_s: float, timeout_s: float
 
     def child() -> None:
         try:
-            send.send(plan_run(run, search, time_limit_s))
+            send.send({"done": plan_run(run, search, time_limit_s,
+                                        priced=lambda row: send.send({"priced": row}))})
         except BaseException as e:  # noqa: BLE001 - reported in the row
             send.send({"error": f"{type(e).__name__}: {e}"})
 
     proc = ctx.Process(target=child, daemon=True)
     proc.start()
-    got = recv.recv() if recv.poll(timeout_s) else None
+    until = time.monotonic() + timeout_s
+    got, partial = None, None
+    while got is None and recv.poll(max(0.0, until - time.monotonic())):
+        msg = recv.recv()
+        if "priced" in msg:
+            partial = msg["priced"]
+        else:
+            got = msg.get("done", msg)
     proc.join(5)
     if proc.is_alive():
         proc.kill()
@@ -528,6 +547,12 @@ def plan_in_child(run: dict, search: bool, time_limit_s: float, timeout_s: float
                "tokens_per_s_per_gpu"),
            "predicted_published_layout_tokens_per_s_per_gpu": None,
            "autopar_tokens_per_s_per_gpu": None, "autopar_layout": None, "plan_s": None}
+    if got is None and partial is not None:  # the published layout priced, autopar not
+        partial["autopar_too_slow"] = True
+        partial["plan_s"] = float(f"{timeout_s:.0f}")
+        partial.setdefault("notes", []).append(
+            f"autopar's own plan: too slow to plan, no answer within {timeout_s:.0f} s")
+        return partial
     if got is None:
         row["why"] = f"too slow to plan: no answer within {timeout_s:.0f} s"
         row["plan_s"] = float(f"{timeout_s:.0f}")

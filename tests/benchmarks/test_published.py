@@ -217,3 +217,23 @@ def test_write_replaces_only_the_table_and_its_summary(tmp_path):
     path.write_text("# Benchmark results\n")
     published.write_results(new, "stamp", str(path))
     assert "## Published runs\n\nstamp\n\n| run | device |" in path.read_text()
+
+
+def test_a_run_priced_but_too_slow_for_autopar_keeps_the_published_price(monkeypatch):
+    def slow(run, search, time_limit_s, priced=None):
+        row = {"id": run["id"], "expressible": True, "why": "",
+               "measured_tokens_per_s_per_gpu": 1000.0,
+               "predicted_published_layout_tokens_per_s_per_gpu": 900.0,
+               "autopar_tokens_per_s_per_gpu": None, "autopar_layout": None, "plan_s": None,
+               "published_plan_s": 0.1}
+        priced(row)
+        import time
+        time.sleep(30)  # autopar's own plan, never done in time
+
+    monkeypatch.setattr(published, "plan_run", slow)  # the forked child runs it
+    row = published.plan_in_child(MEGATRON, search=False, time_limit_s=1.0, timeout_s=2.0)
+    assert row["expressible"] and row["why"] == "" and row["autopar_too_slow"]
+    assert row["predicted_published_layout_tokens_per_s_per_gpu"] == 900.0
+    text = published.report([row])
+    assert "900" in text and "-10%" in text
+    assert "autopar's own plan: too slow to plan, no answer within 2 s" in text
