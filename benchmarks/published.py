@@ -31,7 +31,6 @@ takes the rows of an earlier OUT instead of planning those runs again.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import re
@@ -274,8 +273,8 @@ def build_model(model: dict):
 class PinnedLayout:
     """A reference layout with its ZeRO stage (read by the planner's ``reference_mode``).
     ``exact``: completed by work, not by the clock (``planner.exact_completion``), so the
-    published layout's price is the same at any load; autopar's own plan, which the layout
-    only seeds, takes it with ``exact=False``."""
+    published layout's price is the same at any load, and autopar's own plan, which it
+    seeds, is never slower than it."""
 
     name: str
     params: dict
@@ -309,6 +308,7 @@ def plan_run(run: dict, search: bool, time_limit_s: float,
     from autopar.ir.mesh import Mesh
     from autopar.ir.options import Options
     from autopar.ir.pipeline_mesh import stage_mesh
+    from autopar.passes.pipeline.cost import LOOPED_SEARCH_V
     from autopar.planning.parallel_map import default_workers
     from autopar.planning.pipeline import plan_pipeline
     from autopar.planning.planner import make_plan
@@ -386,11 +386,15 @@ def plan_run(run: dict, search: bool, time_limit_s: float,
     tries = [own_opts]
     if pp:  # the planner's own microbatch counts, and the published one (--microbatches)
         tries.append(own_opts.replace(microbatches=layout.microbatches))
-    seed = dataclasses.replace(pinned, exact=False)  # a start for the solver, raced with it
+    if pp and layout.virtual not in (None, *LOOPED_SEARCH_V):
+        # stages per rank the planner does not try unasked: its own layouts under the
+        # published schedule too, so that the published layout is among what it weighs
+        tries.append(own_opts.replace(microbatches=layout.microbatches,
+                                      schedule=layout.schedule, virtual=layout.virtual))
     for k, opts in enumerate(tries):
         try:
             mine = planner(model, mesh, inputs, options=opts,
-                           references={"published": seed}, model_name=out["id"])
+                           references={"published": pinned}, model_name=out["id"])
         except Exception as e:  # noqa: BLE001
             out["notes"].append(f"autopar on the published mesh: {str(e)[:300]}")
             continue
@@ -398,7 +402,8 @@ def plan_run(run: dict, search: bool, time_limit_s: float,
         if best is None or step < best[0]:
             best = (step, layout.mesh_text, mine.plan)
             if k:
-                out["notes"].append("autopar's plan: best at the published microbatch count")
+                out["notes"].append("autopar's plan: best at the published microbatch count"
+                                    + (" and schedule" if k == 2 else ""))
     if search:
         from autopar.planning.shapes import search_shapes
 

@@ -152,11 +152,12 @@ def make_plan(
     pg = graph
     t_trace = time.perf_counter() - t0
     refs_by_mode: dict[Mode, dict[str, Any]] = {}
-    exact_refs: dict[Mode, dict[str, Any]] = {}  # priced alone, the same at any load
+    exact_refs: dict[Mode, dict[str, Any]] = {}  # also priced alone, the same at any load
     for name, ref in (references or {}).items():
         mode = reference_mode(getattr(ref, "recompute", "none"), getattr(ref, "zero", None))
-        into = exact_refs if getattr(ref, "exact", False) else refs_by_mode
-        into.setdefault(mode, {})[name] = ref
+        refs_by_mode.setdefault(mode, {})[name] = ref
+        if getattr(ref, "exact", False):
+            exact_refs.setdefault(mode, {})[name] = ref
     timings = {"trace_s": t_trace, "build_s": 0.0, "solve_s": 0.0, "references_s": 0.0}
     runs: dict[Mode, _ModeRun] = {}
 
@@ -227,8 +228,10 @@ def make_plan(
                                        search.time_limit_s))
     best = min(fitting, key=lambda r: r.step_s)
     dl.close()
-    # exact references: each mode built afresh (the solver's repricing of its own problem
-    # depends on its clock-bound plan) and completed by work, never skipped for time
+    # exact references, reported as priced alone: each mode built afresh (the solver's
+    # repricing of its own problem depends on its clock-bound plan) and completed by work,
+    # never skipped for time. In the solver's runs they seed and bound its plan as any
+    # reference does, completed by work there too, so the plan is never slower than them.
     priced = [_plan_mode(pg, mesh, mode, limit, refs, search, False, timings, offload=stored,
                          prices_of=next(iter(runs.values())).sp, shown=False)
               for mode, refs in exact_refs.items()]
