@@ -218,8 +218,9 @@ def make_plan(
             if not _out_of_time(dl, runs, f"mode {mode.offloaded().label} not tried"):
                 run(mode.offloaded(), own=True, of=len(candidates) - k)
     for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
-        if mode not in runs and not _out_of_time(dl, runs, "references of mode "
-                                                 f"{mode.label} not completed"):
+        # (an exact reference's never skipped for time: the plan is never slower than it)
+        if mode not in runs and (mode in exact_refs or not _out_of_time(
+                dl, runs, f"references of mode {mode.label} not completed")):
             run(mode, own=False)
     asked = [r for m, r in runs.items() if m.base in candidates]
     fitting = [r for r in asked if r.choice is not None and r.fits]
@@ -756,8 +757,9 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
 
 # an exact completion's local search: rounds of moves until one gains nothing, at most
 # EXACT_ROUNDS; in a round, tree moves until EXACT_TREE_FAILS in a row gain nothing, and pair
-# moves until EXACT_PAIR_FAILS do (the heuristic's own stall counts, run_heuristic)
-EXACT_ROUNDS, EXACT_TREE_FAILS, EXACT_PAIR_FAILS, EXACT_TREE_MOVES = 20, 25, 60, 2000
+# moves until EXACT_PAIR_FAILS do (the heuristic's own stall counts, run_heuristic), each
+# kind at most EXACT_MOVES times
+EXACT_ROUNDS, EXACT_TREE_FAILS, EXACT_PAIR_FAILS, EXACT_MOVES = 20, 25, 60, 2000
 
 
 def exact_completion(sp: ShardingProblem, problem: Problem,
@@ -795,14 +797,15 @@ def exact_completion(sp: ShardingProblem, problem: Problem,
                 pass
             group_pass(ls, float("inf"))
             fails = tries = 0
-            while fails < EXACT_TREE_FAILS and tries < EXACT_TREE_MOVES:
+            while fails < EXACT_TREE_FAILS and tries < EXACT_MOVES:
                 gain = tree_move(ls, ls.pick_seed(), TREE_SIZE, safe=tries % 2 == 0)
                 tries += 1
                 fails = 0 if gain > 0 else fails + 1
-            fails = 0
-            while fails < EXACT_PAIR_FAILS:
+            fails = tries = 0
+            while fails < EXACT_PAIR_FAILS and tries < EXACT_MOVES:
                 edge = ls.pick_edge()
                 gain = ls.groups.move_units(ls, list(edge)) if edge is not None else 0.0
+                tries += 1
                 fails = 0 if gain > 0 else fails + 1
             if ls.cost() >= before * (1 - 1e-12):
                 break
