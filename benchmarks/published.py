@@ -13,7 +13,8 @@ and planned three ways on the device profile of its GPU:
    stages per rank and microbatch count, its parameter placements (Megatron tensor parallel,
    data parallel replicated, or sharded for FSDP and a distributed optimizer), its ZeRO stage,
    its recomputation and its precision; the solver only completes what the layout leaves open
-   (activation placements). Its predicted step gives
+   (activation placements), by work rather than by the clock, so the figure is the same at
+   any load and any ``--time-limit`` (``PinnedLayout.exact``). Its predicted step gives
    ``predicted_published_layout_tokens_per_s_per_gpu``.
 2. **autopar's own plan on the published mesh** (nothing pinned but the precision, the
    published layout scored beside it, as ``autopar plan --compare`` does);
@@ -24,8 +25,10 @@ and planned three ways on the device profile of its GPU:
 A run whose layout autopar cannot express is reported with ``expressible: false`` and the
 reason in ``why``; a field the source leaves open that the layout needs is such a reason.
 What is expressed only approximately is said in ``notes``. Each run plans in a forked process;
-one that takes longer than ``--run-timeout`` is reported as too slow to plan. ``--rows OLD``
-takes the rows of an earlier OUT instead of planning those runs again.
+one that takes longer than ``--run-timeout`` is reported as too slow to plan (keeping its
+published layout's price where that was done). ``--rows OLD`` takes the rows of an earlier
+OUT instead of planning those runs again. ``--write`` replaces the table and its summary
+lines in RESULTS.md's "Published runs" and keeps the prose around them.
 """
 
 from __future__ import annotations
