@@ -13,7 +13,8 @@ and planned three ways on the device profile of its GPU:
    stages per rank and microbatch count, its parameter placements (Megatron tensor parallel,
    data parallel replicated, or sharded for FSDP and a distributed optimizer), its ZeRO stage,
    its recomputation and its precision; the solver only completes what the layout leaves open
-   (activation placements). Its predicted step gives
+   (activation placements), by work rather than by the clock, so the figure is the same at
+   any load and any ``--time-limit`` (``PinnedLayout.exact``). Its predicted step gives
    ``predicted_published_layout_tokens_per_s_per_gpu``.
 2. **autopar's own plan on the published mesh** (nothing pinned but the precision, the
    published layout scored beside it, as ``autopar plan --compare`` does);
@@ -24,8 +25,10 @@ and planned three ways on the device profile of its GPU:
 A run whose layout autopar cannot express is reported with ``expressible: false`` and the
 reason in ``why``; a field the source leaves open that the layout needs is such a reason.
 What is expressed only approximately is said in ``notes``. Each run plans in a forked process;
-one that takes longer than ``--run-timeout`` is reported as too slow to plan. ``--rows OLD``
-takes the rows of an earlier OUT instead of planning those runs again.
+one that takes longer than ``--run-timeout`` is reported as too slow to plan (keeping its
+published layout's price where that was done). ``--rows OLD`` takes the rows of an earlier
+OUT instead of planning those runs again. ``--write`` replaces the table and its summary
+lines in RESULTS.md's "Published runs" and keeps the prose around them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,13 +274,17 @@ def build_model(model: dict):
 
 @dataclass(frozen=True)
 class PinnedLayout:
-    """A reference layout with its ZeRO stage (read by the planner's ``reference_mode``)."""
+    """A reference layout with its ZeRO stage (read by the planner's ``reference_mode``).
+    ``exact``: completed by work, not by the clock (``planner.exact_completion``), so the
+    published layout's price is the same at any load, and autopar's own plan, which it
+    seeds, is never slower than it."""
 
     name: str
     params: dict
     inputs: dict
     recompute: str
     zero: str | None
+    exact: bool = True
 
 
 def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str) -> PinnedLayout:
@@ -296,10 +304,14 @@ def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str
     return PinnedLayout("published", ref.params, ref.inputs, layout.recompute, layout.zero)
 
 
-def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
+def plan_run(run: dict, search: bool, time_limit_s: float,
+             priced: Callable[[dict], None] | None = None) -> dict:
+    """One run's row. ``priced``: told the row once the published layout is priced, before
+    autopar's own plan (a run too slow to plan keeps its published layout's price)."""
     from autopar.ir.mesh import Mesh
     from autopar.ir.options import Options
     from autopar.ir.pipeline_mesh import stage_mesh
+    from autopar.passes.pipeline.cost import LOOPED_SEARCH_V
     from autopar.planning.parallel_map import default_workers
     from autopar.planning.pipeline import plan_pipeline
     from autopar.planning.planner import make_plan
@@ -353,10 +365,6 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, never skipped
         out["expressible"] = False
         out["why"] = f"planning the published layout failed: {type(e).__name__}: {e}"
-        if layout.virtual and "no schedule of" in str(e):
-            out["why"] = (f"{layout.schedule} with {layout.virtual} stages per rank: the "
-                          "pipeline planner offers 2 or 4 stages per rank only "
-                          f"(passes/pipeline/cost.py schedule_options); {e}")
         return out
     out["published_plan_s"] = round(time.perf_counter() - t0, 2)
     cost = got.plan.provenance.references.get("published")
@@ -371,6 +379,8 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
     out["published_step_s"] = round(cost.step_s, 4)
     out["published_mem_gib"] = round(cost.mem_bytes / 2**30, 1)
     out["published_fits"] = bool(limit is None or cost.mem_bytes <= limit)
+    if priced is not None:
+        priced(dict(out))
 
     # autopar's own: on the published mesh (the published layout beside it), then the shapes
     t1 = time.perf_counter()
@@ -379,6 +389,11 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
     tries = [own_opts]
     if pp:  # the planner's own microbatch counts, and the published one (--microbatches)
         tries.append(own_opts.replace(microbatches=layout.microbatches))
+    if pp and layout.virtual not in (None, *LOOPED_SEARCH_V):
+        # stages per rank the planner does not try unasked: its own layouts under the
+        # published schedule too, so that the published layout is among what it weighs
+        tries.append(own_opts.replace(microbatches=layout.microbatches,
+                                      schedule=layout.schedule, virtual=layout.virtual))
     for k, opts in enumerate(tries):
         try:
             mine = planner(model, mesh, inputs, options=opts,
@@ -390,7 +405,8 @@ def plan_run(run: dict, search: bool, time_limit_s: float) -> dict:
         if best is None or step < best[0]:
             best = (step, layout.mesh_text, mine.plan)
             if k:
-                out["notes"].append("autopar's plan: best at the published microbatch count")
+                out["notes"].append("autopar's plan: best at the published microbatch count"
+                                    + (" and schedule" if k == 2 else ""))
     if search:
         from autopar.planning.shapes import search_shapes
 
@@ -461,6 +477,7 @@ def report(rows: list[dict]) -> str:
             f"{err:+.0%}" if err is not None else "-",
             {True: "yes", False: f"no ({r.get('published_mem_gib')} GiB)"}.get(
                 r.get("published_fits"), "-"),
+            "too slow to plan" if r.get("autopar_too_slow") else
             _num(r["autopar_tokens_per_s_per_gpu"]),
             " ".join(str(x) for x in (lay.get("mesh"), lay.get("schedule") or "",
                                        f"zero={lay.get('zero')}", lay.get("recompute"),
@@ -491,6 +508,10 @@ def report(rows: list[dict]) -> str:
             lines.append(f"- {r['id']}: not expressible: {r['why']}")
         elif r["why"]:
             lines.append(f"- {r['id']}: {r['why']}")
+        elif r.get("autopar_too_slow"):
+            lines.append(f"- {r['id']}: the published layout priced in {r.get('published_plan_s')}"
+                         f" s; autopar's own plan: too slow to plan, no answer within "
+                         f"{r['plan_s']:.0f} s")
     return "\n".join(lines)
 
 
@@ -510,13 +531,21 @@ def plan_in_child(run: dict, search: bool, time_limit_s: float, timeout_s: float
 
     def child() -> None:
         try:
-            send.send(plan_run(run, search, time_limit_s))
+            send.send({"done": plan_run(run, search, time_limit_s,
+                                        priced=lambda row: send.send({"priced": row}))})
         except BaseException as e:  # noqa: BLE001 - reported in the row
             send.send({"error": f"{type(e).__name__}: {e}"})
 
     proc = ctx.Process(target=child, daemon=True)
     proc.start()
-    got = recv.recv() if recv.poll(timeout_s) else None
+    until = time.monotonic() + timeout_s
+    got, partial = None, None
+    while got is None and recv.poll(max(0.0, until - time.monotonic())):
+        msg = recv.recv()
+        if "priced" in msg:
+            partial = msg["priced"]
+        else:
+            got = msg.get("done", msg)
     proc.join(5)
     if proc.is_alive():
         proc.kill()
@@ -526,6 +555,12 @@ def plan_in_child(run: dict, search: bool, time_limit_s: float, timeout_s: float
                "tokens_per_s_per_gpu"),
            "predicted_published_layout_tokens_per_s_per_gpu": None,
            "autopar_tokens_per_s_per_gpu": None, "autopar_layout": None, "plan_s": None}
+    if got is None and partial is not None:  # the published layout priced, autopar not
+        partial["autopar_too_slow"] = True
+        partial["plan_s"] = float(f"{timeout_s:.0f}")
+        partial.setdefault("notes", []).append(
+            f"autopar's own plan: too slow to plan, no answer within {timeout_s:.0f} s")
+        return partial
     if got is None:
         row["why"] = f"too slow to plan: no answer within {timeout_s:.0f} s"
         row["plan_s"] = float(f"{timeout_s:.0f}")
@@ -585,8 +620,58 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         cmd = ("python benchmarks/published.py --runs ../shared/bench/published/runs.json "
                "--json published.json --write")
-        update_results("Published runs", f"`{cmd}` on {machine()}\n\n{text}")
+        write_results(text, f"`{cmd}` on {machine()}")
     return 0
+
+
+SECTION = "Published runs"
+# the lines report() writes below its table, besides "- <run id>: ..." (hand-written prose
+# bullets start "- **")
+_SUMMARY = ("expressible runs:", "no device-profile figure", "autopar's plan predicted slower",
+            "slower, the published layout")
+_RUN_LINE = re.compile(r"^- [A-Za-z0-9_.\-]+: ")
+
+
+def replace_report(section: str, text: str) -> str | None:
+    """``section`` (RESULTS.md's "## Published runs", its heading included) with the table
+    and the summary lines :func:`report` wrote replaced by ``text``, the prose around them
+    kept; None where the section holds no such table."""
+    lines = section.split("\n")
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("| run ")), None)
+    if start is None:
+        return None
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    k = end  # then blank lines and the summary lines, up to the first line of prose
+    while k < len(lines) and (not lines[k].strip() or lines[k].startswith(_SUMMARY)
+                              or _RUN_LINE.match(lines[k])):
+        if lines[k].strip():
+            end = k + 1
+        k += 1
+    return "\n".join(lines[:start] + text.strip().split("\n") + lines[end:])
+
+
+def write_results(text: str, stamp: str, path: str = "benchmarks/RESULTS.md") -> None:
+    """The report into RESULTS.md's "## Published runs": only its table and summary lines
+    where the section has them (the prose around them, which says how the figures were
+    taken and what limits them, is kept); the whole section where it has none."""
+    try:
+        with open(path) as f:
+            doc = f.read()
+    except OSError:
+        doc = ""
+    head = f"## {SECTION}\n"
+    start = doc.find(head)
+    if start >= 0:
+        end = doc.find("\n## ", start + len(head))
+        end = len(doc) if end < 0 else end + 1
+        new = replace_report(doc[start:end], text)
+        if new is not None:
+            with open(path, "w") as f:
+                f.write(doc[:start] + new + doc[end:])
+            return
+    update_results(SECTION, f"{stamp}\n\n{text}", path)
 
 
 if __name__ == "__main__":

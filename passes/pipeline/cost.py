@@ -104,17 +104,26 @@ def schedule_names(schedule: str | None) -> list[str]:
     return [canonical_name(schedule)]
 
 
+LOOPED_SEARCH_V = (2, 4)  # stages per rank the planner tries on its own for a looped schedule
+
+
 def schedule_options(names: Sequence[str], p: int, m: int, n_blocks: int,
                virtual: int | None) -> list[PipelineSchedule]:
-    """Every valid (schedule, v) for ``p`` ranks, ``m`` microbatches and ``n_blocks``."""
+    """Every valid (schedule, v) for ``p`` ranks, ``m`` microbatches and ``n_blocks``.
+    Unasked, a looped schedule is tried at :data:`LOOPED_SEARCH_V` stages per rank only
+    (each ``v`` is one more split and replay per layout); ``virtual`` given is taken as it
+    is, any ``v`` that leaves every one of the ``p * v`` stages a block (Megatron's
+    interleaved layouts run 3 per rank: SC'21's 76B and 530B)."""
     out = []
     for name in names:
         if name in SINGLE_STAGE:
             vs = [1]
         elif name in V_SHAPED:
             vs = [2]
+        elif virtual is not None:
+            vs = [virtual] if virtual > 1 else []  # one per rank: GPipe / 1F1B's
         else:
-            vs = [v for v in (2, 4) if p * v <= n_blocks]
+            vs = list(LOOPED_SEARCH_V)
         for v in vs:
             if (virtual is not None and v != virtual) or p * v > n_blocks:
                 continue

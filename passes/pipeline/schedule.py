@@ -233,9 +233,12 @@ def _single_stage_order(name: str, p: int, m: int) -> tuple[tuple[Action, ...], 
     return tuple(orders)
 
 
+@lru_cache(maxsize=4)
 def _built(name: str, p: int, v: int, m: int):
     """torch's schedule object for ``p`` ranks, built from stand-in stages (the attributes
-    the schedules' constructors read; ``submod=None`` skips their torch.compile check)."""
+    the schedules' constructors read; ``submod=None`` skips their torch.compile check). Kept
+    for the order and the lowered program both: building Interleaved1F1B for SC'21's 530B
+    (35 ranks x 3 stages, 280 microbatches) takes torch 9 s."""
     n = p * v
     info = schedule_info(name)
     cls = info.torch_class()

@@ -246,3 +246,44 @@ def test_invalid_choices_name_the_cause_and_the_fix(args, words):
 def test_wrong_number_of_stage_times_is_an_error():
     with pytest.raises(PlanError, match="one StageTime per virtual stage"):
         simulate(PipelineSchedule("Interleaved1F1B", 2, 2, 4), [EQUAL] * 2)
+
+
+# --- any number of stages per rank (Megatron's interleaved layouts run 3: SC'21's 76B, 530B) --
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 3, 8), (2, 3, 4), (4, 3, 12), (35 // 5, 3, 14)])
+def test_interleaved_v3_bubble_and_in_flight_are_megatrons(p, v, m):
+    cost = simulate(PipelineSchedule("Interleaved1F1B", p, v, m), EQUAL)
+    # equal chunks of forward 1, backward 2: the bubble is (p - 1) chunk round trips, a
+    # v-th of 1F1B's on the same work (Narayanan et al. 2021, eq. 2: (p-1)/(v m))
+    assert math.isclose(cost.step_s, (m * v + p - 1) * 3.0)
+    assert math.isclose(cost.bubble_fraction, (p - 1) / (m * v + p - 1))
+    # chunk activations rank r holds at its peak: 2(p - r - 1) + (v - 1)p + 1
+    assert cost.peak_in_flight == tuple(2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p))
+
+
+def test_schedule_options_take_any_stages_per_rank_when_given():
+    from autopar.passes.pipeline.cost import LOOPED_SEARCH_V, schedule_options
+
+    got = schedule_options(SCHEDULES, 4, 28, 60, 3)
+    assert {(s.name, s.v) for s in got} == {
+        ("Interleaved1F1B", 3), ("InterleavedZeroBubble", 3), ("LoopedBFS", 3)}
+    # SC'21's 530B: 35 ranks x 3 stages of its 105 blocks, one block each
+    assert [s.v for s in schedule_options(["Interleaved1F1B"], 35, 280, 105, 3)] == [3]
+    assert schedule_options(["Interleaved1F1B"], 35, 280, 104, 3) == []  # a stage left empty
+    # unasked, the planner tries a few counts only (each is a split and replay per layout)
+    free = {(s.name, s.v) for s in schedule_options(SCHEDULES, 4, 28, 60, None)}
+    assert {v for n, v in free if n == "Interleaved1F1B"} == set(LOOPED_SEARCH_V)
+    # one per rank is 1F1B's and GPipe's, not a looped schedule's
+    assert {s.name for s in schedule_options(SCHEDULES, 4, 28, 60, 1)} == {"GPipe", "1F1B"}
+
+
+def test_split_into_three_stages_per_rank():
+    from autopar.passes.pipeline.stage_split import layer_cost, split_stages
+
+    # SC'21's 76B: 60 equal blocks on pp=4 x 3 stages per rank, 28 microbatches
+    split = split_stages(60, layer_cost([1.0] * 60), 4, 28, v=3, schedule="Interleaved1F1B")
+    assert split.ranges == tuple((5 * k, 5 * k + 5) for k in range(12))
+    assert split.schedule.v == 3 and split.schedule.num_stages == 12
+    # stage k runs on rank k % 4: each rank holds three chunks, a quarter of the model
+    assert [split.schedule.stage_rank(k) for k in range(12)] == [0, 1, 2, 3] * 3

@@ -2,7 +2,7 @@
 
 One launch of 4 processes runs every configuration in turn (process start-up dominates on 2
 cores): GPipe, 1F1B, interleaved 1F1B, looped BFS, interleaved zero-bubble, ZBV and
-DualPipeV, with 2 and 4 stages, 1 or 2 stages per rank, on pp=2 x dp=2 and pp=4 meshes, on
+DualPipeV, with 2 to 6 stages, 1 to 3 stages per rank, on pp=2 x dp=2 and pp=4 meshes, on
 GPT-2 (embedding tied to the head: one copy per stage, gradients summed, on two ranks or,
 V-shaped, on one), Llama-3, MoE and Hugging Face GPT-2, with torch's traced stages and
 autopar's own. Every rank trains 3 AdamW steps and
@@ -49,6 +49,9 @@ CONFIGS = [
     ("1f1b-gpt2-pp4", "gpt2-tiny", (4, 1), "1f1b", 1, "module", 4, None),
     ("1f1b-llama-uneven", "llama3-tiny", (2, 2), "1f1b", 1, "module", 2, [3, 1]),
     ("interleaved-llama", "llama3-tiny", (2, 2), "interleaved_1f1b", 2, "module", 2, None),
+    # 3 stages per rank (Megatron's SC'21 76B and 530B layouts), on a 6-block Llama-3
+    ("interleaved-v3-llama", "llama3-tiny-6", (2, 2), "interleaved_1f1b", 3, "module", 2,
+     None),
     ("looped-bfs-llama", "llama3-tiny", (2, 2), "looped_bfs", 2, "module", 2, None),
     ("interleaved-zb-gpt2", "gpt2-tiny", (2, 2), "interleaved_zb", 2, "module", 2, None),
     ("zbv-gpt2", "gpt2-tiny", (2, 2), "zbv", 2, "module", 4, None),
@@ -68,6 +71,14 @@ CLIP = {"gpipe-gpt2-trace": 0.5, "zbv-gpt2": 0.5, "1f1b-hf-gpt2": 0.5, "1f1b-gpt
 def _build(preset_name: str):
     if preset_name == "hf-gpt2":
         return _hf_gpt2()
+    if preset_name == "llama3-tiny-6":
+        from autopar.models import get_preset
+
+        preset = get_preset("llama3-tiny").replace(n_layers=6)
+        torch.manual_seed(0)
+        model = preset.build("cpu")
+        torch.manual_seed(1)
+        return model, preset.example_inputs(BATCH, SEQ, "cpu")
     return four_block_model(preset_name, BATCH, SEQ)
 
 
