@@ -66,3 +66,12 @@ def exposed_after(comm_s: float, compute_after_s: float) -> float:
     behind it, the part the compute does not hide (a pipeline stage's gradient sync issued
     with the cooldown's backward still to run, a p2p send behind the next microbatch)."""
     return max(0.0, comm_s - compute_after_s)
+
+
+def exposed_gradient_sync(backward_s: float, sync_s: float, pieces: int) -> float:
+    """Of ``sync_s`` of gradient syncs made by a backward of ``backward_s`` in ``pieces``
+    equal parts (a pipeline rank's last microbatch's backward over its layers, each layer's
+    gradients reduced once it is done), the part that runs past the backward's end: the last
+    piece's sync at least, the backlog where the syncs outrun the backward."""
+    k = max(1, pieces)
+    return overlapped_step([Segment(backward_s / k, sync_s=sync_s / k, copies=k)]) - backward_s

@@ -40,3 +40,13 @@ def test_in_line_communication_is_never_hidden():
 def test_exposed_after():
     assert exposed_after(1.0, 0.25) == pytest.approx(0.75)
     assert exposed_after(1.0, 3.0) == 0.0
+
+
+def test_exposed_gradient_sync_of_a_pipeline_ranks_last_backward():
+    from autopar.passes.cost.overlap import exposed_gradient_sync
+
+    # 4 layers: 1 s of backward each, 2 s of syncs in all: the last layer's 0.5 s is exposed
+    assert exposed_gradient_sync(4.0, 2.0, 4) == pytest.approx(0.5)
+    # syncs that outrun the backward: everything but what ran beside the first 3 layers
+    assert exposed_gradient_sync(4.0, 12.0, 4) == pytest.approx(12.0 - 3.0)
+    assert exposed_gradient_sync(4.0, 0.0, 4) == 0.0
