@@ -220,9 +220,18 @@ def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib, pcie=50 * GBps,
 #   Grand Teton), each at 90% (nccl-tests busbw across nodes reaches 90-95% of the NICs'
 #   line rate). A collective over an axis with k members in each node runs k rings side
 #   by side over k NICs (ir/mesh.py).
-# - latencies: a small NCCL collective costs 10-30 us (nccl-tests' small-message times:
-#   about 10 us inside a node, 20-30 us across nodes); per ring step 5 / 10 us plus 10 us
-#   issue overhead reproduce them for 8-64 ranks.
+# - collectives by message size (``nccl``): NCCL's own cost model (NVIDIA/nccl
+#   src/graph/tuning.cc; :class:`NcclProtocol`), its latencies and per-protocol bandwidth
+#   shares, with the bus bandwidths above as the link. Held against nccl-tests all-reduce on
+#   8 NVLink-4 GPUs (kvcache-ai/Mooncake PR #3484: 1 MiB 27.8 us, 16 MiB 121 us, 128 MiB
+#   700 us, 1 GiB 5.25 ms; the model 28, 127, 691, 5,135 us) and across 4 HGX H100 nodes of
+#   8 NICs (NVIDIA/nccl-tests #309: busbw 366 GB/s; the model 360).
+#   ``tests/passes/cost/test_nccl_curve.py`` holds these. LL's cap (``llMaxBws``): 141 GB/s
+#   on one Hopper node, 87.7 on Ampere, 39 / 20.4 across 2 / more nodes.
+# - latencies, ``collective_overhead``: the plain ring formula's (a small NCCL collective
+#   costs 10-30 us; per ring step 5 / 10 us plus 10 us issue overhead); with ``nccl`` set
+#   they only decide which sums merge into one ring (cost_model.merged_sums) and price the
+#   pipeline's tied-weight all-reduce.
 # - ``memory_efficiency``: STREAM-like copies reach about 80-90% of HBM's peak (the
 #   default 0.8 kept).
 A100_MAMF = 267.9 / 312
