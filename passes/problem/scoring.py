@@ -211,12 +211,15 @@ def step_segments(sp: ShardingProblem, choice: list[int],
             compute[e.dst] += t  # the consumer waits for it
     ops = [i for i, nd in enumerate(sp.nodes) if nd.op == "call_function"]
     keys = [node_layer(sp.nodes[i]) for i in ops]
+    after: list[int | None] = [None] * len(keys)  # the next op's layer that has one
+    for j in range(len(keys) - 2, -1, -1):
+        after[j] = keys[j + 1] if keys[j + 1] is not None else after[j + 1]
+    last = None  # the last layer seen
     for j, key in enumerate(keys):  # an op of no layer inside a layer's run joins it
-        if key is None:
-            before = next((k for k in reversed(keys[:j]) if k is not None), None)
-            after = next((k for k in keys[j + 1:] if k is not None), None)
-            if before is not None and before == after:
-                keys[j] = before
+        if key is None and last is not None and last == after[j]:
+            keys[j] = last
+        elif key is not None:
+            last = key
     lump = sum(compute[i] for i, nd in enumerate(sp.nodes) if nd.op != "call_function")
     runs: list[list] = []  # [key, nodes]
     for i, key in zip(ops, keys):
