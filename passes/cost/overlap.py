@@ -38,7 +38,7 @@ class Segment:
 
 def overlapped_step(segments: list[Segment]) -> float:
     """The step's time with communication on its own stream (the module's docstring)."""
-    flat = [s for s in segments for _ in range(max(1, s.copies))]
+    flat = _without_empty([s for s in segments for _ in range(max(1, s.copies))])
     if not flat:
         return 0.0
     t_comp = 0.0
@@ -54,6 +54,28 @@ def overlapped_step(segments: list[Segment]) -> float:
         if seg.sync_s > 0:
             t_comm = max(t_comm, t_comp) + seg.sync_s
     return max(t_comp, t_comm)
+
+
+def _without_empty(flat: list[Segment]) -> list[Segment]:
+    """``flat`` without its segments of no compute (ops of no layer between two layers that
+    cost nothing, a view): one would end where it starts, so its syncs go out at the end of
+    the segment before it and its gathers are waited for at the start of the one after it,
+    which then prefetches behind the segment before as a run without it would."""
+    out: list[Segment] = []
+    carry = 0.0  # gathers of dropped segments, waited for by the next one with compute
+    for seg in flat:
+        if seg.compute_s > 0:
+            out.append(Segment(seg.compute_s, seg.gather_s + carry, seg.sync_s))
+            carry = 0.0
+        elif out:
+            out[-1] = Segment(out[-1].compute_s, out[-1].gather_s, out[-1].sync_s + seg.sync_s)
+            carry += seg.gather_s
+        else:  # nothing before it: its syncs wait for nothing either
+            out.append(Segment(0.0, seg.gather_s + carry, seg.sync_s))
+            carry = 0.0
+    if carry:
+        out.append(Segment(0.0, carry))
+    return out
 
 
 def serial_step(segments: list[Segment]) -> float:

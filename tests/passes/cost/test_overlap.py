@@ -50,3 +50,12 @@ def test_exposed_gradient_sync_of_a_pipeline_ranks_last_backward():
     # syncs that outrun the backward: everything but what ran beside the first 3 layers
     assert exposed_gradient_sync(4.0, 12.0, 4) == pytest.approx(12.0 - 3.0)
     assert exposed_gradient_sync(4.0, 0.0, 4) == 0.0
+
+
+def test_a_segment_of_no_compute_between_layers_changes_nothing():
+    layers = [Segment(1.0, gather_s=0.25, sync_s=0.5)] * 4
+    with_views = [s for seg in layers for s in (seg, Segment(0.0))]
+    assert overlapped_step(with_views) == pytest.approx(overlapped_step(layers))
+    # a gather needed by nothing but the next layer is prefetched with it
+    split = [Segment(1.0), Segment(0.0, gather_s=0.25), Segment(1.0)]
+    assert overlapped_step(split) == pytest.approx(2.0)
