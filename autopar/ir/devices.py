@@ -20,6 +20,56 @@ GBps = 1e9
 
 
 @dataclass(frozen=True, slots=True)
+class NcclProtocol:
+    """One of NCCL's three wire protocols as NCCL's own tuning model prices it
+    (NVIDIA/nccl ``src/graph/tuning.cc``, ``ncclTopoTuneModel``; the same figures for Ampere
+    and Hopper): a fixed latency, a latency per ring step within a node (NVLink) and across
+    nodes (the network; with one GPU per node the tree's network latency, as NCCL takes it),
+    and the share of the link's bus bandwidth it reaches. LL (8-byte stores with a flag)
+    reaches half the bandwidth, LL128 92%, Simple all of it at the highest latency: NCCL picks
+    the fastest per message size, which is why small messages reach a fraction of the peak
+    bus bandwidth. ``tree_*``: the same for the tree all-reduce NCCL runs across nodes, its
+    latency logarithmic in the nodes, its bandwidth 0.92 of the link (``/3.8`` for LL)."""
+
+    name: str
+    base_s: float
+    nvlink_step_s: float
+    net_step_s: float
+    net_step_one_per_node_s: float
+    bw_fraction: float
+    tree_base_s: float
+    tree_nvlink_step_s: float
+    tree_net_step_s: float
+    tree_bw_fraction: float
+
+
+# NVIDIA/nccl src/graph/tuning.cc (v2.21-2.27): baseLat (Ring, Tree), hwLat NVLINK and NET
+# rows (Ring, Tree), and the bandwidth refinements (Ring LL x0.5, LL128 x0.92; Tree x0.92,
+# LL /3.8, LL128 x120/128), in seconds
+NCCL_PROTOCOLS = (
+    NcclProtocol("LL", 6.6e-6, 0.6e-6, 2.7e-6, 5.0e-6, 0.5, 6.8e-6, 0.6e-6, 5.0e-6, 0.92 / 3.8),
+    NcclProtocol("LL128", 14.0e-6, 1.9e-6, 4.0e-6, 8.5e-6, 0.92, 14.0e-6, 1.25e-6, 8.5e-6,
+                 0.92 * 120 / 128),
+    NcclProtocol("Simple", 8.4e-6, 3.4e-6, 14.0e-6, 14.0e-6, 1.0, 8.4e-6, 4.0e-6, 14.0e-6, 0.92),
+)
+# a ring crossing nodes posts each step to the network: at least 1 us a step (3 for Simple)
+NCCL_NET_OVERHEAD_S = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class NcclModel:
+    """How NCCL prices a collective by message size (:func:`autopar.passes.cost.cost_model.
+    collective_time`): its protocols, and the cap on LL's bus bandwidth (NCCL's ``llMaxBws``:
+    within one node by GPU generation, across nodes by the host CPU, Intel's figures taken)."""
+
+    protocols: tuple[NcclProtocol, ...] = NCCL_PROTOCOLS
+    ll_max_busbw_node: float = 141.0 * 1e9  # Hopper; Ampere 87.7
+    ll_max_busbw_two_nodes: float = 39.0 * 1e9
+    ll_max_busbw_nodes: float = 20.4 * 1e9
+    net_overhead_s: float = NCCL_NET_OVERHEAD_S
+
+
+@dataclass(frozen=True, slots=True)
 class DeviceProfile:
     name: str
     peak_flops: dict[str, float]  # per dtype name ("float32", "bfloat16", ...), FLOP/s
@@ -67,6 +117,10 @@ class DeviceProfile:
     # fused (flash) attention, forward and backward, as a fraction of the dense peak, FLOPs
     # counted as the kernel does them (autopar.capture.flops.attention_flops); 0: as a GEMM
     attention_efficiency: float = 0.0
+    # collectives priced by NCCL's protocol model (message size picks LL, LL128 or Simple,
+    # ring or tree), with the mesh axis's bandwidth as the link; None: the plain ring formula
+    # with the axis's latency per step and ``collective_overhead`` (gloo on the CPU)
+    nccl: NcclModel | None = None
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
@@ -166,18 +220,29 @@ def _gpu(name, fp32, tf32, bf16, fp8, bw, cap, nvlink, ib, pcie=50 * GBps,
 #   Grand Teton), each at 90% (nccl-tests busbw across nodes reaches 90-95% of the NICs'
 #   line rate). A collective over an axis with k members in each node runs k rings side
 #   by side over k NICs (ir/mesh.py).
-# - latencies: a small NCCL collective costs 10-30 us (nccl-tests' small-message times:
-#   about 10 us inside a node, 20-30 us across nodes); per ring step 5 / 10 us plus 10 us
-#   issue overhead reproduce them for 8-64 ranks.
+# - collectives by message size (``nccl``): NCCL's own cost model (NVIDIA/nccl
+#   src/graph/tuning.cc; :class:`NcclProtocol`), its latencies and per-protocol bandwidth
+#   shares, with the bus bandwidths above as the link. Held against nccl-tests all-reduce on
+#   8 NVLink-4 GPUs (kvcache-ai/Mooncake PR #3484: 1 MiB 27.8 us, 16 MiB 121 us, 128 MiB
+#   700 us, 1 GiB 5.25 ms; the model 28, 127, 691, 5,135 us) and across 4 HGX H100 nodes of
+#   8 NICs (NVIDIA/nccl-tests #309: busbw 366 GB/s; the model 360).
+#   ``tests/passes/cost/test_nccl_curve.py`` holds these. LL's cap (``llMaxBws``): 141 GB/s
+#   on one Hopper node, 87.7 on Ampere, 39 / 20.4 across 2 / more nodes.
+# - latencies, ``collective_overhead``: the plain ring formula's (a small NCCL collective
+#   costs 10-30 us; per ring step 5 / 10 us plus 10 us issue overhead); with ``nccl`` set
+#   they only decide which sums merge into one ring (cost_model.merged_sums) and price the
+#   pipeline's tied-weight all-reduce.
 # - ``memory_efficiency``: STREAM-like copies reach about 80-90% of HBM's peak (the
 #   default 0.8 kept).
 A100_MAMF = 267.9 / 312
 H100_MAMF = 792.1 / 989
 NCCL_IB = 0.9  # of a NIC's line rate that NCCL's rings reach across nodes
 _A100 = dict(sms=108, gemm_tile=(256, 128), attention_efficiency=0.6,
-             matmul_efficiency=A100_MAMF, inter_node_latency=10e-6)
+             matmul_efficiency=A100_MAMF, inter_node_latency=10e-6,
+             nccl=NcclModel(ll_max_busbw_node=87.7 * GBps))
 _H100 = dict(sms=132, gemm_tile=(256, 128), attention_efficiency=0.3,
-             matmul_efficiency=H100_MAMF, inter_node_latency=10e-6)
+             matmul_efficiency=H100_MAMF, inter_node_latency=10e-6,
+             nccl=NcclModel(ll_max_busbw_node=141.0 * GBps))
 
 # float32 matmuls are planned at TF32 rate, which is what torch uses with
 # ``torch.backends.cuda.matmul.allow_tf32`` / ``set_float32_matmul_precision("high")``.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.ir.graph import TensorMeta
+from autopar.ir.graph import TensorMeta, node_layer
 from autopar.ir.placements import Partial, Replicate
 from autopar.ir.plan import CollectiveUse, PlanCost
 from autopar.passes.cost import cost_model as cm
@@ -24,6 +24,7 @@ from autopar.passes.cost.buckets import (
     gather_move,
     sync_groups,
 )
+from autopar.passes.cost.overlap import Segment, overlapped_step
 from autopar.passes.memory.peak import peak_memory
 from autopar.passes.problem import stage_boundary
 from autopar.passes.problem.edge_costs import (
@@ -152,6 +153,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         loss_meta = sp.nodes[loss_i].meta["autopar"].out
         add(cm.loss_collectives(loss_meta, sp.strategies[loss_i][choice[loss_i]].outs[0],
                                 sp.mesh), "loss")
+    before = sum(v[2] for v in agg.values())
     add(stage_boundary.collectives(sp, choice), stage_boundary.REASON)
     if sp.loss_scaling:  # fp16: one flag of overflowed gradients summed over the mesh
         n = sp.mesh.ndim
@@ -159,6 +161,11 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
                                    (Replicate(),) * n, sp.mesh), "loss scaling")
     # what runs once per step weighs 1/microbatches against one microbatch's work
     comm = float(sum(v[2] for v in agg.values())) - once_s * (1 - 1 / sp.microbatches)
+    step = compute + comm
+    if overlaps(sp):
+        # a stage's boundary and the loss scaling flag: in line (the loss's own is hidden)
+        in_line = sum(v[2] for v in agg.values()) - before
+        step = min(step, overlapped_step(step_segments(sp, choice, per_edge)) + in_line)
     # the whole step's buffers, not only each node's output: a per-node usage misses the
     # copies two layouts make (gathered weights kept by views, reshard copies, gradient
     # buckets) and keeps a producer that a moved view does not alias (benchmarks/memory.py:
@@ -169,4 +176,61 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
         CollectiveUse(kind, axis, int(round(v[0])), float(v[1]), float(v[2]), reason)
         for (kind, axis, reason), v in sorted(agg.items(), key=lambda kv: -kv[1][2])
     ]
-    return Scored(PlanCost(compute + comm, compute, comm, mem), collectives, per_edge, once_s)
+    return Scored(PlanCost(step, compute, comm, mem), collectives, per_edge, once_s)
+
+
+def overlaps(sp: ShardingProblem) -> bool:
+    """Whether the step is priced with communication beside compute
+    (:mod:`autopar.passes.cost.overlap`): on a device whose collectives run on their own
+    stream, for a whole step (a pipeline stage's parts are scheduled by the pipeline's
+    replay, which weighs its syncs once per step itself)."""
+    return (sp.mesh.device.comm_overlaps_compute and sp.microbatches == 1
+            and not sp.boundary)
+
+
+def step_segments(sp: ShardingProblem, choice: list[int],
+                  per_edge: dict[int, list[cm.Collective]]) -> list[Segment]:
+    """The step as :class:`~autopar.passes.cost.overlap.Segment` s in program order: runs of
+    ops of one layer (an op of no layer between two of one layer counts in it), each with its
+    compute and in-line collectives, the parameter gathers its ops wait for and the gradient
+    syncs its ops make, a traced layer's run repeated as many times as the layers it stands
+    for."""
+    weight = sp.weight if sp.weight is not None else [1.0] * len(sp.nodes)
+    n = len(sp.nodes)
+    compute = [float(sp.node_cost[i][s]) for i, s in enumerate(choice)]
+    gather = [0.0] * n
+    sync = [0.0] * n
+    for k, colls in per_edge.items():
+        e = sp.edges[k]
+        t = sum(c.time_s for c in colls) * float(weight[e.dst])
+        if e.in_idx < 0:
+            sync[e.src] += t  # ready when the gradient is made
+        elif is_param_gather(sp, e):
+            gather[e.dst] += t
+        else:
+            compute[e.dst] += t  # the consumer waits for it
+    ops = [i for i, nd in enumerate(sp.nodes) if nd.op == "call_function"]
+    keys = [node_layer(sp.nodes[i]) for i in ops]
+    after: list[int | None] = [None] * len(keys)  # the next op's layer that has one
+    for j in range(len(keys) - 2, -1, -1):
+        after[j] = keys[j + 1] if keys[j + 1] is not None else after[j + 1]
+    last = None  # the last layer seen
+    for j, key in enumerate(keys):  # an op of no layer inside a layer's run joins it
+        if key is None and last is not None and last == after[j]:
+            keys[j] = last
+        elif key is not None:
+            last = key
+    lump = sum(compute[i] for i, nd in enumerate(sp.nodes) if nd.op != "call_function")
+    runs: list[list] = []  # [key, nodes]
+    for i, key in zip(ops, keys):
+        if runs and runs[-1][0] == key:
+            runs[-1][1].append(i)
+        else:
+            runs.append([key, [i]])
+    out = []
+    for j, (_, nodes) in enumerate(runs):
+        copies = max(1, round(max(float(weight[i]) for i in nodes)))
+        c = sum(compute[i] for i in nodes) + (lump if j == 0 else 0.0)
+        out.append(Segment(c / copies, sum(gather[i] for i in nodes) / copies,
+                           sum(sync[i] for i in nodes) / copies, copies))
+    return out

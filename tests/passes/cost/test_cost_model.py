@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,12 +74,21 @@ def test_per_call_overhead_makes_one_all_reduce_cheaper_than_two_halves():
 
 def test_bucketed_gradient_syncs_pay_only_their_share_of_fixed_costs():
     small = TensorMeta((1024,), torch.float32)
-    alone = cm.reshard_time(small, (Partial(), R), (R, R), MESH)
-    bucketed = cm.reshard_time(small, (Partial(), R), (R, R), MESH, bucketed=True)
-    bandwidth_only = cm.collective_time("all_reduce", small.nbytes, 2, MESH.bandwidth[0], 0.0)
+    ring = Mesh((2, 4), ("dp", "tp"), dataclasses.replace(MESH.device, nccl=None),
+                bandwidth=MESH.bandwidth, latency=MESH.latency)
+    alone = cm.reshard_time(small, (Partial(), R), (R, R), ring)
+    bucketed = cm.reshard_time(small, (Partial(), R), (R, R), ring, bucketed=True)
+    bandwidth_only = cm.collective_time("all_reduce", small.nbytes, 2, ring.bandwidth[0], 0.0)
     share = small.nbytes / cm.BUCKET_BYTES
     assert bucketed == pytest.approx(bandwidth_only + share * (alone - bandwidth_only))
     assert bucketed < alone / 50
+    # NCCL's model: the share of its bucket's collective, which runs at a large message's rate
+    alone = cm.reshard_time(small, (Partial(), R), (R, R), MESH)
+    bucketed = cm.reshard_time(small, (Partial(), R), (R, R), MESH, bucketed=True)
+    full = cm.collective_time("all_reduce", cm.BUCKET_BYTES, 2, MESH.bandwidth[0], 0.0, 0.0,
+                              cm.members_per_node(MESH, (0,)), MESH.device.nccl)
+    assert bucketed == pytest.approx(share * full)
+    assert bucketed < alone / 10
 
 
 def test_the_loss_collective_is_priced_beside_the_backward():
