@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autopar.cli.progress import plan_progress
 from autopar.cli.options import (
     UsageError,
     add_memory_options,
@@ -25,8 +24,10 @@ from autopar.cli.options import (
     options_from_args,
     parse_bytes,
 )
+from autopar.cli.progress import plan_progress
 from autopar.ir.errors import AutoparError
 from autopar.ir.mesh import Mesh
+from autopar.ir.options import SHAPE_LIMIT_S, TIME_LIMIT_S
 from autopar.report.table import plan_table, text_table
 
 __all__ = ["UsageError", "build_parser", "load_model", "main", "parse_bytes"]
@@ -101,6 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return plan_for_devices(args)
     mesh = Mesh.parse(args.mesh or "dp=8", args.device)
     check_batch(mesh, args.batch)
+    if args.time_limit is None:
+        args.time_limit = TIME_LIMIT_S
     progress = plan_progress(args.time_limit, force=args.progress)
     options = options_from_args(args, workers=default_workers()).with_deadline(progress)
     loaded = load_model(args.model, args.batch, args.seq)
@@ -132,8 +135,12 @@ def plan_for_devices(args: argparse.Namespace) -> int:
     if args.schedule or args.microbatches or args.virtual:
         raise UsageError("--devices picks the mesh shape itself: drop --schedule, "
                          "--microbatches and --virtual, or give --mesh")
-    progress = plan_progress(args.time_limit, force=args.progress)
-    options = options_from_args(args, workers=1).with_deadline(progress)
+    # --time-limit bounds the whole search (each shape an equal share); without it, each
+    # shape's planning has its own limit (shapes.SHAPE_LIMIT_S)
+    whole = args.time_limit is not None
+    progress = plan_progress(args.time_limit if whole else SHAPE_LIMIT_S, force=args.progress)
+    options = options_from_args(args, workers=1)
+    options = options.with_deadline(progress) if whole else options
     loaded = load_model(args.model, args.batch, args.seq)
 
     def references_for(shape):  # --compare: the fixed layouts, on the shape's stage submesh
@@ -230,10 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--timeline", metavar="FILE",
                     help="also write the predicted timeline of one step as a Chrome/Perfetto "
                     "trace (JSON) to this path")
-    pl.add_argument("--time-limit", type=float, default=30.0,
+    pl.add_argument("--time-limit", type=float, default=None,
                     help="seconds the whole planning may take (every mode, reference, pipeline "
                     "and mesh-shape search); at the limit the best plan so far is kept "
-                    "(default 30)")
+                    f"(default {TIME_LIMIT_S:g}; with --devices, each shape's planning is "
+                    f"limited to {SHAPE_LIMIT_S:g} s instead of the whole search)")
     pl.add_argument("--progress", action="store_true",
                     help="show the planner's progress on stderr even when it is not a "
                     "terminal (on a terminal it shows after 2 s)")

@@ -35,6 +35,9 @@ OFFLOAD_MODES = ("auto", "none", "optimizer")
 # the solver's own plan must beat the best reference layout by this fraction to replace it
 MIN_GAIN = 0.01
 TIME_LIMIT_S = 30.0
+# a mesh-shape search's limit per shape where no limit is set for the whole search
+# (autopar.planning.shapes)
+SHAPE_LIMIT_S = 120.0
 
 
 def check_recompute(mode: str) -> str:

@@ -14,9 +14,11 @@ What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
 - each shape is planned with a short solver limit (``time_limit_s``, 1 s by default) and one
   microbatch count; the answers barely move with more time (measured: 405B's 22 shapes at
   1 s and 3 s differ by under 1% in step time, the same ranking). Each shape's planning call
-  has a time limit of its own (:data:`SHAPE_LIMIT_S`), not a share of one for the whole
-  search: under one limit the shapes planned last got their first mode only, and the choice
-  depended on their order and on the machine's load;
+  has a time limit of its own (:data:`SHAPE_LIMIT_S`); where the options carry a deadline for
+  the whole search (``--time-limit``), every shape gets the same share of it instead
+  (:func:`shape_limit_s`), never what the shapes before it left: under one limit spent in
+  order, the shapes planned last got their first mode only, and the choice depended on their
+  order and on the machine's load;
 - the traced stand-ins are shared: a trace depends only on the microbatch and the blocks
   traced, not on the submesh, so it is made once in this process before the shapes fan out;
 - the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`).
@@ -36,7 +38,7 @@ from autopar.capture.joint import capture
 from autopar.ir.deadline import Deadline
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
-from autopar.ir.options import Options
+from autopar.ir.options import SHAPE_LIMIT_S, Options
 from autopar.ir.plan import Plan
 from autopar.planning.mesh_shapes import MeshShape, mesh_shapes
 from autopar.planning.parallel_map import forked_map
@@ -44,7 +46,6 @@ from autopar.planning.pipeline import batch_size, microbatch_counts, plan_pipeli
 from autopar.planning.planner import make_plan
 
 QUICK_S = 1.0  # the solver's limit per solve during the search
-SHAPE_LIMIT_S = 120.0  # each shape's whole planning call (its modes, references, memory fit)
 # what a search plans each shape with where no options are given
 SEARCH_OPTIONS = Options.of(time_limit_s=QUICK_S, max_layers=4)
 
@@ -114,6 +115,7 @@ def search_shapes(
     shape's own planning then runs on one). ``references_for``: the reference layouts to
     weigh beside each shape's plan (``--compare``; on the stage submesh for a pipeline)."""
     options = options if options is not None else SEARCH_OPTIONS
+    whole = options.search.deadline  # the whole search's limit, where the caller set one
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
     cache: dict = {}
@@ -132,12 +134,11 @@ def search_shapes(
             stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
                            math.ceil(n_blocks / s.pp), max_layers, 1.0, cache)
 
+    limit_s = shape_limit_s(whole, len(shapes), options.search.workers)
+
     def plan_one(s: MeshShape) -> ShapeResult:
         mesh = shape_mesh(s, device)
-        # each shape's planning call has a time limit of its own (its solves QUICK_S each):
-        # one limit for the whole search would leave the shapes planned last with their
-        # first mode only, and the choice would depend on the order and the machine's load
-        opts = replace(each, search=replace(each.search, deadline=Deadline(SHAPE_LIMIT_S)))
+        opts = replace(each, search=replace(each.search, deadline=Deadline(limit_s)))
         refs = references_for(s) if references_for is not None else None
         try:
             if s.pp == 1:
@@ -154,5 +155,17 @@ def search_shapes(
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
     results = forked_map(plan_one, shapes, options.search.workers)
+    if whole is not None and any(r.plan is None for r in results) and whole.expired():
+        whole.cut("mesh shapes planned past their share of the limit")
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))
+
+
+def shape_limit_s(whole: Deadline | None, n_shapes: int, workers: int) -> float:
+    """Each shape's planning limit: :data:`SHAPE_LIMIT_S`, or where the whole search has a
+    deadline, the same share of what is left of it for every shape (``n_shapes`` planned on
+    ``workers`` processes at once), so that no shape's planning depends on its order."""
+    if whole is None:
+        return SHAPE_LIMIT_S
+    rounds = math.ceil(n_shapes / max(1, workers))
+    return min(SHAPE_LIMIT_S, max(QUICK_S, whole.left() / max(1, rounds)))

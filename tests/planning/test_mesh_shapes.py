@@ -47,3 +47,16 @@ def test_invalid_layers_and_node_are_errors():
         mesh_shapes(8, num_layers=0)
     with pytest.raises(MeshError, match="devices_per_node"):
         mesh_shapes(8, devices_per_node=0)
+
+
+def test_a_whole_search_limit_gives_every_shape_the_same_share():
+    from autopar.ir.deadline import Deadline
+    from autopar.ir.options import SHAPE_LIMIT_S
+    from autopar.planning.shapes import QUICK_S, shape_limit_s
+
+    assert shape_limit_s(None, 25, 2) == SHAPE_LIMIT_S  # no whole limit: each its own
+    whole = Deadline(60.0)
+    share = shape_limit_s(whole, 25, 2)  # 13 rounds of 2 shapes at once
+    assert 60.0 / 13 * 0.95 < share <= 60.0 / 13
+    assert shape_limit_s(Deadline(1e6), 4, 2) == SHAPE_LIMIT_S  # never above the per-shape cap
+    assert shape_limit_s(Deadline(0.0), 25, 2) == QUICK_S  # a solve's worth at least

@@ -25,7 +25,7 @@ MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 TRACES: dict = {}  # one trace serves every stand-in here
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stand_in(microbatches: int, in_flight: float = 1.0, mode: str = "none"):
     preset = get_preset("llama3-tiny").replace(n_layers=4)
     model, inputs = preset.build("meta"), preset.example_inputs(8, 32, "meta")
