@@ -26,6 +26,9 @@ from autopar.solver.problem import _USAGE_RTOL, Problem
 # forbidden costs inside the search: high enough to outweigh any real plan, low enough
 # that sums keep the ordinary costs' precision (as ``heuristic._PENALTY``)
 _PENALTY = 1e15
+# Polyak step factor: starts at _THETA0, halves after _STALL rounds without a better relaxed
+# value, never below _THETA_MIN
+_THETA0, _STALL, _THETA_MIN = 0.5, 3, 1e-3
 
 
 class UnitArrays(NamedTuple):
@@ -204,21 +207,23 @@ class Search:
             self.best_c = kernels.total_cost(D, self.best, up.ucost)
             return
         lam = np.zeros(len(up.base))
-        theta, best_rel, stall = 0.5, -math.inf, 0
+        theta, best_rel, stall = _THETA0, -math.inf, 0
         rch = self.best.copy()
         inf = math.inf
         while time.monotonic() < deadline:
             pc = kernels.priced(D, up.ucost, lam)
             self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
             rload = kernels.profile(D, rch, up.base)
-            rel = kernels.total_cost(D, rch, pc) - self.lim * float(lam.sum())
-            self.bound = max(self.bound, _lower_bound(up, pc) - self.lim * float(lam.sum()))
+            # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
+            off = float(lam @ up.base) - self.lim * float(lam.sum())
+            rel = kernels.total_cost(D, rch, pc) + off
+            self.bound = max(self.bound, _lower_bound(up, pc) + off)
             if rel > best_rel + 1e-9 * abs(best_rel):
                 best_rel, stall = rel, 0
             else:
                 stall += 1
-                if stall >= 3:
-                    theta, stall = max(theta / 2, 1e-3), 0
+                if stall >= _STALL:
+                    theta, stall = max(theta / 2, _THETA_MIN), 0
             g = rload - self.lim
             g = np.where((lam > 0) | (g > 0), g, 0.0)
             norm = float(g @ g)
