@@ -23,6 +23,10 @@ METHODS = ("auto", "ilp", "heuristic")
 # Lagrangian rounds under a usage limit, exact forest moves) before the Python moves and the
 # CP-SAT LNS polish its plan; a small problem's warm-start hint comes from it too.
 UNIT_SHARE = 0.75
+# ... but only with at least this long to run: the first call on a machine compiles the
+# kernels (about 8-10 s on the loaded 2-core machine, 0.5 s once cached), which the
+# planner's calls of a second or two cannot pay for.
+UNIT_MIN_S = 20.0
 # The Python Lagrangian rounds (``lagrange.py``) after it: superseded by the unit search
 # (on S, 30 s of it reach 1.73e9 where 240 s of the old path reached 2.05e9), so none.
 LAGRANGE_SHARE = 0.0
@@ -79,7 +83,7 @@ def solve(
         lns_deadline = deadline - min(1.0, 0.02 * timeout_s)
     a, optimal, bound = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid,
                                       lagrange_share=0.0 if small else LAGRANGE_SHARE,
-                                      unit_share=UNIT_SHARE)
+                                      unit_share=UNIT_SHARE if timeout_s >= UNIT_MIN_S else 0.0)
     best = _finish(problem, red, a, "optimal" if optimal else "feasible", t0, f"{method}/lns")
     if best.feasible and best.status != "optimal" and math.isfinite(bound) and not soft:
         best = replace(best, lower_bound=min(bound, best.cost))
