@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -291,12 +292,25 @@ class LocalSearch:
         return after < before, st == ilp.cp_model.OPTIMAL, len(free)
 
 
-def _unit_search(ls: LocalSearch, until: float, seed: int, forbid: float, log: bool) -> float:
+def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool) -> float:
     """Run ``unitsearch`` from ``ls``'s plan until ``until``; ``ls`` takes its plan when
     that fits and costs less. Returns the Lagrangian lower bound on ``ls.q`` (or -inf)."""
     up = unitsearch.UnitProblem(ls.q, ls.forbid)
-    search = unitsearch.Search(up, ls.a, seed)
-    search.run(until, log=log)
+
+    def one(k: int) -> unitsearch.Search:
+        s = unitsearch.Search(up, ls.a, seed + k)
+        s.run(until, log=log and k == 0)
+        return s
+
+    n = max(1, min(workers, 2))
+    if n > 1:
+        # the kernels release the GIL, so searches from different seeds run on two cores
+        with ThreadPoolExecutor(n) as pool:
+            searches = list(pool.map(one, range(n)))
+    else:
+        searches = [one(0)]
+    search = min(searches, key=lambda s: s.best_c)
+    search.bound = max(s.bound for s in searches)
     a = search.assignment(ls.a)
     cost, ok, _ = evaluate(ls.q, a)
     if ok and (cost < ls.cost() or not ls.fits()):
@@ -347,7 +361,7 @@ def run_heuristic(
         # the compiled search over rigid units (Lagrangian rounds under a limit, exact
         # forest moves either way) first; the Python moves and CP-SAT LNS polish after it
         until = time.monotonic() + unit_share * max(0.0, deadline - time.monotonic())
-        bound = _unit_search(ls, until, seed, forbid, log)
+        bound = _unit_search(ls, until, seed, workers, log)
     for _ in range(3):
         if time.monotonic() > deadline or ls.sweep(deadline) == 0:
             break

@@ -16,7 +16,7 @@ from numba import njit
 _INF = np.inf
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def local_cost(D, u, ch, pc, out):
     """out[k] = cost of unit u's choice k given its neighbours' current choices."""
     k_off, adj_ptr, adj_e, adj_side, e_a, e_b, e_off, e_nb, e_flat = (
@@ -39,7 +39,7 @@ def local_cost(D, u, ch, pc, out):
     return kk
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def total_cost(D, ch, pc):
     k_off, e_a, e_b, e_off, e_nb, e_flat = D[0], D[9], D[10], D[11], D[12], D[13]
     s = 0.0
@@ -50,7 +50,7 @@ def total_cost(D, ch, pc):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def profile(D, ch, base):
     """Usage at every time step: the fixed nodes' ``base`` plus every unit's members."""
     m_ptr, m_st, m_en, m_uoff, m_use = D[1], D[2], D[3], D[4], D[5]
@@ -69,7 +69,7 @@ def profile(D, ch, base):
     return load
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def priced(D, ucost, lam):
     """Unit costs plus each member's usage times the multipliers summed over its life."""
     k_off, m_ptr, m_st, m_en, m_uoff, m_use = D[0], D[1], D[2], D[3], D[4], D[5]
@@ -88,7 +88,7 @@ def priced(D, ucost, lam):
     return pc
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _shift(D, u, k0, k1, load):
     m_ptr, m_st, m_en, m_uoff, m_use = D[1], D[2], D[3], D[4], D[5]
     for m in range(m_ptr[u], m_ptr[u + 1]):
@@ -98,7 +98,7 @@ def _shift(D, u, k0, k1, load):
                 load[t] += d
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _try_move(D, u, k0, k1, load, lim):
     """Move unit u from k0 to k1 if the profile stays under ``lim``; True if moved."""
     m_ptr, m_st, m_en, m_uoff, m_use = D[1], D[2], D[3], D[4], D[5]
@@ -112,7 +112,7 @@ def _try_move(D, u, k0, k1, load, lim):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def sweep(D, order, ch, pc, load, lim, buf):
     """Best single-unit moves in ``order``; with a finite ``lim`` only moves that keep the
     profile under it (trying the three best improving choices). Returns how many moved."""
@@ -145,7 +145,7 @@ def sweep(D, order, ch, pc, load, lim, buf):
     return moved
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def pair_moves(D, edges, ch, pc, load, lim, buf, buf2, max_pairs):
     """Both ends of each listed unit edge re-chosen jointly (the best of all pairs, then
     the best that fits); returns the number of improving moves taken."""
@@ -192,7 +192,7 @@ def pair_moves(D, edges, ch, pc, load, lim, buf, buf2, max_pairs):
     return moved
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def repair(D, ch, pc, load, lim, buf, freed, max_steps):
     """Lower the profile's peak to ``lim``: at the worst step, the unit move with the least
     cost increase per unit of memory freed there, among choices where no member's usage
@@ -246,7 +246,7 @@ def repair(D, ch, pc, load, lim, buf, freed, max_steps):
     return load.max() <= lim
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def edge_costs_now(D, ch):
     e_a, e_b, e_off, e_nb, e_flat = D[9], D[10], D[11], D[12], D[13]
     out = np.empty(len(e_a))
@@ -255,7 +255,7 @@ def edge_costs_now(D, ch):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _find(par, x):
     while par[x] != x:
         par[x] = par[par[x]]
@@ -263,7 +263,7 @@ def _find(par, x):
     return x
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def forest_dp(D, order, ch, pc, no_rise):
     """Re-choose, exactly, every unit of an induced forest grown in ``order`` (a unit joins
     when its neighbours already in belong to distinct trees), the others held: (min, +)

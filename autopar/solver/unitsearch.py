@@ -28,7 +28,11 @@ from autopar.solver.problem import _USAGE_RTOL, Problem
 _PENALTY = 1e15
 # Polyak step factor: starts at _THETA0, halves after _STALL rounds without a better relaxed
 # value, never below _THETA_MIN
-_THETA0, _STALL, _THETA_MIN = 0.5, 3, 1e-3
+_THETA0, _STALL, _THETA_MIN = 0.5, 8, 0.02
+# after _KICK_AFTER rounds without a better plan the relaxed search restarts from the best
+# plan with every multiplier scaled by its own log-normal factor (sigma _KICK_SIGMA) and the
+# step reset: the rounds otherwise settle into one cycle of relaxed plans (0 disables)
+_KICK_AFTER, _KICK_SIGMA = 6, 0.3
 
 
 class UnitArrays(NamedTuple):
@@ -210,7 +214,12 @@ class Search:
         theta, best_rel, stall = _THETA0, -math.inf, 0
         rch = self.best.copy()
         inf = math.inf
+        since_best = 0
         while time.monotonic() < deadline:
+            if _KICK_AFTER and since_best >= _KICK_AFTER:
+                rch = self.best.copy()
+                lam = lam * self.rng.lognormal(0.0, _KICK_SIGMA, len(lam))
+                theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0
             pc = kernels.priced(D, up.ucost, lam)
             self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
             rload = kernels.profile(D, rch, up.base)
@@ -233,7 +242,9 @@ class Search:
             cand, cl = rch.copy(), rload.copy()
             if cl.max() <= self.lim or kernels.repair(D, cand, up.ucost, cl, self.lim,
                                                       self.buf, self.buf2, 100_000):
-                self.consider(cand, cl, deadline)
+                since_best = 0 if self.consider(cand, cl, deadline) else since_best + 1
+            else:
+                since_best += 1
             self.rounds += 1
             if log and self.rounds % 10 == 0:
                 print(f"  unit-lagrange round {self.rounds}: relaxed {rel:.6g} "
