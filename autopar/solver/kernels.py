@@ -393,3 +393,31 @@ def forest_dp(D, order, ch, pc, no_rise):
         else:
             ch[u] = argb[arg_off[i] + ch[p]]
     return size
+
+
+@njit(cache=True, nogil=True)
+def lower_bound(D, pc):
+    """A valid lower bound of the unit objective with costs ``pc``: each unit's cheapest
+    choice, counting for the edges it is first end of each edge's cheapest entry on that
+    choice's row."""
+    k_off, e_a, e_off, e_nb, e_flat = D[0], D[9], D[11], D[12], D[13]
+    own = pc.copy()
+    for e in range(len(e_a)):
+        a = e_a[e]
+        o = k_off[a]
+        nb = e_nb[e]
+        for i in range(k_off[a + 1] - o):
+            base = e_off[e] + i * nb
+            m = e_flat[base]
+            for j in range(1, nb):
+                if e_flat[base + j] < m:
+                    m = e_flat[base + j]
+            own[o + i] += m
+    total = 0.0
+    for u in range(len(k_off) - 1):
+        m = own[k_off[u]]
+        for k in range(k_off[u] + 1, k_off[u + 1]):
+            if own[k] < m:
+                m = own[k]
+        total += m
+    return total

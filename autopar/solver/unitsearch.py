@@ -135,19 +135,6 @@ class UnitProblem:
         return out
 
 
-def _lower_bound(up: UnitProblem, pc: np.ndarray) -> float:
-    """A valid lower bound of the priced unit objective: each unit's cheapest choice plus,
-    for the edges it is first end of, each edge's cheapest entry on that row."""
-    D = up.D
-    own = pc.copy()
-    for e in range(len(D.e_a)):
-        a, b = int(D.e_a[e]), int(D.e_b[e])
-        ka = D.k_off[a + 1] - D.k_off[a]
-        m = D.e_flat[D.e_off[e]: D.e_off[e] + ka * D.e_nb[e]].reshape(ka, -1)
-        own[D.k_off[a]: D.k_off[a + 1]] += m.min(axis=1)
-    return float(np.minimum.reduceat(own, D.k_off[:-1]).sum()) if len(own) else 0.0
-
-
 class Search:
     """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
 
@@ -226,7 +213,7 @@ class Search:
             # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
             off = float(lam @ up.base) - self.lim * float(lam.sum())
             rel = kernels.total_cost(D, rch, pc) + off
-            self.bound = max(self.bound, _lower_bound(up, pc) + off)
+            self.bound = max(self.bound, kernels.lower_bound(D, pc) + off)
             if rel > best_rel + 1e-9 * abs(best_rel):
                 best_rel, stall = rel, 0
             else:

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from harness.brute import brute_optimum
 
-from autopar.solver import evaluate, make_problem
-from autopar.solver import kernels
+from autopar.solver import evaluate, kernels, make_problem
 from autopar.solver.heuristic import LocalSearch, _unit_search
 from autopar.solver.problem import usage_profile
 from autopar.solver.reduce import FORBIDDEN, presolve
