@@ -1,7 +1,9 @@
 """Fast solver for large instances: memory-safe greedy, then a loop of exact moves on ever
 larger neighbourhoods, with CP-SAT large-neighbourhood search (LNS) when they stall.
 
-Works on a presolved problem (``reduce.py``); moves, cheapest first:
+Works on a presolved problem (``reduce.py``). Given a share of the time (``unit_share``),
+the compiled unit search (``unitsearch.py``) runs first from the greedy plan; the moves
+below then polish what it found. Moves, cheapest first:
 
 - single-node sweeps (``LocalSearch.sweep``), with incremental numpy cost vectors;
 - rigid-group moves (``groups.py``): whole groups of nodes bound by bijective edges;
