@@ -138,7 +138,8 @@ class UnitProblem:
 class Search:
     """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
 
-    def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0) -> None:
+    def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0,
+                 deadline: float = math.inf) -> None:
         self.up, self.D = up, up.D
         limit = up.q.usage_limit
         self.lim = math.inf if limit is None else limit + _USAGE_RTOL * max(1.0, abs(limit))
@@ -150,7 +151,7 @@ class Search:
         self.best, self.best_c = ch, math.inf
         if load.max(initial=0.0) <= self.lim or kernels.repair(
                 self.D, ch, up.ucost, load, self.lim, self.buf, self.buf2, 100_000):
-            self.consider(ch, load)
+            self.consider(ch, load, deadline)
         self.bound = -math.inf
         self.rounds = 0
 
