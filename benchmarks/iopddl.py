@@ -2,7 +2,8 @@
 the contest's best scores.
 
     python benchmarks/iopddl.py [--instances A G M S] [--timeout-scale 1.0] [--perturb SEED]
-    python benchmarks/iopddl.py --ab 0.0 0.4 --time 120 --perturb 1 [--instances S M]
+    python benchmarks/iopddl.py --perturb 1 --instances M S --baseline /tmp/a8f5b1c
+    python benchmarks/iopddl.py --ab 0.0 0.75 --time 120 --perturb 1 [--instances S M]
 
 Default mode: each instance runs as ``autopar solve FILE --time-limit T --out SOL`` in a
 fresh process, T its contest timeout (times ``--timeout-scale``); the wall column is that
@@ -13,7 +14,11 @@ variants instead (``perturb``): the same graphs with every node and edge cost sc
 own random factor and a different usage limit; they have no known best, so the gap column is
 empty.
 
-``--ab X Y``: the solver's Lagrangian share (``solve.LAGRANGE_SHARE``) X against Y, both
+``--baseline DIR``: each instance also runs the source tree in DIR (another commit, e.g.
+``git archive a8f5b1c | tar -x -C /tmp/a8f5b1c``) at the same time, both rows printed: one
+load for both, so their costs compare as a ratio on a shared machine.
+
+``--ab X Y``: the solver's unit-search share (``solve.UNIT_SHARE``) X against Y, both
 in-process on the same instance at the same time (two processes side by side, so a loaded
 machine slows both alike), ``--time`` seconds each; prints both costs and their ratio.
 """
@@ -23,11 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
+import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +93,41 @@ def instance_file(args: argparse.Namespace, name: str, tmp: Path) -> Path:
     return out
 
 
+def solve_once(args: argparse.Namespace, name: str, path: Path, out: Path,
+               baseline: Path | None = None) -> str:
+    """One ``autopar solve`` process on ``path``, as a table row; ``baseline``: the source
+    tree of another commit to run instead of this one (put first on PYTHONPATH)."""
+    timeout, best = CONTEST[name]
+    limit = timeout * args.timeout_scale
+    cmd = [sys.executable, "-m", "autopar.cli", "solve", str(path),
+           "--time-limit", f"{limit:g}", "--workers", str(args.workers),
+           "--seed", str(args.seed), "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(baseline)) if baseline else None
+    log = out.with_suffix(".log")
+    t = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=baseline or ROOT,
+                                env=env)
+        _, _, ru = os.wait4(proc.pid, 0)  # reaps it with its own CPU time (user + system)
+        proc.returncode = 0
+    wall = time.monotonic() - t
+    cpu = ru.ru_utime + ru.ru_stime
+    err = log.read_text()
+    p = read_problem(path)
+    if not out.exists():
+        return f"| {name} | failed: {err.strip()[-200:]} |"
+    sol = json.loads(out.read_text())
+    cost, ok, _ = evaluate(p, sol["solution"]) if sol["solution"] else (0, False, 0)
+    gap = f"{100.0 * (cost - best) / best:+.2f}" if ok and not args.perturb else ""
+    lb = sol.get("lower_bound")
+    bgap = f"{100.0 * (cost - lb) / cost:.1f}" if ok and lb is not None else ""
+    shown_best = f"{best:,}" if not args.perturb else "-"
+    label = (p.name or name) + (f" ({baseline.name})" if baseline else "")
+    return (f"| {label} | {p.num_nodes:,} | {p.num_edges:,} | {limit:g} "
+            f"| {wall:.1f} | {cpu:.0f} | {'yes' if wall <= limit else 'NO'} | {cost:,.0f} "
+            f"| {'yes' if ok else 'no'} | {shown_best} | {gap} | {bgap} | {sol['status']} |")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     print("| instance | nodes | edges | limit s | wall s | cpu s | within | our cost | feasible "
           "| contest best | gap % | bound gap % | status |")
@@ -94,33 +135,14 @@ def run_cli(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name in args.instances:
-            timeout, best = CONTEST[name]
-            limit = timeout * args.timeout_scale
             path = instance_file(args, name, tmp)
-            out = tmp / f"{name}.sol.json"
-            cmd = [sys.executable, "-m", "autopar.cli", "solve", str(path),
-                   "--time-limit", f"{limit:g}", "--workers", str(args.workers),
-                   "--seed", str(args.seed), "--out", str(out)]
-            t = time.monotonic()
-            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-            wall = time.monotonic() - t
-            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-            p = read_problem(path)
-            if not out.exists():
-                print(f"| {name} | failed: {proc.stderr.strip()[-200:]} |", flush=True)
-                continue
-            sol = json.loads(out.read_text())
-            cost, ok, _ = evaluate(p, sol["solution"]) if sol["solution"] else (0, False, 0)
-            gap = f"{100.0 * (cost - best) / best:+.2f}" if ok and not args.perturb else ""
-            lb = sol.get("lower_bound")
-            bgap = f"{100.0 * (cost - lb) / cost:.1f}" if ok and lb is not None else ""
-            shown_best = f"{best:,}" if not args.perturb else "-"
-            print(f"| {p.name or name} | {p.num_nodes:,} | {p.num_edges:,} | {limit:g} "
-                  f"| {wall:.1f} | {cpu:.0f} | {'yes' if wall <= limit else 'NO'} | {cost:,.0f} "
-                  f"| {'yes' if ok else 'no'} | {shown_best} | {gap} | {bgap} "
-                  f"| {sol['status']} |", flush=True)
+            trees = [None] + ([args.baseline] if args.baseline else [])
+            with ThreadPoolExecutor(len(trees)) as pool:  # side by side: one load for both
+                rows = list(pool.map(
+                    lambda b, n=name, f=path: solve_once(args, n, f, tmp / f"{n}-{bool(b)}.sol.json", b),
+                    trees))
+            for row in rows:
+                print(row, flush=True)
     return 0
 
 
@@ -128,7 +150,7 @@ def _solve_with_share(path: str, share: float, limit: float, seed: int, out: mp.
     import autopar.solver.solve  # noqa: F401  (the module, not the function it exports)
 
     module = sys.modules["autopar.solver.solve"]
-    module.LAGRANGE_SHARE = share
+    module.UNIT_SHARE = share
     p = read_problem(path)
     sol = module.solve(p, limit, seed=seed)
     out.put((share, sol.cost if sol.feasible else float("inf")))
@@ -164,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--perturb", type=int, default=0, metavar="SEED",
                     help="solve an unseen variant of each instance (0: the published ones)")
     ap.add_argument("--ab", type=float, nargs=2, metavar=("X", "Y"),
-                    help="compare Lagrangian shares X and Y side by side, in-process")
+                    help="compare unit-search shares X and Y side by side, in-process")
     ap.add_argument("--time", type=float, default=60.0, help="seconds per solve with --ab")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="also run the source tree in DIR (another commit: git archive C | tar "
+                         "-x -C DIR) on each instance, at the same time, for a side-by-side ratio")
     ap.add_argument("--dir", type=Path, default=default_dir(), help="folder with X.json.gz")
     args = ap.parse_args(argv)
     return run_ab(args) if args.ab else run_cli(args)

@@ -1,7 +1,9 @@
 """Fast solver for large instances: memory-safe greedy, then a loop of exact moves on ever
 larger neighbourhoods, with CP-SAT large-neighbourhood search (LNS) when they stall.
 
-Works on a presolved problem (``reduce.py``); moves, cheapest first:
+Works on a presolved problem (``reduce.py``). Given a share of the time (``unit_share``),
+the compiled unit search (``unitsearch.py``) runs first from the greedy plan; the moves
+below then polish what it found. Moves, cheapest first:
 
 - single-node sweeps (``LocalSearch.sweep``), with incremental numpy cost vectors;
 - rigid-group moves (``groups.py``): whole groups of nodes bound by bijective edges;
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
 
-from autopar.solver import ilp, lagrange
+from autopar.solver import ilp, lagrange, unitsearch
 from autopar.solver.groups import Groups, group_pass
 from autopar.solver.problem import Problem, evaluate, fits, usage_profile
 from autopar.solver.treedp import TREE_SIZE, tree_move
@@ -291,6 +294,35 @@ class LocalSearch:
         return after < before, st == ilp.cp_model.OPTIMAL, len(free)
 
 
+def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool) -> float:
+    """Run ``unitsearch`` from ``ls``'s plan until ``until``; ``ls`` takes its plan when
+    that fits and costs less. Returns the Lagrangian lower bound on ``ls.q`` (or -inf)."""
+    up = unitsearch.UnitProblem(ls.q, ls.forbid)
+
+    def one(k: int) -> unitsearch.Search:
+        s = unitsearch.Search(up, ls.a, seed + k, until)
+        s.run(until, log=log and k == 0)
+        return s
+
+    n = max(1, min(workers, 2))
+    if n > 1:
+        # the kernels release the GIL, so searches from different seeds run on two cores
+        with ThreadPoolExecutor(n) as pool:
+            searches = list(pool.map(one, range(n)))
+    else:
+        searches = [one(0)]
+    search = min(searches, key=lambda s: s.best_c)
+    search.bound = max(s.bound for s in searches)
+    a = search.assignment(ls.a)
+    cost, ok, _ = evaluate(ls.q, a)
+    if ok and (cost < ls.cost() or not ls.fits()):
+        ls.a, ls.load = a, usage_profile(ls.q, a)
+    if not math.isfinite(search.bound) or not ok:
+        return -math.inf
+    # the unit objective leaves out what no choice changes (fixed nodes and their edges)
+    return search.bound + (cost - search.best_c) if cost < ls.forbid else -math.inf
+
+
 class HeuristicResult(NamedTuple):
     assignment: np.ndarray
     optimal: bool  # only when one neighbourhood spanned every free node
@@ -306,11 +338,14 @@ def run_heuristic(
     log: bool = False,
     forbid: float = ilp.FORBIDDEN,
     lagrange_share: float = 0.0,
+    unit_share: float = 0.0,
 ) -> HeuristicResult:
     """Best assignment of ``q`` found by ``deadline`` (a ``time.monotonic()`` value).
 
-    Under a usage limit, ``lagrange_share`` of the time left after the greedy start goes to
-    Lagrangian rounds (``lagrange.py``) before the feasible local search and LNS."""
+    ``unit_share`` of the time left after the greedy start goes to the compiled unit search
+    (``unitsearch.py``: Lagrangian rounds under a usage limit); under a limit
+    ``lagrange_share`` of what is left then goes to the Python Lagrangian rounds
+    (``lagrange.py``) before the feasible local search and LNS."""
     ls = LocalSearch(q, seed, forbid)
     if hint is not None:
         h = np.asarray(hint, dtype=np.int64)
@@ -321,18 +356,23 @@ def run_heuristic(
             hint = None
     if hint is None:
         ls.greedy()
-    for _ in range(3):
-        if time.monotonic() > deadline or ls.sweep() == 0:
-            break
     size, it, tree_fails, tree_its, pair_fails = 60, 0, 0, 0, 0
     whole = len(ls.free_nodes) <= size
+    bound = -math.inf
+    if unit_share > 0 and not whole and time.monotonic() < deadline:
+        # the compiled search over rigid units (Lagrangian rounds under a limit, exact
+        # forest moves either way) first; the Python moves and CP-SAT LNS polish after it
+        until = time.monotonic() + unit_share * max(0.0, deadline - time.monotonic())
+        bound = _unit_search(ls, until, seed, workers, log)
+    for _ in range(3):
+        if time.monotonic() > deadline or ls.sweep(deadline) == 0:
+            break
     if not whole and time.monotonic() < deadline:
         ls.groups = Groups(ls)
         group_pass(ls, deadline)
-    bound = -math.inf
     if ls.limit is not None and lagrange_share > 0 and not whole:
         until = time.monotonic() + lagrange_share * max(0.0, deadline - time.monotonic())
-        bound = lagrange.search(ls, until, log=log)
+        bound = max(bound, lagrange.search(ls, until, log=log))
     while len(ls.free_nodes) and time.monotonic() < deadline - 0.5:
         if not whole and tree_fails < 25:
             # cheap exact moves on big induced trees first; they stall after a while

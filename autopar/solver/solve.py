@@ -19,9 +19,17 @@ from autopar.solver.reduce import FORBIDDEN, Reduction, presolve
 # runs LNS only. Contest instance A contracts to 48k (from 2M), S to 2.8M.
 _EXACT_MAX_VARS = 150_000
 METHODS = ("auto", "ilp", "heuristic")
-# Under a binding usage limit, this share of a large problem's search goes to Lagrangian
-# rounds (relax, repair, polish: ``lagrange.py``) before the feasible LNS takes over.
-LAGRANGE_SHARE = 0.4
+# This share of a large problem's search goes to the compiled unit search (``unitsearch.py``:
+# Lagrangian rounds under a usage limit, exact forest moves) before the Python moves and the
+# CP-SAT LNS polish its plan; a small problem's warm-start hint comes from it too.
+UNIT_SHARE = 0.75
+# ... but only with at least this long to run: the first call on a machine compiles the
+# kernels (about 8-10 s on the loaded 2-core machine, 0.5 s once cached), which the
+# planner's calls of a second or two cannot pay for.
+UNIT_MIN_S = 20.0
+# The Python Lagrangian rounds (``lagrange.py``) after it: superseded by the unit search
+# (on S, 30 s of it reach 1.73e9 where 240 s of the old path reached 2.05e9), so none.
+LAGRANGE_SHARE = 0.0
 
 
 def _model_size(q: Problem, forbid: float) -> int:
@@ -70,11 +78,14 @@ def solve(
     # gets only a short heuristic run, for a warm-start hint, before the exact solve; a big
     # one keeps a margin for expanding and scoring the answer.
     if small:
-        lns_deadline = time.monotonic() + min(10.0, 0.1 * timeout_s)
+        # the unit search's hint is most of what a loaded machine gets: A at load 6, 2.5 s
+        # of it gave +2.5%, where CP-SAT then moved it by 0.01%
+        lns_deadline = time.monotonic() + min(15.0, 0.15 * timeout_s)
     else:
         lns_deadline = deadline - min(1.0, 0.02 * timeout_s)
     a, optimal, bound = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid,
-                                      lagrange_share=0.0 if small else LAGRANGE_SHARE)
+                                      lagrange_share=0.0 if small else LAGRANGE_SHARE,
+                                      unit_share=UNIT_SHARE if timeout_s >= UNIT_MIN_S else 0.0)
     best = _finish(problem, red, a, "optimal" if optimal else "feasible", t0, f"{method}/lns")
     if best.feasible and best.status != "optimal" and math.isfinite(bound) and not soft:
         best = replace(best, lower_bound=min(bound, best.cost))

@@ -1,0 +1,242 @@
+r"""Compiled Lagrangian search over rigid units: the memory limit priced per time step,
+relaxed plans repaired, repaired plans polished (the approach of the strongest IOPDDL
+solvers; ``lagrange.py`` writes out the relaxation, this is its fast form).
+
+The presolved problem's free nodes are contracted into units (``contract.py``: nodes tied
+by bijective edges change together, so a unit is one variable indexed by its root's
+strategy); fixed nodes are folded into their neighbours' costs and a base usage profile.
+The loops (``kernels.py``, numba) then run on flat arrays: a sweep of best single-unit moves
+over S's 6.5k units takes milliseconds where the Python sweep over its 28k nodes took
+seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient step, repair,
+feasible polish with single-unit and both-ends-of-an-edge moves) takes well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from autopar.solver import kernels
+from autopar.solver.contract import contract
+from autopar.solver.problem import _USAGE_RTOL, Problem
+
+# forbidden costs inside the search: high enough to outweigh any real plan, low enough
+# that sums keep the ordinary costs' precision (as ``heuristic._PENALTY``)
+_PENALTY = 1e15
+# Polyak step factor: starts at _THETA0, halves after _STALL rounds without a better relaxed
+# value, never below _THETA_MIN
+_THETA0, _STALL, _THETA_MIN = 0.5, 8, 0.02
+# after _KICK_AFTER rounds without a better plan the relaxed search restarts from the best
+# plan with every multiplier scaled by its own log-normal factor (sigma _KICK_SIGMA) and the
+# step reset: the rounds otherwise settle into one cycle of relaxed plans (0 disables)
+_KICK_AFTER, _KICK_SIGMA = 6, 0.3
+
+
+class UnitArrays(NamedTuple):
+    """Flat arrays of the unit problem, in the order ``kernels.py`` unpacks them."""
+
+    k_off: np.ndarray  # [U+1] unit u's choices are k_off[u]..k_off[u+1]
+    m_ptr: np.ndarray  # [U+1] unit u's live members are m_ptr[u]..m_ptr[u+1]
+    m_st: np.ndarray  # [M] member live interval [m_st, m_en)
+    m_en: np.ndarray
+    m_uoff: np.ndarray  # [M] offset of the member's usage per unit choice in m_use
+    m_use: np.ndarray
+    adj_ptr: np.ndarray  # [U+1] CSR of unit edges: adj_e edge id, adj_side 0 if u is e_a
+    adj_e: np.ndarray
+    adj_side: np.ndarray
+    e_a: np.ndarray  # [E] unit edge endpoints; matrix e_flat[e_off + ka * e_nb + kb]
+    e_b: np.ndarray
+    e_off: np.ndarray
+    e_nb: np.ndarray
+    e_flat: np.ndarray
+
+
+class UnitProblem:
+    """``q``'s free nodes as units, with the maps between unit choices and assignments."""
+
+    def __init__(self, q: Problem, forbid: float) -> None:
+        idx = q.index
+        self.q = q
+        free = np.nonzero(idx.n_strat > 1)[0]
+        fixed = idx.n_strat <= 1
+        pos = np.full(q.num_nodes, -1, dtype=np.int64)
+        pos[free] = np.arange(len(free))
+        node_c = [q.costs[i].astype(np.float64) for i in free]
+        inner = []
+        for (u, v), m in zip(q.edges, q.edge_costs):
+            pu, pv = pos[u], pos[v]
+            if pu >= 0 and pv >= 0:
+                inner.append((int(pu), int(pv), m))
+            elif pu >= 0:
+                node_c[pu] = node_c[pu] + m[:, 0]
+            elif pv >= 0:
+                node_c[pv] = node_c[pv] + m[0, :]
+        units = contract(node_c, inner, forbid, enabled=forbid < math.inf)
+
+        def cap(a: np.ndarray) -> np.ndarray:
+            return np.where(~np.isfinite(a) | (a >= forbid), _PENALTY, a)
+
+        self.free, self.maps, self.unit_of = free, units.maps, units.unit_of
+        self.roots = np.array(units.roots, dtype=np.int64)
+        n_units = len(units.roots)
+        sizes = np.array([len(c) for c in units.costs], dtype=np.int64)
+        k_off = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.ucost = cap(np.concatenate(units.costs)) if n_units else np.zeros(0)
+        self.k_max = int(sizes.max(initial=1))
+        live = idx.end > idx.start
+        order = np.argsort(units.unit_of, kind="stable")
+        mem = [int(k) for k in order if live[free[k]]]
+        m_unit = units.unit_of[mem] if mem else np.zeros(0, np.int64)
+        m_ptr = np.searchsorted(m_unit, np.arange(n_units + 1)).astype(np.int64)
+        uses = [q.usages[free[k]].astype(np.float64)[units.maps[k]] for k in mem]
+        m_len = np.array([len(x) for x in uses], dtype=np.int64)
+        m_uoff = np.concatenate([[0], np.cumsum(m_len)[:-1]]).astype(np.int64)
+        m_use = np.concatenate(uses) if uses else np.zeros(0)
+        free_nodes = free[mem] if mem else np.zeros(0, np.int64)
+        m_st, m_en = idx.start[free_nodes].astype(np.int64), idx.end[free_nodes].astype(np.int64)
+        # the fixed nodes' usage, the floor of every profile
+        fl = fixed & live
+        use0 = idx.usage_flat[idx.node_off]
+        h = idx.horizon
+        delta = np.bincount(idx.start[fl], weights=use0[fl], minlength=h + 1)
+        delta -= np.bincount(idx.end[fl], weights=use0[fl], minlength=h + 1)
+        self.base = np.cumsum(delta[:h]).astype(np.float64)
+        e_a = np.array([a for a, _, _ in units.edges], dtype=np.int64)
+        e_b = np.array([b for _, b, _ in units.edges], dtype=np.int64)
+        e_nb = sizes[e_b] if len(e_b) else np.zeros(0, np.int64)
+        e_sz = sizes[e_a] * e_nb if len(e_a) else np.zeros(0, np.int64)
+        e_off = np.concatenate([[0], np.cumsum(e_sz)[:-1]]).astype(np.int64)
+        e_flat = (cap(np.concatenate([m.ravel() for _, _, m in units.edges]).astype(np.float64))
+                  if units.edges else np.zeros(0))
+        ends = np.concatenate([e_a, e_b])
+        sides = np.concatenate([np.zeros(len(e_a), np.int64), np.ones(len(e_b), np.int64)])
+        eids = np.concatenate([np.arange(len(e_a)), np.arange(len(e_b))]).astype(np.int64)
+        o = np.argsort(ends, kind="stable")
+        adj_ptr = np.searchsorted(ends[o], np.arange(n_units + 1)).astype(np.int64)
+        self.D = UnitArrays(k_off, m_ptr, m_st, m_en, m_uoff, m_use, adj_ptr, eids[o],
+                            sides[o], e_a, e_b, e_off, e_nb, e_flat)
+
+    @property
+    def num_units(self) -> int:
+        return len(self.roots)
+
+    def choice(self, a: np.ndarray) -> np.ndarray:
+        """Each unit's choice in assignment ``a`` (its root's strategy)."""
+        return a[self.free[self.roots]].astype(np.int64)
+
+    def expand(self, ch: np.ndarray, a: np.ndarray) -> np.ndarray:
+        """``a`` with every free node set from its unit's choice."""
+        out = a.copy()
+        pick = ch[self.unit_of]
+        out[self.free] = [int(m[k]) for m, k in zip(self.maps, pick.tolist())]
+        return out
+
+
+class Search:
+    """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
+
+    def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0,
+                 deadline: float = math.inf) -> None:
+        self.up, self.D = up, up.D
+        limit = up.q.usage_limit
+        self.lim = math.inf if limit is None else limit + _USAGE_RTOL * max(1.0, abs(limit))
+        self.rng = np.random.default_rng(seed)
+        self.buf = np.zeros(up.k_max)
+        self.buf2 = np.zeros(up.k_max)
+        ch = up.choice(a0)
+        load = kernels.profile(self.D, ch, up.base)
+        self.best, self.best_c = ch, math.inf
+        if load.max(initial=0.0) <= self.lim or kernels.repair(
+                self.D, ch, up.ucost, load, self.lim, self.buf, self.buf2, 100_000):
+            self.consider(ch, load, deadline)
+        self.bound = -math.inf
+        self.rounds = 0
+
+    def order(self) -> np.ndarray:
+        return self.rng.permutation(self.up.num_units).astype(np.int64)
+
+    def polish(self, ch: np.ndarray, pc: np.ndarray, load: np.ndarray, lim: float,
+               deadline: float) -> np.ndarray:
+        """Exact moves on random induced forests (under a limit: only choices whose usage
+        nowhere rises), single-unit sweeps and moves of both ends of the costliest edges,
+        until a pass improves by less than a millionth (or ``deadline``); returns the
+        profile (recomputed when forest moves may have lowered it)."""
+        D, base = self.D, self.up.base
+        capped = math.isfinite(lim)
+        before = kernels.total_cost(D, ch, pc)
+        for _ in range(50):
+            for _ in range(3):
+                kernels.forest_dp(D, self.order(), ch, pc, capped)
+            if capped:
+                load = kernels.profile(D, ch, base)
+            kernels.sweep(D, self.order(), ch, pc, load, lim, self.buf)
+            ec = kernels.edge_costs_now(D, ch)
+            top = np.argsort(-ec)[: max(64, len(ec) // 20)].astype(np.int64)
+            kernels.pair_moves(D, top, ch, pc, load, lim, self.buf, self.buf2, 1_000_000)
+            now = kernels.total_cost(D, ch, pc)
+            if before - now <= 1e-6 * abs(before) or time.monotonic() > deadline:
+                break
+            before = now
+        return load
+
+    def consider(self, ch: np.ndarray, load: np.ndarray, deadline: float = math.inf) -> bool:
+        """Polish the feasible ``ch`` and keep it if it beats the incumbent."""
+        load = self.polish(ch, self.up.ucost, load, self.lim, deadline)
+        c = kernels.total_cost(self.D, ch, self.up.ucost)
+        if c < self.best_c:
+            self.best, self.best_c = ch.copy(), c
+            return True
+        return False
+
+    def run(self, deadline: float, log: bool = False) -> None:
+        """Lagrangian rounds until ``deadline`` (a ``time.monotonic()`` value)."""
+        up, D = self.up, self.D
+        if not math.isfinite(self.lim) or not len(up.base):
+            self.polish(self.best, up.ucost, np.zeros(len(up.base)), math.inf, deadline)
+            self.best_c = kernels.total_cost(D, self.best, up.ucost)
+            return
+        lam = np.zeros(len(up.base))
+        theta, best_rel, stall = _THETA0, -math.inf, 0
+        rch = self.best.copy()
+        inf = math.inf
+        since_best = 0
+        while time.monotonic() < deadline:
+            if _KICK_AFTER and since_best >= _KICK_AFTER:
+                rch = self.best.copy()
+                lam = lam * self.rng.lognormal(0.0, _KICK_SIGMA, len(lam))
+                theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0
+            pc = kernels.priced(D, up.ucost, lam)
+            self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
+            rload = kernels.profile(D, rch, up.base)
+            # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
+            off = float(lam @ up.base) - self.lim * float(lam.sum())
+            rel = kernels.total_cost(D, rch, pc) + off
+            self.bound = max(self.bound, kernels.lower_bound(D, pc) + off)
+            if rel > best_rel + 1e-9 * abs(best_rel):
+                best_rel, stall = rel, 0
+            else:
+                stall += 1
+                if stall >= _STALL:
+                    theta, stall = max(theta / 2, _THETA_MIN), 0
+            g = rload - self.lim
+            g = np.where((lam > 0) | (g > 0), g, 0.0)
+            norm = float(g @ g)
+            gap = self.best_c - rel if math.isfinite(self.best_c) else 0.05 * abs(rel) + 1.0
+            if norm > 0:
+                lam = np.maximum(0.0, lam + theta * max(gap, 1e-9 * abs(rel)) / norm * g)
+            cand, cl = rch.copy(), rload.copy()
+            if cl.max() <= self.lim or kernels.repair(D, cand, up.ucost, cl, self.lim,
+                                                      self.buf, self.buf2, 100_000):
+                since_best = 0 if self.consider(cand, cl, deadline) else since_best + 1
+            else:
+                since_best += 1
+            self.rounds += 1
+            if log and self.rounds % 10 == 0:
+                print(f"  unit-lagrange round {self.rounds}: relaxed {rel:.6g} "
+                      f"best {self.best_c:.6g} theta {theta:g}", flush=True)
+
+    def assignment(self, a0: np.ndarray) -> np.ndarray:
+        return self.up.expand(self.best, a0)

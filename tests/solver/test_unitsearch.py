@@ -1,0 +1,131 @@
+"""The compiled unit search (``unitsearch.py``, ``kernels.py``) against the plain problem:
+its arrays score and load a plan exactly as ``evaluate`` does, its moves never make the plan
+worse (forest moves under ``no_rise`` never raise the profile), what it returns fits, and
+the Lagrangian bound it reports is never above the brute-force optimum."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+from harness.brute import brute_optimum
+
+from autopar.solver import evaluate, kernels, make_problem
+from autopar.solver.heuristic import LocalSearch, _unit_search
+from autopar.solver.problem import usage_profile
+from autopar.solver.reduce import FORBIDDEN, presolve
+from autopar.solver.unitsearch import Search, UnitProblem
+
+BIG = 1e18
+
+
+def random_problem(seed: int, n: int):
+    """Chains with extra edges, rigid (permutation) edges, forbidden pairs and a limit
+    between the smallest and the largest possible peak."""
+    rng = np.random.default_rng(seed)
+    ks = rng.integers(1, 5, n)
+    intervals = [(s := int(rng.integers(0, n)), s + int(rng.integers(0, 5))) for _ in range(n)]
+    usages = [rng.integers(0, 12, k).astype(float) for k in ks]
+    edges = [(i, i + 1) for i in range(n - 1)]
+    edges += [tuple(int(x) for x in rng.integers(0, n, 2)) for _ in range(n // 2)]
+    ecosts = []
+    for u, v in edges:
+        m = rng.integers(0, 40, (ks[u], ks[v])).astype(float)
+        if rng.random() < 0.3 and ks[u] == ks[v]:
+            m = np.full_like(m, BIG)
+            m[np.arange(ks[u]), rng.permutation(ks[u])] = rng.integers(0, 5, ks[u])
+        elif rng.random() < 0.2:
+            m[rng.random(m.shape) < 0.3] = BIG
+        ecosts.append(m)
+    costs = [rng.integers(0, 60, k).astype(float) for k in ks]
+    lo, hi = np.zeros(2 * n + 6), np.zeros(2 * n + 6)
+    for (s, e), u in zip(intervals, usages):
+        lo[s:e] += u.min()
+        hi[s:e] += u.max()
+    limit = float(np.floor(lo.max() + rng.uniform(0.1, 0.6) * (hi.max() - lo.max())))
+    return make_problem(costs, usages, intervals, edges, ecosts, limit)
+
+
+def _reduced(seed: int, n: int):
+    red, soft = presolve(random_problem(seed, n))
+    return (None, None) if red.infeasible else (red.problem, math.inf if soft else FORBIDDEN)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_unit_arrays_score_and_load_like_the_problem(seed: int) -> None:
+    q, forbid = _reduced(seed, 40)
+    if q is None:
+        return
+    up = UnitProblem(q, forbid)
+    rng = np.random.default_rng(seed)
+    a0 = np.zeros(q.num_nodes, dtype=np.int64)
+    offsets = set()
+    for _ in range(5):
+        ch = np.array([rng.integers(up.D.k_off[u + 1] - up.D.k_off[u])
+                       for u in range(up.num_units)], dtype=np.int64)
+        a = up.expand(ch, a0)
+        np.testing.assert_allclose(kernels.profile(up.D, ch, up.base), usage_profile(q, a))
+        cost = evaluate(q, a)[0]
+        if cost < 1e14:  # no forbidden choice: the unit objective differs by a constant
+            offsets.add(round(cost - kernels.total_cost(up.D, ch, up.ucost), 6))
+    assert len(offsets) <= 1
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_forest_moves_never_worse_and_no_rise_keeps_the_profile(seed: int) -> None:
+    q, forbid = _reduced(100 + seed, 60)
+    if q is None:
+        return
+    up = UnitProblem(q, forbid)
+    rng = np.random.default_rng(seed)
+    D = up.D
+    ch = np.array([rng.integers(D.k_off[u + 1] - D.k_off[u]) for u in range(up.num_units)],
+                  dtype=np.int64)
+    pc = up.ucost + rng.random(len(up.ucost))  # priced costs of any kind
+    for no_rise in (True, False):
+        before_c = kernels.total_cost(D, ch, pc)
+        before_load = kernels.profile(D, ch, up.base)
+        kernels.forest_dp(D, rng.permutation(up.num_units).astype(np.int64), ch, pc, no_rise)
+        assert kernels.total_cost(D, ch, pc) <= before_c + 1e-6 * abs(before_c)
+        if no_rise:
+            assert (kernels.profile(D, ch, up.base) <= before_load + 1e-9).all()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_search_returns_a_plan_that_fits_and_costs_no_more(seed: int) -> None:
+    q, forbid = _reduced(200 + seed, 80)
+    if q is None:
+        return
+    ls = LocalSearch(q, seed, forbid)
+    ls.greedy()
+    if not ls.fits():
+        return
+    start = ls.cost()
+    up = UnitProblem(ls.q, ls.forbid)
+    s = Search(up, ls.a, seed)
+    s.run(time.monotonic() + 0.2)
+    a = s.assignment(ls.a)
+    cost, ok, _ = evaluate(ls.q, a)
+    assert ok
+    assert cost <= start + 1e-6 * abs(start)
+    assert s.rounds > 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_reported_bound_is_never_above_the_optimum(seed: int) -> None:
+    p = random_problem(300 + seed, 7)
+    best, _, _ = brute_optimum(p)
+    red, soft = presolve(p)
+    if red.infeasible or not math.isfinite(best):
+        return
+    q = red.problem
+    ls = LocalSearch(q, seed, math.inf if soft else FORBIDDEN)
+    ls.greedy()
+    bound = _unit_search(ls, time.monotonic() + 0.05, seed, 1 + seed % 2, False)
+    q_cost = evaluate(q, ls.a)[0]
+    if math.isfinite(bound) and q_cost < 1e14:
+        # the presolved problem's optimum is the original's less what presolve fixed
+        opt_q = best - (evaluate(p, red.expand(ls.a))[0] - q_cost)
+        assert bound <= opt_q + 1e-6 * max(1.0, abs(opt_q))
