@@ -284,10 +284,12 @@ def test_leaf_followers_keep_the_optimum_under_limits(d: Drawn) -> None:
     the whole memory constraint), the reduced optimum is the brute-force optimum, and its
     solution, expanded, fits. Merging a follower by cost alone would fail this: a follower
     whose cheapest strategy is not its smallest would overflow a limit that its other
-    strategy fits."""
+    strategy fits. (With no slack: a slack lets merged followers exceed their smallest, the
+    next test's subject.)"""
     flat = d.flat()
     want, _, _ = brute_optimum(flat)
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(reduction, "MERGE_SLACK", 0.0)
         red = d.reduce(mp, share=False)
     got, a, _ = brute_optimum(red)
     if math.isinf(want):
@@ -404,10 +406,12 @@ def _binding_budget(sp: ShardingProblem, frac: float) -> float:
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama3-tiny"])
-def test_a_traced_model_under_a_budget(name: str) -> None:
+def test_a_traced_model_under_a_budget(name: str, monkeypatch) -> None:
     """Under a binding budget, on a traced model: every reduced plan costs what its
     expansion scores and uses, at the constrained instant, what its nodes do there; the
-    followers merged above their smallest layout exceed it by at most the slack together."""
+    followers merged above their smallest layout exceed it by at most the slack together
+    (a slack of 1%, under which some of these tiny models' followers stand apart)."""
+    monkeypatch.setattr(reduction, "MERGE_SLACK", 0.01)
     from autopar.ir.mesh import Mesh
     from autopar.passes.problem import sharding_problem
     from autopar.passes.problem.scoring import score_assignment
@@ -425,7 +429,8 @@ def test_a_traced_model_under_a_budget(name: str) -> None:
         a = [int(rng.integers(len(c))) for c in p.costs]
         choice = sp.expand(a)
         cost, _, used = evaluate(p, a)
-        assert cost == pytest.approx(score_assignment(sp, choice).cost.step_s, rel=1e-9)
+        priced = score_assignment(sp, choice).cost  # the summed step the solver minimises
+        assert cost == pytest.approx(priced.compute_s + priced.comm_s, rel=1e-9)
         there = sum(float(sp.usage[i][s]) for i, s in enumerate(choice)
                     if sp.live[i][0] <= t <= sp.live[i][1])
         assert used == pytest.approx(there, rel=1e-9)
