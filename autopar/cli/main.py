@@ -139,7 +139,7 @@ def plan_for_devices(args: argparse.Namespace) -> int:
     # shape's planning has its own limit (shapes.SHAPE_LIMIT_S)
     whole = args.time_limit is not None
     progress = plan_progress(args.time_limit if whole else SHAPE_LIMIT_S, force=args.progress)
-    options = options_from_args(args, workers=1)
+    options = options_from_args(args, workers=1, time_limit_s=args.time_limit or SHAPE_LIMIT_S)
     options = options.with_deadline(progress) if whole else options
     loaded = load_model(args.model, args.batch, args.seq)
 

@@ -71,7 +71,11 @@ def test_each_step_is_the_exact_optimum_over_one_axis_and_solved_once(limit):
                 continue
             solved += 1
             assert exact == (want.status == "optimal")
-            assert got.tolist() == [a[s] for a, s in zip(allowed, want.assignment)]
+            # the same plan, or where two tie on cost (a limit's multiplier walk may break
+            # ties another way) one as cheap, as feasible, and inside the step's strategies
+            cost, fits, _ = evaluate(p, got.tolist())
+            assert fits and cost == pytest.approx(want.cost, rel=1e-12)
+            assert all(g in a for g, a in zip(got.tolist(), allowed))
             before = len(steps.memo)
             again, _ = steps.step(k, cur, deadline=time.monotonic() + 30)
             assert len(steps.memo) == before and again.tolist() == got.tolist()

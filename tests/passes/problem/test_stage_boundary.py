@@ -19,7 +19,7 @@ from torch import nn
 from autopar.capture.stage import capture_stage, pin_boundary
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import Replicate, Shard
-from autopar.passes.cost.cost_model import collective_time
+from autopar.passes.cost.cost_model import collective_time, members_per_node
 from autopar.passes.problem import sharding_problem
 
 B, S, H = 4, 8, 16
@@ -58,7 +58,8 @@ def test_sequence_parallel_output_is_priced_as_its_gather_to_the_boundary():
         # sequence parallel: each tp rank holds 1/tp of its dp share; the gather moves the rest
         share = B * S * H * 4 / 2  # fp32 bytes of a dp share
         gather = collective_time("all_gather", share, 4, mesh.bandwidth[1], mesh.latency[1],
-                                 mesh.device.collective_overhead)
+                                 mesh.device.collective_overhead, members_per_node(mesh, (1,)),
+                                 mesh.device.nccl)
         assert math.isclose(price[(Shard(0), Shard(1))], gather, rel_tol=1e-9)
         # the split on tp costs the gather whatever the dim; the batch must also leave tp
         assert price[(Shard(0), Shard(1))] < price[(Shard(1), Shard(1))]
