@@ -218,12 +218,7 @@ def eliminate(
             low = total.min(axis=0)
         if rest:
             messages[x] = low
-    assign = np.zeros(n, dtype=np.int64)
-    for x in reversed(order):
-        rest, table = argmins[x]
-        if table is not None:
-            assign[x] = table[tuple(assign[y] for y in rest)] if rest else int(table)
-    return assign
+    return _back_substitute(n, order, argmins)
 
 
 # a factor's source in a schedule: a node's own costs, an edge's matrix, the diagonal of a
@@ -327,6 +322,13 @@ def _eliminate_plain(
             low = np.min(total, axis=0)
         if rest:
             buckets[rest[0]].append(_Factor(rest, low))
+    return _back_substitute(n, order, argmins)
+
+
+def _back_substitute(n: int, order: list[int],
+                     argmins: list[tuple[tuple[int, ...], np.ndarray | None]]) -> np.ndarray:
+    """Each node's choice, last eliminated first, from its table of best choices given the
+    nodes left in its bucket (None: its one choice)."""
     assign = np.zeros(n, dtype=np.int64)
     for x in reversed(order):
         rest, table = argmins[x]
