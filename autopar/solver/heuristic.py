@@ -158,7 +158,9 @@ class LocalSearch:
             c = self.local(i)
             c[~self.allowed(i)] = np.inf
             s = int(np.argmin(c))
-            if c[s] < c[self.a[i]] - 1e-9 * max(1.0, abs(c[self.a[i]])):
+            now = c[self.a[i]]
+            # from a forbidden choice (inf) any allowed one is a move (inf - inf is nan)
+            if c[s] < (now - 1e-9 * max(1.0, abs(now)) if np.isfinite(now) else now):
                 self.set(i, s)
                 moved += 1
         return moved

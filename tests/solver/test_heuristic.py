@@ -97,3 +97,16 @@ def test_contest_instance_g_feasible_in_a_short_timeout() -> None:
     assert sol.feasible and ok and cost == sol.cost
     assert sol.cost < 1e17  # no forbidden (1e18) pair or strategy used
     assert sol.time_s < 16
+
+
+def test_a_sweep_moves_a_node_off_an_overflowing_choice():
+    """Over the limit, a node's own choice is not allowed (scored inf) and a choice that
+    frees memory is: the sweep takes it (``inf - inf`` once compared as nan, so the sweep
+    never moved a node off an overflowing choice)."""
+    p = make_problem(costs=[np.array([5.0, 0.0]), np.array([0.0])],
+                     usages=[np.array([1, 2]), np.array([1])], intervals=[(0, 1), (0, 1)],
+                     edges=[(0, 1)], edge_costs=[np.zeros((2, 1))], usage_limit=2)
+    ls = LocalSearch(p, 0)
+    ls.set(0, 1)  # 3 > 2: over the limit
+    assert not ls.fits()
+    assert ls.sweep() == 1 and ls.a[0] == 0 and ls.fits()
