@@ -18,7 +18,8 @@ What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
   the whole search (``--time-limit``), every shape gets the same share of it instead
   (:func:`shape_limit_s`), never what the shapes before it left: under one limit spent in
   order, the shapes planned last got their first mode only, and the choice depended on their
-  order and on the machine's load;
+  order and on the machine's load. A shape's planning may still run past its share (a mode
+  with no plan yet goes on), so shapes not started by the whole limit are not planned;
 - the traced stand-ins are shared: a trace depends only on the microbatch and the blocks
   traced, not on the submesh, so it is made once in this process before the shapes fan out;
 - the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`).
@@ -137,6 +138,9 @@ def search_shapes(
     limit_s = shape_limit_s(whole, len(shapes), options.search.workers)
 
     def plan_one(s: MeshShape) -> ShapeResult:
+        if whole is not None and whole.left() < QUICK_S:  # shapes before it overran
+            return ShapeResult(s, math.inf, math.inf, None,
+                               "not planned: the time limit ran out (raise --time-limit)")
         mesh = shape_mesh(s, device)
         opts = replace(each, search=replace(each.search, deadline=Deadline(limit_s)))
         refs = references_for(s) if references_for is not None else None
@@ -155,7 +159,7 @@ def search_shapes(
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
     results = forked_map(plan_one, shapes, options.search.workers)
-    if whole is not None and any(r.plan is None for r in results) and whole.expired():
+    if whole is not None and whole.expired():
         whole.cut("mesh shapes planned past their share of the limit")
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))

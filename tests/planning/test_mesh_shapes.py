@@ -60,3 +60,20 @@ def test_a_whole_search_limit_gives_every_shape_the_same_share():
     assert 60.0 / 13 * 0.95 < share <= 60.0 / 13
     assert shape_limit_s(Deadline(1e6), 4, 2) == SHAPE_LIMIT_S  # never above the per-shape cap
     assert shape_limit_s(Deadline(0.0), 25, 2) == QUICK_S  # a solve's worth at least
+
+
+def test_shapes_not_started_within_the_whole_limit_are_not_planned():
+    from dataclasses import replace
+
+    from autopar.ir.deadline import Deadline
+    from autopar.ir.options import Options
+    from autopar.models import get_preset
+    from autopar.planning.shapes import search_shapes
+
+    preset = get_preset("gpt2-tiny")
+    opts = Options.of(time_limit_s=1.0, max_layers=2, workers=1)
+    spent = replace(opts, search=replace(opts.search, deadline=Deadline(0.0)))
+    results = search_shapes(preset.build("meta"), 2, preset.example_inputs(4, 16), None,
+                            "cpu", spent)
+    assert results and all(r.plan is None and "time limit ran out" in r.note for r in results)
+    assert spent.search.deadline.was_cut
