@@ -33,6 +33,7 @@ from autopar.ir.precision import Precision
 from autopar.ir.stage_kind import plan_runs_as_program
 from autopar.passes.memory.recompute import apply_recompute
 from autopar.planning.stage_plans import StagePlansAsked, pinned_stage_plans
+from autopar.report.plan_progress import PlanProgress, plan_progress
 from autopar.runtime import _compat
 from autopar.runtime.launch import device_type, ensure_process_group, resolve_mesh
 from autopar.runtime.parallel_module import ParallelModule
@@ -133,8 +134,33 @@ def parallelize(
     recompute mode too. What the runtime cannot run as planned is refused with the fix. The
     model itself is left as it was: train the returned module's parameters.
     """
-    # time_limit_s bounds the whole call from here (autopar.ir.deadline)
-    options = Options.of(options, **option_kwargs).with_deadline()
+    # time_limit_s bounds the whole call from here (autopar.ir.deadline); a planning call of
+    # more than a few seconds shows its phase and best plan on rank 0's terminal
+    options = Options.of(options, **option_kwargs)
+    progress = _planning_progress(options) if plan is None else None
+    try:
+        return _parallelize(model, mesh, example_inputs, example_kwargs, loss_fn, plan,
+                            options.with_deadline(progress), compile, profile)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _planning_progress(options: Options) -> PlanProgress | None:
+    """The terminal display of ``parallelize``'s planning (:mod:`autopar.report.plan_progress`):
+    rank 0 only, on a terminal only, and only for the call that owns the deadline."""
+    if options.search.deadline is not None:
+        return None
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return plan_progress(options.search.time_limit_s)
+
+
+def _parallelize(model: nn.Module, mesh: Mesh | Any, example_inputs: tuple,
+                 example_kwargs: dict | None, loss_fn: Callable[..., torch.Tensor] | None,
+                 plan: Plan | str | Path | None, options: Options, compile: bool,
+                 profile: str | Path | None) -> ParallelModule | PipelineModule:
+    """:func:`parallelize` once its options carry the call's deadline."""
     if isinstance(mesh, int) and not isinstance(mesh, bool):
         if plan is not None:
             raise PlanError("plan= fixes the mesh it was made for: give that mesh, not a "

@@ -48,6 +48,34 @@ def test_mesh_without_a_process_group() -> None:
         autopar.parallelize(model, mesh_for((2, 2)), inputs)
 
 
+def test_planning_shows_its_progress_on_rank_0s_terminal(monkeypatch) -> None:
+    import io
+
+    import autopar.api as api
+    from autopar.report.plan_progress import PlanProgress
+
+    shown = io.StringIO()
+    asked: list[float] = []
+
+    def on_a_terminal(limit_s: float) -> PlanProgress:  # stands for stderr being a terminal
+        asked.append(limit_s)
+        return PlanProgress(limit_s, shown, tty=False, delay_s=0.0)
+
+    monkeypatch.setattr(api, "plan_progress", on_a_terminal)
+    model, inputs = _mlp()
+    with fake_world(2):
+        autopar.parallelize(copy.deepcopy(model), mesh_for((2,)), inputs, time_limit_s=7.0)
+        lines = shown.getvalue().splitlines()
+        assert asked == [7.0]
+        assert any(ln.startswith("planning: ") and "limit 7 s" in ln for ln in lines), lines
+        assert any("best step" in ln for ln in lines), lines
+    plan = make_plan(model, mesh_for((2,)), inputs, options=Options.of(time_limit_s=1.0)).plan
+    fresh = _mlp()[0]
+    with fake_world(2):
+        autopar.parallelize(fresh, mesh_for((2,)), inputs, plan=plan)
+    assert asked == [7.0]  # a given plan: no planning, nothing shown
+
+
 def test_one_device_needs_no_launcher() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -24,10 +24,10 @@ from autopar.cli.options import (
     options_from_args,
     parse_bytes,
 )
-from autopar.cli.progress import plan_progress
 from autopar.ir.errors import AutoparError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import SHAPE_LIMIT_S, TIME_LIMIT_S
+from autopar.report.plan_progress import plan_progress
 from autopar.report.table import plan_table, text_table
 
 __all__ = ["UsageError", "build_parser", "load_model", "main", "parse_bytes"]

@@ -10,7 +10,7 @@ search that stops or skips work for lack of time says so (:meth:`Deadline.cut`):
 provenance then records that the limit cut the search.
 
 ``progress``: a callable ``(phase, best_step_s)`` told of each phase and of the best plan so
-far (``autopar.cli.progress.PlanProgress`` draws it on a terminal); None: nothing is shown.
+far (``autopar.report.plan_progress.PlanProgress`` draws it on a terminal); None: nothing is shown.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """time_limit_s bounds the whole planning call (autopar.ir.deadline), and the planner's
-progress shows on a terminal or when asked (autopar.cli.progress.PlanProgress)."""
+progress shows on a terminal or when asked (autopar.report.plan_progress.PlanProgress)."""
 
 import io
 import math
 import time
 
 from autopar.capture.joint import capture
-from autopar.cli.progress import PlanProgress, plan_progress
 from autopar.ir.deadline import MIN_SOLVE_S, Deadline
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.models import get_preset
 from autopar.planning.planner import make_plan
+from autopar.report.plan_progress import PlanProgress, plan_progress
 
 MESH = Mesh((2, 2), ("dp", "tp"), "cpu")
 
