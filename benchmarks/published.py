@@ -285,6 +285,10 @@ class PinnedLayout:
     recompute: str
     zero: str | None
     exact: bool = True
+    # mesh axes on which each parameter is multiplied where it is stored (tensor parallel as
+    # Megatron-LM and torchtitan run it: no weight gathered, no weight gradient reduced
+    # there; autopar.planning.used_in_place), rather than only stored so
+    used_in_place: tuple[str, ...] = ()
 
 
 def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str) -> PinnedLayout:
@@ -301,7 +305,8 @@ def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str
                                 batch_size=layout.batch // (layout.microbatches or 1))
     if ref is None:
         raise NotExpressible(f"the {name} layout does not apply to mesh {stage_axes}")
-    return PinnedLayout("published", ref.params, ref.inputs, layout.recompute, layout.zero)
+    return PinnedLayout("published", ref.params, ref.inputs, layout.recompute, layout.zero,
+                        used_in_place=("tp",) if layout.tp > 1 else ())
 
 
 def plan_run(run: dict, search: bool, time_limit_s: float,
