@@ -791,10 +791,12 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
         if not allowed[v]:
             return _CONFLICT
     in_place = getattr(ref, "used_in_place", ())
+    node_allowed: dict[int, set[int]] = {}
     if in_place:  # tensor parallelism as run: each weight multiplied on its own shard
         params_pinned = {i: spec for i, spec in pins.items()
                          if sp.nodes[i].meta["autopar"].role == "param"}
-        for node_i, ok in used_in_place.allowed(sp, params_pinned, tuple(in_place)).items():
+        node_allowed = used_in_place.allowed(sp, params_pinned, tuple(in_place))
+        for node_i, ok in node_allowed.items():
             v, root = int(sp.var_of[node_i]), int(sp.group_of[node_i])
             if root != node_i:  # a follower: the root strategies that give it one of ``ok``
                 ok = {k for k, f in enumerate(sp.follow[node_i]) if int(f) in ok}
@@ -820,7 +822,8 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
     choice = sp.expand(full_assign)
-    choice = refine_followers(sp, choice)  # placeholders (the pins) are never followers
+    # placeholders (the pins) are never followers; the followers in use keep to their sets
+    choice = refine_followers(sp, choice, node_allowed)
     return bucket_fill.score(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
 
 
