@@ -253,3 +253,7 @@ def test_tensor_parallel_is_pinned_as_run():
                                    "gpu": {**TINY["gpu"], "count": 4}})
     pinned = published.pinned_reference(model, no_tp, (4,), ("dp",), preset.family)
     assert pinned.used_in_place == ()
+    # an unfused attention's batched GEMMs cannot carry dp and tp splits at once: left free
+    pinned = published.pinned_reference(model, with_tp, (2, 2), ("dp", "tp"), preset.family,
+                                        fused_attention=False)
+    assert pinned.used_in_place == ()
