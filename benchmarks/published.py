@@ -285,9 +285,21 @@ class PinnedLayout:
     recompute: str
     zero: str | None
     exact: bool = True
+    # mesh axes on which each parameter is multiplied where it is stored (tensor parallel as
+    # Megatron-LM and torchtitan run it: no weight gathered, no weight gradient reduced
+    # there; autopar.planning.used_in_place), rather than only stored so
+    used_in_place: tuple[str, ...] = ()
 
 
-def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str) -> PinnedLayout:
+def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str,
+                     fused_attention: bool = True) -> PinnedLayout:
+    """The published layout as a reference. Tensor parallelism is pinned as run (each weight
+    multiplied on its own shard: ``used_in_place``) where the attention is one fused kernel.
+    An unfused attention's batched GEMMs fold batch and heads into one dim, which cannot
+    carry a batch split over dp and a head split over tp at once (the heads' shard is strided
+    there, not a ``Shard``: ``passes/strategies/_layout.view_dim_map``), so in place the
+    completion would gather the attention's inputs over tp, which Megatron does not: there the
+    completion places the weights' uses itself, as before."""
     from autopar.models.reference_plans import REFERENCE_PLANS
 
     sharded = layout.zero is not None
@@ -301,7 +313,8 @@ def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str
                                 batch_size=layout.batch // (layout.microbatches or 1))
     if ref is None:
         raise NotExpressible(f"the {name} layout does not apply to mesh {stage_axes}")
-    return PinnedLayout("published", ref.params, ref.inputs, layout.recompute, layout.zero)
+    return PinnedLayout("published", ref.params, ref.inputs, layout.recompute, layout.zero,
+                        used_in_place=("tp",) if layout.tp > 1 and fused_attention else ())
 
 
 def plan_run(run: dict, search: bool, time_limit_s: float,
@@ -347,7 +360,8 @@ def plan_run(run: dict, search: bool, time_limit_s: float,
     mesh = Mesh.parse(layout.mesh_text, layout.device)
     pp = layout.pp > 1
     sub = stage_mesh(mesh, mesh.axes.index("pp")) if pp else mesh
-    pinned = pinned_reference(model, layout, sub.shape, sub.axes, preset.family)
+    pinned = pinned_reference(model, layout, sub.shape, sub.axes, preset.family,
+                              getattr(preset.config, "fused_attention", True))
     common = dict(precision=layout.precision, max_layers=4, time_limit_s=time_limit_s,
                   workers=default_workers())
     # the published layout carries its own recomputation and ZeRO stage (reference_mode);

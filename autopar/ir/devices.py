@@ -253,10 +253,12 @@ PROFILES: dict[str, DeviceProfile] = {
     # 500 W: its clock under load, so its peak, lies between the SXM's 989 (700 W) and the
     # H100 NVL's 835 TFLOP/s bf16 (H100 NVL datasheet, 350-400 W, the same 132 SMs), and its
     # owners do not know it exactly (torchtitan's benchmark notes): the midpoint, 912, is
-    # taken. Its HBM2e bandwidth is not published: the SXM's 3.35 TB/s is kept (memory-bound
-    # ops are a small share of a training step). One 400 Gb/s NIC per GPU.
+    # taken. Its memory is HBM2e at 2.4 TB/s, not the 80 GB part's HBM3 at 3.35: "Each H100
+    # GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth" (torchtitan,
+    # benchmarks/llama3_h100_202412_torchtitan.md, Hardware; the H100 NVL's HBM3 is 3.9).
+    # One 400 Gb/s NIC per GPU.
     "h100-96gb": _gpu("h100-96gb", 62 * TFLOPS, 456 * TFLOPS, 912 * TFLOPS, 1824 * TFLOPS,
-                      3350 * GBps, 96 * GiB, 370 * GBps, NCCL_IB * 50 * GBps, **_H100),
+                      2400 * GBps, 96 * GiB, 370 * GBps, NCCL_IB * 50 * GBps, **_H100),
     "h200": _gpu("h200", 67 * TFLOPS, 495 * TFLOPS, 989 * TFLOPS, 1979 * TFLOPS,
                  4800 * GBps, 141 * GiB, 370 * GBps, NCCL_IB * 50 * GBps, **_H100),
     "a100": _gpu("a100", 19.5 * TFLOPS, 156 * TFLOPS, 312 * TFLOPS, 0.0,

@@ -50,6 +50,7 @@ from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
 from autopar.passes.problem.step_memory import step_usage
 from autopar.passes.problem.types import ShardingProblem
+from autopar.planning import used_in_place
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
@@ -789,6 +790,19 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
         allowed[v] = allowed[v] & ok if v in allowed else ok
         if not allowed[v]:
             return _CONFLICT
+    in_place = getattr(ref, "used_in_place", ())
+    node_allowed: dict[int, set[int]] = {}
+    if in_place:  # tensor parallelism as run: each weight multiplied on its own shard
+        params_pinned = {i: spec for i, spec in pins.items()
+                         if sp.nodes[i].meta["autopar"].role == "param"}
+        node_allowed = used_in_place.allowed(sp, params_pinned, tuple(in_place))
+        for node_i, ok in node_allowed.items():
+            v, root = int(sp.var_of[node_i]), int(sp.group_of[node_i])
+            if root != node_i:  # a follower: the root strategies that give it one of ``ok``
+                ok = {k for k, f in enumerate(sp.follow[node_i]) if int(f) in ok}
+            allowed[v] = allowed[v] & ok if v in allowed else set(ok)
+            if not allowed[v]:
+                return _CONFLICT
     sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
     exact = getattr(ref, "exact", False)
 
@@ -808,7 +822,8 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
         return None
     full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
     choice = sp.expand(full_assign)
-    choice = refine_followers(sp, choice)  # placeholders (the pins) are never followers
+    # placeholders (the pins) are never followers; the followers in use keep to their sets
+    choice = refine_followers(sp, choice, node_allowed)
     return bucket_fill.score(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
 
 

@@ -232,9 +232,11 @@ def reduced_problem(sp: ShardingProblem, memory_budget: float | None) -> Problem
 # --- after solving: followers re-chosen with their whole neighbourhood ----------------------
 
 
-def refine_followers(sp: ShardingProblem, choice: list[int]) -> list[int]:
+def refine_followers(sp: ShardingProblem, choice: list[int],
+                     allowed: dict[int, set[int]] | None = None) -> list[int]:
     """``choice`` with every follower group re-optimised exactly, its root and every node
-    outside the group held fixed.
+    outside the group held fixed; ``allowed``: node -> the strategies it may take (a pinned
+    reference's restrictions), the others not considered.
 
     Merging picks a follower's strategy for each strategy of its producer from the follower's
     own cost and its input edge only: it cannot see what the follower's output costs further
@@ -268,6 +270,9 @@ def refine_followers(sp: ShardingProblem, choice: list[int]) -> list[int]:
         pick: dict[int, list[np.ndarray]] = {}  # follower -> per child: best child strategy
         for v in reversed(vs):  # children have larger indices than their parents
             total = sp.node_cost[v] + (sp.unary[v] if v in sp.unary else 0.0)
+            if allowed and v in allowed:
+                total = total + np.where(np.isin(np.arange(len(total)), sorted(allowed[v])),
+                                         0.0, np.inf)
             for e in touching[v]:
                 mat = edge_matrix(sp, e) * weight[e.dst]
                 total = total + (mat[:, choice[e.dst]] if e.src == v else mat[choice[e.src], :])

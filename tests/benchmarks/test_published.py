@@ -237,3 +237,23 @@ def test_a_run_priced_but_too_slow_for_autopar_keeps_the_published_price(monkeyp
     text = published.report([row])
     assert "900" in text and "-10%" in text
     assert "autopar's own plan: too slow to plan, no answer within 2 s" in text
+
+
+def test_tensor_parallel_is_pinned_as_run():
+    # a published TP layout multiplies each weight on its own shard (Megatron-LM's and
+    # torchtitan's TP): the completion may not gather TP weights over tp
+    # (autopar/planning/used_in_place.py); without tp nothing is asked
+    preset = published.build_model(TINY["model"])
+    model = preset.build("meta")
+    with_tp = published.read_layout(TINY)
+    pinned = published.pinned_reference(model, with_tp, (2, 2), ("dp", "tp"), preset.family)
+    assert pinned.used_in_place == ("tp",)
+    no_tp = published.read_layout({**TINY, "layout": {**TINY["layout"], "tp": 1, "dp": 4,
+                                                      "micro_batch": 1},
+                                   "gpu": {**TINY["gpu"], "count": 4}})
+    pinned = published.pinned_reference(model, no_tp, (4,), ("dp",), preset.family)
+    assert pinned.used_in_place == ()
+    # an unfused attention's batched GEMMs cannot carry dp and tp splits at once: left free
+    pinned = published.pinned_reference(model, with_tp, (2, 2), ("dp", "tp"), preset.family,
+                                        fused_attention=False)
+    assert pinned.used_in_place == ()

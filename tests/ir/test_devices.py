@@ -37,6 +37,8 @@ def test_profiles_by_kind():
     capped, sxm = get_profile("h100-96gb"), get_profile("h100")
     assert capped.peak("bfloat16") < sxm.peak("bfloat16")  # 500 W: a lower clock
     assert capped.mem_capacity > sxm.mem_capacity
+    # HBM2e at 2.4 TB/s (torchtitan's benchmark hardware notes), not the HBM3 part's 3.35
+    assert capped.mem_bandwidth == 2400e9 < sxm.mem_bandwidth
     for prof in (capped, sxm, get_profile("a100")):
         assert 0 < prof.attention_flops_per_s("bfloat16") < prof.flops_per_s("bfloat16")
 
