@@ -65,7 +65,7 @@ from autopar.passes.pipeline.schedule import PipelineSchedule, textbook_bubble
 from autopar.passes.pipeline.stage_profile import StageProfile, stage_profile
 from autopar.passes.pipeline.stage_split import schedule_in_flight
 from autopar.planning.memory_fit import memory_limit
-from autopar.planning.planner import Planned, make_plan
+from autopar.planning.planner import Planned, carried_choice, make_plan
 
 __all__ = ["batch_size", "microbatch_counts", "pipeline_axis",
            "plan_pipeline", "planned_stages", "predict_split", "stage_mesh", "stand_in_graph"]
@@ -183,12 +183,16 @@ def plan_pipeline(
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
             over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
+            # the solver's layout in each recomputation mode planned: a stage that holds
+            # fewer microbatches than the busiest may recompute less (a fixed layout keeps
+            # its own policy's mode)
+            profs = [prof] if name else mode_profiles(planned, prof, dp)
             # a layout only weighed to be kept where faster, and it cannot be (nor tie with
             # the best at the key's 6 digits, where the leaner would win)
             if name and name not in asked_refs and best is not None and \
                     busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
                 continue
-            weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
+            weighed = [weigh(sched, profs, n_blocks, limit, over) for sched in scheds]
             if not name:
                 weighed_all += weighed
             fitting = [o for o in weighed if o.split is not None]
@@ -270,6 +274,26 @@ def busy_bound(prof: StageProfile, n_blocks: int, p: int, m: int, over: Overhead
     return m * work / p / max(over.speed or (1.0,))
 
 
+def mode_profiles(planned: Planned, prof: StageProfile, dp: int) -> list[StageProfile]:
+    """The profile ``prof`` of the plan's layout, then that layout priced in each other
+    recomputation mode the planner planned the stand-in in (the same ZeRO stage and offload:
+    a stage's parameters are placed and stored alike, only what its backward recomputes
+    differs), each marked with its mode. The stage programs re-solve a stage's activations
+    in its own mode around the pinned parameters, so the layout carried as it is prices
+    them no better than they run."""
+    main = planned.mode
+    if main is None:
+        return [prof]
+    out = [replace(prof, recompute=main.recompute)]
+    for mode, sp in planned.mode_problems.items():
+        if mode == main or mode.plain != main.plain:
+            continue
+        choice = carried_choice(sp, planned.problem, planned.node_choice)
+        out.append(replace(stage_profile(sp, choice, proxy_blocks(planned), dp),
+                           recompute=mode.recompute))
+    return out
+
+
 def proxy_blocks(planned: Planned) -> int:
     assert planned.graph.proxy is not None
     return planned.graph.proxy.represented
@@ -335,14 +359,15 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
     stages = []
     last = len(split.ranges) - 1
     tied = sched.stage_rank(0) != sched.stage_rank(last)  # end copies summed across ranks
-    for k, (i, j) in enumerate(split.ranges):
-        fwd, _, sync, _, _ = chunk_cost(prof, i, j, n_blocks)
+    for k, ((i, j), sub) in enumerate(zip(split.ranges, split.submeshes)):
+        own = sub if isinstance(sub, StageProfile) else prof  # the profile the DP chose
+        fwd, _, sync, _, _ = chunk_cost(own, i, j, n_blocks)
         sync += over.tied_s if tied and k in (0, last) else 0.0
         stages.append(PipelineStage(
             k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
             split.memory_bytes[k], round(held(k, sched.num_stages)), fwd,
-            prof.block.recompute_s * (j - i), sync,
-            stage_time(sched, prof, i, j, n_blocks, over).split_s))
+            own.block.recompute_s * (j - i), sync,
+            stage_time(sched, own, i, j, n_blocks, over).split_s, own.recompute))
     fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)
     runner_up = next((o for o in fitting if o is not chosen), None)
     reason = f"the fastest of {len(fitting)} options that fit"

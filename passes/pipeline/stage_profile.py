@@ -75,6 +75,9 @@ class StageProfile:
     # gradient bytes per device of parameters both ends read (a head tied to the embedding):
     # the first and last stages each hold a copy and sum their gradients once per step
     tied_bytes: float = 0.0
+    # the recomputation mode its layout was priced in ("": the plan's own): the pipeline
+    # planner weighs one profile per mode and records each stage's
+    recompute: str = ""
 
     def part(self, name: str) -> PartCost:
         return getattr(self, name)
