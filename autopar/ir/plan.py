@@ -10,6 +10,7 @@ are grouped as :class:`Decisions` (``plan.decided``), :class:`Predictions`
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,18 @@ class PipelineStage:
     def recompute_mode(self, plan_mode: str) -> str:
         """The mode this stage runs: its own, or the plan's (``plan_mode``) where unset."""
         return self.recompute or plan_mode
+
+
+def stage_recompute(recompute: str | Sequence[str], n_stages: int) -> tuple[str, ...]:
+    """Each of ``n_stages`` stages' recompute mode: ``recompute`` for all, or one per stage
+    (a pipeline plan's stages may each recompute as their microbatches in flight allow)."""
+    if isinstance(recompute, str):
+        return (recompute,) * n_stages
+    modes = tuple(recompute)
+    if len(modes) != n_stages:
+        raise PlanError(f"{len(modes)} recompute modes for a pipeline of {n_stages} stages: "
+                        "give one mode, or one per stage")
+    return modes
 
 
 @dataclass(frozen=True, slots=True)

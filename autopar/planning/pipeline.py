@@ -192,7 +192,7 @@ def plan_pipeline(
             if name and name not in asked_refs and best is not None and \
                     busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
                 continue
-            weighed = [weigh(sched, profs, n_blocks, limit, over) for sched in scheds]
+            weighed = [_weigh_modes(sched, profs, n_blocks, limit, over) for sched in scheds]
             if not name:
                 weighed_all += weighed
             fitting = [o for o in weighed if o.split is not None]
@@ -253,6 +253,20 @@ class _Best:
     option: Option
     profile: StageProfile
     overheads: Overheads
+
+
+def _weigh_modes(sched: PipelineSchedule, profs: list[StageProfile], n_blocks: int,
+                 limit: float | None, over: Overheads) -> Option:
+    """The schedule's best split with each stage in the fastest mode that fits it, or in the
+    layout's own mode throughout where that replays faster (the DP ranks splits by Alpa's
+    objective, the replay decides: more choices per stage need not replay faster)."""
+    one = weigh(sched, profs[0], n_blocks, limit, over)
+    if len(profs) == 1:
+        return one
+    per_stage = weigh(sched, profs, n_blocks, limit, over)
+    if per_stage.split is None or (one.split is not None and one.step_s <= per_stage.step_s):
+        return one
+    return per_stage
 
 
 def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]:
