@@ -64,6 +64,7 @@ from autopar.passes.pipeline.cost import (
 from autopar.passes.pipeline.schedule import PipelineSchedule, textbook_bubble
 from autopar.passes.pipeline.stage_profile import StageProfile, stage_profile
 from autopar.passes.pipeline.stage_split import schedule_in_flight
+from autopar.passes.problem.types import ShardingProblem
 from autopar.planning.memory_fit import memory_limit
 from autopar.planning.planner import Planned, carried_choice, make_plan
 
@@ -85,6 +86,7 @@ def plan_pipeline(
     model_name: str = "",
     microbatch_choices: int = MICROBATCH_CHOICES,
     trace_cache: dict | None = None,
+    stage_modes: bool = True,
 ) -> Planned:
     """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
 
@@ -105,6 +107,9 @@ def plan_pipeline(
             (:func:`microbatch_counts`).
         trace_cache: a dict that keeps the traced stand-ins for later calls (a mesh-shape
             search plans the same model many times).
+        stage_modes: each stage recomputes in the fastest mode planned that fits its own
+            microbatches in flight (False: every stage in its layout's one mode, as the
+            stand-in was planned for the busiest rank).
 
     Returns:
         A :class:`~autopar.planning.planner.Planned` whose plan's placements are one stage's
@@ -183,25 +188,27 @@ def plan_pipeline(
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
             over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
-            # the solver's layout in each recomputation mode planned: a stage that holds
-            # fewer microbatches than the busiest may recompute less (a fixed layout keeps
-            # its own policy's mode)
-            profs = [prof] if name else mode_profiles(planned, prof, dp)
             # a layout only weighed to be kept where faster, and it cannot be (nor tie with
             # the best at the key's 6 digits, where the leaner would win)
             if name and name not in asked_refs and best is not None and \
                     busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
                 continue
-            weighed = [_weigh_modes(sched, profs, n_blocks, limit, over) for sched in scheds]
+            # the layout also in each other recomputation mode planned: a stage holding
+            # fewer microbatches than the busiest may recompute less
+            profs = mode_profiles(planned, sp, choice, prof, dp) if stage_modes else [prof]
+            pairs = [_weigh_modes(sched, profs, n_blocks, limit, over) for sched in scheds]
+            weighed = [kept for _, kept in pairs]
             if not name:
                 weighed_all += weighed
             fitting = [o for o in weighed if o.split is not None]
             if name:
-                # a layout that fits no split is shown split at its best with no limit,
+                # a fixed layout is listed as its policy runs (one mode for every stage); a
+                # layout that fits no split is shown split at its best with no limit,
                 # under one 1F1B schedule only (replaying every schedule of a layout that
                 # runs nowhere cost 405B on pp=16 half its pipeline time)
-                shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
-                                        for sched in _display_schedules(scheds)],
+                as_is = [one for one, _ in pairs if one.split is not None]
+                shown = min(as_is or [weigh(sched, prof, n_blocks, None, over)
+                                      for sched in _display_schedules(scheds)],
                             key=lambda o: o.step_s)
                 got = _pipeline_cost(planned.plan.provenance.references[name], shown)
                 if name not in ref_costs or got.step_s < ref_costs[name].step_s:
@@ -220,7 +227,7 @@ def plan_pipeline(
                              options.replace(recompute="full"),
                              references={k: v for k, v in references.items() if k in asked_refs},
                              model_name=model_name, microbatch_choices=microbatch_choices,
-                             trace_cache=trace_cache)
+                             trace_cache=trace_cache, stage_modes=stage_modes)
     if best is None:
         raise PlanError(_no_fit(failures, weighed_all, limit, p, n_blocks))
     planned = best.planned
@@ -256,17 +263,18 @@ class _Best:
 
 
 def _weigh_modes(sched: PipelineSchedule, profs: list[StageProfile], n_blocks: int,
-                 limit: float | None, over: Overheads) -> Option:
-    """The schedule's best split with each stage in the fastest mode that fits it, or in the
-    layout's own mode throughout where that replays faster (the DP ranks splits by Alpa's
-    objective, the replay decides: more choices per stage need not replay faster)."""
+                 limit: float | None, over: Overheads) -> tuple[Option, Option]:
+    """The schedule's best split in the layout's own mode throughout, and the option kept:
+    the best split with each stage in the fastest mode that fits it where that replays
+    faster (the DP ranks splits by Alpa's objective, the replay decides: more choices per
+    stage need not replay faster), else the first."""
     one = weigh(sched, profs[0], n_blocks, limit, over)
     if len(profs) == 1:
-        return one
+        return one, one
     per_stage = weigh(sched, profs, n_blocks, limit, over)
     if per_stage.split is None or (one.split is not None and one.step_s <= per_stage.step_s):
-        return one
-    return per_stage
+        return one, one
+    return one, per_stage
 
 
 def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]:
@@ -288,22 +296,24 @@ def busy_bound(prof: StageProfile, n_blocks: int, p: int, m: int, over: Overhead
     return m * work / p / max(over.speed or (1.0,))
 
 
-def mode_profiles(planned: Planned, prof: StageProfile, dp: int) -> list[StageProfile]:
-    """The profile ``prof`` of the plan's layout, then that layout priced in each other
-    recomputation mode the planner planned the stand-in in (the same ZeRO stage and offload:
-    a stage's parameters are placed and stored alike, only what its backward recomputes
-    differs), each marked with its mode. The stage programs re-solve a stage's activations
-    in its own mode around the pinned parameters, so the layout carried as it is prices
-    them no better than they run."""
-    main = planned.mode
+def mode_profiles(planned: Planned, sp: ShardingProblem, choice: list[int],
+                  prof: StageProfile, dp: int) -> list[StageProfile]:
+    """``prof``, the profile of the layout ``choice`` on ``sp`` (one of the modes
+    ``planned`` planned), then that layout priced in each other recomputation mode planned
+    with the same ZeRO stage and offload (a stage's parameters are placed and stored alike,
+    only what its backward recomputes differs), each marked with its mode. A stage program
+    re-solves its activations in its own mode around the pinned parameters, so the layout
+    carried as it is prices them no better than they run. A layout of a mode not planned
+    (an exact reference, priced apart) keeps its one profile."""
+    main = next((mode for mode, q in planned.mode_problems.items() if q is sp), None)
     if main is None:
         return [prof]
     out = [replace(prof, recompute=main.recompute)]
-    for mode, sp in planned.mode_problems.items():
+    for mode, other in planned.mode_problems.items():
         if mode == main or mode.plain != main.plain:
             continue
-        choice = carried_choice(sp, planned.problem, planned.node_choice)
-        out.append(replace(stage_profile(sp, choice, proxy_blocks(planned), dp),
+        carried = carried_choice(other, sp, choice)
+        out.append(replace(stage_profile(other, carried, proxy_blocks(planned), dp),
                            recompute=mode.recompute))
     return out
 

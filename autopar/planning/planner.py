@@ -85,10 +85,8 @@ class Planned:
     # name -> a Planned whose plan is that reference layout (a caller that weighs plans by
     # another measure than this planner's, as the pipeline planner does, may keep one)
     as_reference: Callable[[str], Planned] | None = None
-    # the mode the plan was made in, and every mode planned: its problem, in which the plan's
-    # layout can be priced again (:func:`carried_choice`; the pipeline planner's per-stage
-    # recomputation)
-    mode: Mode | None = None
+    # every mode planned: its problem, in which a layout planned in another mode can be priced
+    # again (:func:`carried_choice`; the pipeline planner's per-stage recomputation)
     mode_problems: dict[Mode, ShardingProblem] = field(default_factory=dict)
 
     def explain(self, node: str, top: int = 5) -> str:
@@ -297,12 +295,12 @@ def make_plan(
             recompute=recompute_record(mem.recompute, r.mode.recompute, r.pg, r.sp, choice,
                                        _unrecomputed(pg, mesh, r.mode, runs, stored)))
         return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices,
-                       mode=r.mode, mode_problems=mode_problems)
+                       mode_problems=mode_problems)
 
     mode_problems = {m: r.sp for m, r in runs.items()}
     return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices,
                    {name: (r.sp, r.refs.choices[name]) for name, r in ref_runs.items()},
-                   as_reference, best.mode, mode_problems)
+                   as_reference, mode_problems)
 
 
 def _out_of_time(dl: Deadline, runs: dict[Mode, _ModeRun], what: str) -> bool:

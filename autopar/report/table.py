@@ -266,7 +266,7 @@ def pipeline_lines(plan: Plan) -> list[str]:
     lines += text_table(["stage", "rank", "holds", "time/microbatch", "in flight", "recompute",
                          "memory"], rows)
     modes = list(pp.stage_recompute(plan.decided.recompute.mode))
-    if len(set(modes)) > 1:
+    if set(modes) != {plan.decided.recompute.mode}:
         counts = {m: modes.count(m) for m in dict.fromkeys(modes)}
         lines.append("  recomputation per stage (each the fastest that fits its microbatches in "
                      "flight): " + ", ".join(f"{m} on {n} stage(s)" for m, n in counts.items()))
