@@ -11,19 +11,26 @@ Alpa's inter-op pass, with the intra-op planner inside it:
    microbatch the busiest rank keeps in flight. :func:`autopar.planning.planner.make_plan` plans it on
    the stage submesh (the mesh less ``pp``) under the device's memory limit, choosing the
    sharding, recomputation and ZeRO stage together as it does for any plan. Every stage runs
-   that layout: blocks are alike, and the stand-in is the heaviest stage's memory.
+   that layout's parameter placement: blocks are alike, and the stand-in is the heaviest
+   stage's memory.
 3. **Its cost per part** (:mod:`autopar.passes.pipeline.stage_profile`): embedding, one block, head,
    each with forward/backward time per microbatch, gradient sync per step, state, kept
-   activations and transients.
+   activations and transients; one such profile per recomputation mode the stand-in was
+   planned in (the layout priced again in each mode of the same ZeRO stage,
+   :func:`mode_profiles`), since a stage holding fewer microbatches than the busiest rank
+   may afford to recompute less.
 4. **Slicing** (:mod:`autopar.passes.pipeline.stage_split`): for every schedule torch ships
    (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``LoopedBFS``,
    ``ZBVZeroBubble``, ``DualPipeV``) and stages per rank ``v``, the DP cuts the blocks into
    ``p*v`` contiguous stages minimising Alpa's objective under the memory limit (each stage
-   with the in-flight count its schedule gives it), the first stage also holding the
-   embedding and the last the head, so a heavy head gets fewer blocks. The best few splits
-   are replayed in the schedule model (:mod:`autopar.passes.pipeline.schedule`), with the
+   with the in-flight count its schedule gives it, and in the fastest mode's profile that
+   fits it there), the first stage also holding the embedding and the last the head, so a
+   heavy head gets fewer blocks. The best few splits are replayed in the schedule model
+   (:mod:`autopar.passes.pipeline.schedule`), each stage priced by its own profile, with the
    boundary sends priced on the ``pp`` axis's link and the weight-gradient share the
-   zero-bubble schedules defer read off the graph.
+   zero-bubble schedules defer read off the graph; the split in the layout's one mode
+   throughout is weighed too, and kept where it replays faster. Each stage's mode is
+   recorded (``PipelineStage.recompute``) and the runtime runs it.
 5. The fastest (schedule, v, m) that fits wins; the plan records every option weighed and why.
 """
 
@@ -357,7 +364,8 @@ def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn
 def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]]
                   ) -> tuple[float, float]:
     """(step, bubble) a pipeline plan predicts for other block ranges than its own, with its
-    schedule and stage layout: to weigh a hand-made split (equal block counts) against it."""
+    schedule and stage layout, every stage in the layout's own recomputation mode (not each
+    stage's choice): to weigh a hand-made split (equal block counts) against it."""
     pipe = planned.plan.decided.pipeline
     if pipe is None:
         raise PlanError("predict_split needs a pipeline plan (made by plan_pipeline)")
