@@ -10,6 +10,7 @@ are grouped as :class:`Decisions` (``plan.decided``), :class:`Predictions`
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,10 +127,29 @@ class PipelineStage:
     recompute_s: float = 0.0  # of the backward, recomputation
     sync_s: float = 0.0  # its gradient sync, once per step after its last backward
     split_s: float = 0.0  # a split backward's cost beyond the whole one, per microbatch
+    # its recomputation mode ("none", "selective", "full"); "": the plan's own (a plan
+    # written before stages chose their own)
+    recompute: str = ""
 
     @property
     def blocks(self) -> int:
         return self.end_block - self.first_block
+
+    def recompute_mode(self, plan_mode: str) -> str:
+        """The mode this stage runs: its own, or the plan's (``plan_mode``) where unset."""
+        return self.recompute or plan_mode
+
+
+def stage_recompute(recompute: str | Sequence[str], n_stages: int) -> tuple[str, ...]:
+    """Each of ``n_stages`` stages' recompute mode: ``recompute`` for all, or one per stage
+    (a pipeline plan's stages may each recompute as their microbatches in flight allow)."""
+    if isinstance(recompute, str):
+        return (recompute,) * n_stages
+    modes = tuple(recompute)
+    if len(modes) != n_stages:
+        raise PlanError(f"{len(modes)} recompute modes for a pipeline of {n_stages} stages: "
+                        "give one mode, or one per stage")
+    return modes
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +192,11 @@ class PipelinePlan:
     action_s: float = 0.0
     post_s: float = 0.0
     speed: tuple[float, ...] = ()
+
+    def stage_recompute(self, plan_mode: str) -> tuple[str, ...]:
+        """Each stage's recomputation mode, in pipeline order (``plan_mode``, the plan's
+        ``decided.recompute.mode``, where a stage records none)."""
+        return tuple(st.recompute_mode(plan_mode) for st in self.stages)
 
     def to_json(self) -> dict[str, Any]:
         return {"axis": self.axis, "size": self.size, "schedule": self.schedule,

@@ -11,19 +11,26 @@ Alpa's inter-op pass, with the intra-op planner inside it:
    microbatch the busiest rank keeps in flight. :func:`autopar.planning.planner.make_plan` plans it on
    the stage submesh (the mesh less ``pp``) under the device's memory limit, choosing the
    sharding, recomputation and ZeRO stage together as it does for any plan. Every stage runs
-   that layout: blocks are alike, and the stand-in is the heaviest stage's memory.
+   that layout's parameter placement: blocks are alike, and the stand-in is the heaviest
+   stage's memory.
 3. **Its cost per part** (:mod:`autopar.passes.pipeline.stage_profile`): embedding, one block, head,
    each with forward/backward time per microbatch, gradient sync per step, state, kept
-   activations and transients.
+   activations and transients; one such profile per recomputation mode the stand-in was
+   planned in (the layout priced again in each mode of the same ZeRO stage,
+   :func:`mode_profiles`), since a stage holding fewer microbatches than the busiest rank
+   may afford to recompute less.
 4. **Slicing** (:mod:`autopar.passes.pipeline.stage_split`): for every schedule torch ships
    (``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``InterleavedZeroBubble``, ``LoopedBFS``,
    ``ZBVZeroBubble``, ``DualPipeV``) and stages per rank ``v``, the DP cuts the blocks into
    ``p*v`` contiguous stages minimising Alpa's objective under the memory limit (each stage
-   with the in-flight count its schedule gives it), the first stage also holding the
-   embedding and the last the head, so a heavy head gets fewer blocks. The best few splits
-   are replayed in the schedule model (:mod:`autopar.passes.pipeline.schedule`), with the
+   with the in-flight count its schedule gives it, and in the fastest mode's profile that
+   fits it there), the first stage also holding the embedding and the last the head, so a
+   heavy head gets fewer blocks. The best few splits are replayed in the schedule model
+   (:mod:`autopar.passes.pipeline.schedule`), each stage priced by its own profile, with the
    boundary sends priced on the ``pp`` axis's link and the weight-gradient share the
-   zero-bubble schedules defer read off the graph.
+   zero-bubble schedules defer read off the graph; the split in the layout's one mode
+   throughout is weighed too, and kept where it replays faster. Each stage's mode is
+   recorded (``PipelineStage.recompute``) and the runtime runs it.
 5. The fastest (schedule, v, m) that fits wins; the plan records every option weighed and why.
 """
 
@@ -64,8 +71,9 @@ from autopar.passes.pipeline.cost import (
 from autopar.passes.pipeline.schedule import PipelineSchedule, textbook_bubble
 from autopar.passes.pipeline.stage_profile import StageProfile, stage_profile
 from autopar.passes.pipeline.stage_split import schedule_in_flight
+from autopar.passes.problem.types import ShardingProblem
 from autopar.planning.memory_fit import memory_limit
-from autopar.planning.planner import Planned, make_plan
+from autopar.planning.planner import Planned, carried_choice, make_plan
 
 __all__ = ["batch_size", "microbatch_counts", "pipeline_axis",
            "plan_pipeline", "planned_stages", "predict_split", "stage_mesh", "stand_in_graph"]
@@ -85,6 +93,7 @@ def plan_pipeline(
     model_name: str = "",
     microbatch_choices: int = MICROBATCH_CHOICES,
     trace_cache: dict | None = None,
+    stage_modes: bool = True,
 ) -> Planned:
     """Plan ``model`` on ``mesh`` as a pipeline over its ``pp`` axis (module docstring).
 
@@ -105,6 +114,9 @@ def plan_pipeline(
             (:func:`microbatch_counts`).
         trace_cache: a dict that keeps the traced stand-ins for later calls (a mesh-shape
             search plans the same model many times).
+        stage_modes: each stage recomputes in the fastest mode planned that fits its own
+            microbatches in flight (False: every stage in its layout's one mode, as the
+            stand-in was planned for the busiest rank).
 
     Returns:
         A :class:`~autopar.planning.planner.Planned` whose plan's placements are one stage's
@@ -188,16 +200,22 @@ def plan_pipeline(
             if name and name not in asked_refs and best is not None and \
                     busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
                 continue
-            weighed = [weigh(sched, prof, n_blocks, limit, over) for sched in scheds]
+            # the layout also in each other recomputation mode planned: a stage holding
+            # fewer microbatches than the busiest may recompute less
+            profs = mode_profiles(planned, sp, choice, prof, dp) if stage_modes else [prof]
+            pairs = [_weigh_modes(sched, profs, n_blocks, limit, over) for sched in scheds]
+            weighed = [kept for _, kept in pairs]
             if not name:
                 weighed_all += weighed
             fitting = [o for o in weighed if o.split is not None]
             if name:
-                # a layout that fits no split is shown split at its best with no limit,
+                # a fixed layout is listed as its policy runs (one mode for every stage); a
+                # layout that fits no split is shown split at its best with no limit,
                 # under one 1F1B schedule only (replaying every schedule of a layout that
                 # runs nowhere cost 405B on pp=16 half its pipeline time)
-                shown = min(fitting or [weigh(sched, prof, n_blocks, None, over)
-                                        for sched in _display_schedules(scheds)],
+                as_is = [one for one, _ in pairs if one.split is not None]
+                shown = min(as_is or [weigh(sched, prof, n_blocks, None, over)
+                                      for sched in _display_schedules(scheds)],
                             key=lambda o: o.step_s)
                 got = _pipeline_cost(planned.plan.provenance.references[name], shown)
                 if name not in ref_costs or got.step_s < ref_costs[name].step_s:
@@ -216,7 +234,7 @@ def plan_pipeline(
                              options.replace(recompute="full"),
                              references={k: v for k, v in references.items() if k in asked_refs},
                              model_name=model_name, microbatch_choices=microbatch_choices,
-                             trace_cache=trace_cache)
+                             trace_cache=trace_cache, stage_modes=stage_modes)
     if best is None:
         raise PlanError(_no_fit(failures, weighed_all, limit, p, n_blocks))
     planned = best.planned
@@ -251,6 +269,21 @@ class _Best:
     overheads: Overheads
 
 
+def _weigh_modes(sched: PipelineSchedule, profs: list[StageProfile], n_blocks: int,
+                 limit: float | None, over: Overheads) -> tuple[Option, Option]:
+    """The schedule's best split in the layout's own mode throughout, and the option kept:
+    the best split with each stage in the fastest mode that fits it where that replays
+    faster (the DP ranks splits by Alpa's objective, the replay decides: more choices per
+    stage need not replay faster), else the first."""
+    one = weigh(sched, profs[0], n_blocks, limit, over)
+    if len(profs) == 1:
+        return one, one
+    per_stage = weigh(sched, profs, n_blocks, limit, over)
+    if per_stage.split is None or (one.split is not None and one.step_s <= per_stage.step_s):
+        return one, one
+    return one, per_stage
+
+
 def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]:
     """The schedule a layout that fits nowhere is shown under: 1F1B (the leanest that runs
     every forward early), else interleaved 1F1B, else the first weighed."""
@@ -268,6 +301,28 @@ def busy_bound(prof: StageProfile, n_blocks: int, p: int, m: int, over: Overhead
     waits, the gradient sync.)"""
     work = sum(c.time_s * k for c, k in ((prof.pre, 1), (prof.block, n_blocks), (prof.post, 1)))
     return m * work / p / max(over.speed or (1.0,))
+
+
+def mode_profiles(planned: Planned, sp: ShardingProblem, choice: list[int],
+                  prof: StageProfile, dp: int) -> list[StageProfile]:
+    """``prof``, the profile of the layout ``choice`` on ``sp`` (one of the modes
+    ``planned`` planned), then that layout priced in each other recomputation mode planned
+    with the same ZeRO stage and offload (a stage's parameters are placed and stored alike,
+    only what its backward recomputes differs), each marked with its mode. A stage program
+    re-solves its activations in its own mode around the pinned parameters, so the layout
+    carried as it is prices them no better than they run. A layout of a mode not planned
+    (an exact reference, priced apart) keeps its one profile."""
+    main = next((mode for mode, q in planned.mode_problems.items() if q is sp), None)
+    if main is None:
+        return [prof]
+    out = [replace(prof, recompute=main.recompute)]
+    for mode, other in planned.mode_problems.items():
+        if mode == main or mode.plain != main.plain:
+            continue
+        carried = carried_choice(other, sp, choice)
+        out.append(replace(stage_profile(other, carried, proxy_blocks(planned), dp),
+                           recompute=mode.recompute))
+    return out
 
 
 def proxy_blocks(planned: Planned) -> int:
@@ -309,7 +364,8 @@ def stand_in_graph(model: nn.Module, inputs: tuple, kwargs: dict | None, loss_fn
 def predict_split(planned: Planned, mesh: Mesh, ranges: Sequence[tuple[int, int]]
                   ) -> tuple[float, float]:
     """(step, bubble) a pipeline plan predicts for other block ranges than its own, with its
-    schedule and stage layout: to weigh a hand-made split (equal block counts) against it."""
+    schedule and stage layout, every stage in the layout's own recomputation mode (not each
+    stage's choice): to weigh a hand-made split (equal block counts) against it."""
     pipe = planned.plan.decided.pipeline
     if pipe is None:
         raise PlanError("predict_split needs a pipeline plan (made by plan_pipeline)")
@@ -335,14 +391,15 @@ def _pipeline_record(axis: str, chosen: Option, prof: StageProfile, n_blocks: in
     stages = []
     last = len(split.ranges) - 1
     tied = sched.stage_rank(0) != sched.stage_rank(last)  # end copies summed across ranks
-    for k, (i, j) in enumerate(split.ranges):
-        fwd, _, sync, _, _ = chunk_cost(prof, i, j, n_blocks)
+    for k, ((i, j), sub) in enumerate(zip(split.ranges, split.submeshes)):
+        own = sub if isinstance(sub, StageProfile) else prof  # the profile the DP chose
+        fwd, _, sync, _, _ = chunk_cost(own, i, j, n_blocks)
         sync += over.tied_s if tied and k in (0, last) else 0.0
         stages.append(PipelineStage(
             k, sched.stage_rank(k), i, j, i == 0, j == n_blocks, split.time_s[k],
             split.memory_bytes[k], round(held(k, sched.num_stages)), fwd,
-            prof.block.recompute_s * (j - i), sync,
-            stage_time(sched, prof, i, j, n_blocks, over).split_s))
+            own.block.recompute_s * (j - i), sync,
+            stage_time(sched, own, i, j, n_blocks, over).split_s, own.recompute))
     fitting = sorted((o for o in options if o.split is not None), key=lambda o: o.step_s)
     runner_up = next((o for o in fitting if o is not chosen), None)
     reason = f"the fastest of {len(fitting)} options that fit"

@@ -86,6 +86,9 @@ class Planned:
     # name -> a Planned whose plan is that reference layout (a caller that weighs plans by
     # another measure than this planner's, as the pipeline planner does, may keep one)
     as_reference: Callable[[str], Planned] | None = None
+    # every mode planned: its problem, in which a layout planned in another mode can be priced
+    # again (:func:`carried_choice`; the pipeline planner's per-stage recomputation)
+    mode_problems: dict[Mode, ShardingProblem] = field(default_factory=dict)
 
     def explain(self, node: str, top: int = 5) -> str:
         return explain_node(self.problem, self.graph.proxy, self.solution.assignment,
@@ -292,11 +295,13 @@ def make_plan(
             timings, references_cost, limit, limit_source=limit_source,
             recompute=recompute_record(mem.recompute, r.mode.recompute, r.pg, r.sp, choice,
                                        _unrecomputed(pg, mesh, r.mode, runs, stored)))
-        return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices)
+        return Planned(ref_plan, r.pg, r.sp, ref_sol, choice, r.refs.choices,
+                       mode_problems=mode_problems)
 
+    mode_problems = {m: r.sp for m, r in runs.items()}
     return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices,
                    {name: (r.sp, r.refs.choices[name]) for name, r in ref_runs.items()},
-                   as_reference)
+                   as_reference, mode_problems)
 
 
 def _out_of_time(dl: Deadline, runs: dict[Mode, _ModeRun], what: str) -> bool:
@@ -445,10 +450,15 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
 
 
 def _carried_choice(sp: ShardingProblem, other: _ModeRun) -> list[int]:
-    """``other``'s plan as a strategy for every node of ``sp``, a copy as its original (the
-    strategy lists of one op on one shape are built alike in both problems)."""
     assert other.choice is not None
-    by_name = {n.name: s for n, s in zip(other.sp.nodes, other.choice)}
+    return carried_choice(sp, other.sp, other.choice)
+
+
+def carried_choice(sp: ShardingProblem, other: ShardingProblem, choice: list[int]) -> list[int]:
+    """The plan ``choice`` on ``other`` (another mode's problem of the same graph) as a
+    strategy for every node of ``sp``, a copy as its original (the strategy lists of one op
+    on one shape are built alike in both problems)."""
+    by_name = {n.name: s for n, s in zip(other.nodes, choice)}
     return [by_name[n.meta["autopar"].extra.get("recomputes", n.name)] for n in sp.nodes]
 
 

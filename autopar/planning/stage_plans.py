@@ -22,7 +22,7 @@ from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import spec_str
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, stage_recompute
 from autopar.ir.precision import Precision
 
 # the stage plans asked for: given (dict by stage index), or made by a callable from the
@@ -52,7 +52,7 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
                 targets: StageInputs, loss_fn: Callable, mesh: Mesh,
                 tied: Mapping[str, Sequence[int]], stage_plans: StagePlansAsked = None,
                 time_limit_s: float = 30.0, check: StagePlanCheck | None = None,
-                precision: Precision | None = None, recompute: str = "none"
+                precision: Precision | None = None, recompute: str | Sequence[str] = "none"
                 ) -> tuple[list[Plan], list[StageInputs]]:
     """Every stage's plan on ``mesh`` (the submesh), in order, and the inputs each was traced
     with. ``stages``: all of them (meta weights are enough); ``first``: the first stage's
@@ -61,8 +61,10 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
     ``check_stage_plan``). Each stage's inputs are pinned to the boundary layout, and a tied
     weight on a later stage to the layout the first holder's plan gave it. Every stage is
     traced under ``precision`` (None: fp32) and the planner's plans recompute as
-    ``recompute`` (plans given or made by a callable recompute as they say)."""
+    ``recompute``, one mode or one per stage (plans given or made by a callable recompute as
+    they say)."""
     n = len(stages)
+    modes = stage_recompute(recompute, n)
     plans: list[Plan] = []
     inputs: list[StageInputs] = []
     placed: dict[str, tuple] = {}  # a tied weight's layout, from its first holder's plan
@@ -76,7 +78,7 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
         pinned = pin_boundary(graph, mesh, pins)
         if stage_plans is None:
             plan = solve_stage(stages[s], pinned, mesh, time_limit_s,
-                               f"{type(stages[s]).__name__} {s}", recompute=recompute)
+                               f"{type(stages[s]).__name__} {s}", recompute=modes[s])
         elif callable(stage_plans):
             plan = stage_plans(s, pinned, mesh)
         else:
@@ -116,17 +118,21 @@ def plan_stages(stages: Mapping[int, nn.Module], block_path: str, first: StageIn
 def pinned_stage_plans(plan: Plan, time_limit_s: float
                        ) -> Callable[[int, PlanGraph, Mesh], Plan]:
     """The stage plans of a pipeline plan whose stages run one each: each stage's plan with
-    its parameters placed as the pipeline plan's stage layout places them, recomputing in its
-    mode, and the rest (activations, collectives) solved on the stage's own graph
-    (:func:`solve_stage`; the graph is traced under the plan's precision)."""
+    its parameters placed as the pipeline plan's stage layout places them, recomputing in the
+    mode the pipeline plan chose for that stage, and the rest (activations, collectives)
+    solved on the stage's own graph (:func:`solve_stage`; the graph is traced under the
+    plan's precision)."""
     ps_ = plan.decided.param_state
     zero = 3 if ps_.regathered else 1 if ps_.zero1 else 2  # of the parameters it splits
+    pipe = plan.decided.pipeline
+    modes = (pipe.stage_recompute(plan.decided.recompute.mode) if pipe is not None
+             else None)
 
     def stage_plan(stage: int, graph: PlanGraph, mesh: Mesh) -> Plan:
         params = plan.decided.params
         pins = {n: params[n] for n in graph.param_names if n in params}
         return solve_stage(None, pin_boundary(graph, mesh, pins), mesh, time_limit_s,
                            f"{plan.provenance.model} stage {stage}", zero=zero,
-                           recompute=plan.decided.recompute.mode)
+                           recompute=modes[stage] if modes else plan.decided.recompute.mode)
 
     return stage_plan

@@ -261,8 +261,15 @@ def pipeline_lines(plan: Plan) -> list[str]:
         if st.last:
             what.append("head")
         rows.append([str(st.index), str(st.rank), " + ".join(what), fmt_time(st.time_s),
-                     str(st.in_flight), fmt_bytes(st.memory_bytes)])
-    lines += text_table(["stage", "rank", "holds", "time/microbatch", "in flight", "memory"], rows)
+                     str(st.in_flight), st.recompute_mode(plan.decided.recompute.mode),
+                     fmt_bytes(st.memory_bytes)])
+    lines += text_table(["stage", "rank", "holds", "time/microbatch", "in flight", "recompute",
+                         "memory"], rows)
+    modes = list(pp.stage_recompute(plan.decided.recompute.mode))
+    if set(modes) != {plan.decided.recompute.mode}:
+        counts = {m: modes.count(m) for m in dict.fromkeys(modes)}
+        lines.append("  recomputation per stage (each the fastest that fits its microbatches in "
+                     "flight): " + ", ".join(f"{m} on {n} stage(s)" for m, n in counts.items()))
     per_rank = ", ".join(fmt_bytes(b) for b in pp.rank_memory_bytes)
     lines.append(f"  memory per pipeline rank: {per_rank}")
     finite = [o for o in pp.options if math.isfinite(o.step_s)]

@@ -20,7 +20,9 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
@@ -38,6 +40,7 @@ from autopar.passes.pipeline.schedule import (
 )
 from autopar.passes.pipeline.stage_profile import PartCost, StageProfile
 from autopar.passes.pipeline.stage_split import (
+    CostArrays,
     StageCost,
     StageSplit,
     schedule_in_flight,
@@ -221,45 +224,72 @@ def chunk_cost(prof: StageProfile, i: int, j: int, n_blocks: int) -> tuple[float
     return fwd, bwd, sync, held, kept
 
 
-def weigh(sched: PipelineSchedule, prof: StageProfile, n_blocks: int, limit: float | None,
-          over: Overheads) -> Option:
-    """The best split for one schedule, replayed: its step and peak, or why it fails."""
-    cost = _range_costs(prof, n_blocks)
+def weigh(sched: PipelineSchedule, prof: StageProfile | Sequence[StageProfile], n_blocks: int,
+          limit: float | None, over: Overheads) -> Option:
+    """The best split for one schedule, replayed: its step and peak, or why it fails.
+    ``prof``: the stage's profile, or several (one per recomputation mode of one layout,
+    the first preferred on ties): the DP gives each stage the fastest that fits it with its
+    own in-flight count (:func:`autopar.passes.pipeline.stage_split.split_stages`'s choices
+    per chunk), so a stage holding few microbatches recomputes less and may take more blocks;
+    the split's ``submeshes`` are the profiles its stages run."""
+    profs = (prof,) if isinstance(prof, StageProfile) else tuple(prof)
     try:
-        split = split_stages(n_blocks, cost, sched.p, sched.m,
+        split = split_stages(n_blocks, _no_cost, sched.p, sched.m,
                              math.inf if limit is None else limit, v=sched.v,
-                             schedule=sched.name, refine=REFINE)
+                             schedule=sched.name, refine=REFINE, submeshes=profs,
+                             tables=[range_arrays(pk, n_blocks) for pk in profs])
     except PlanError as e:
         return Option(sched, None, math.inf, 0.0, math.inf, 0.0, str(e).split(":")[0])
-    step, bubble, sync = replay(sched, prof, split.ranges, n_blocks, over)
+    step, bubble, sync = replay(sched, split.submeshes, split.ranges, n_blocks, over)
     return Option(sched, split, step, bubble, max(split.rank_memory_bytes), sync)
 
 
-@functools.lru_cache(maxsize=8)
-def _range_table(prof: StageProfile, n_blocks: int) -> dict[tuple[int, int], StageCost]:
-    """Every block range's StageCost, made once per profile for all the schedules weighed."""
-    out = {}
-    for i in range(n_blocks):
-        for j in range(i + 1, n_blocks + 1):
-            fwd, bwd, _, held, kept = chunk_cost(prof, i, j, n_blocks)
-            out[(i, j)] = StageCost(fwd + bwd, held, kept)
-    return out
+@functools.lru_cache(maxsize=32)
+def range_arrays(prof: StageProfile, n_blocks: int) -> CostArrays:
+    """Every block range's :func:`chunk_cost` as the DP reads it (time, held memory, kept
+    per microbatch), tabulated at once, once per profile for all the schedules weighed."""
+    i, j = np.indices((n_blocks + 1, n_blocks + 1))
+    k = (j - i).astype(float)
+    first, last = (i == 0).astype(float), (j == n_blocks).astype(float)
+    b, pre, post = prof.block, prof.pre, prof.post
+
+    def add(f: Callable[[PartCost], float]) -> np.ndarray:
+        # as chunk_cost adds them: the blocks, then the embedding, then the head
+        return 0.0 + f(b) * k + f(pre) * first + f(post) * last
+
+    fwd = add(lambda c: c.forward_s)
+    bwd = add(lambda c: c.backward_s)
+    trans = np.maximum(b.transient_bytes, np.maximum(np.where(first > 0, pre.transient_bytes, 0),
+                                                     np.where(last > 0, post.transient_bytes, 0)))
+    return CostArrays(fwd + bwd, add(lambda c: c.state_bytes) + trans,
+                      add(lambda c: c.saved_bytes))
 
 
-def _range_costs(prof: StageProfile, n_blocks: int) -> Callable[[int, int, Any], StageCost]:
-    table = _range_table(prof, n_blocks)
-    return lambda i, j, _sub: table[(i, j)]
+def _no_cost(i: int, j: int, sub: object) -> StageCost:
+    raise AssertionError("the ranges' costs are tabulated (range_arrays)")
 
 
-def replay(sched: PipelineSchedule, prof: StageProfile, ranges: Sequence[tuple[int, int]],
-           n_blocks: int, over: Overheads) -> tuple[float, float, float]:
+def stage_profiles(prof: StageProfile | Sequence[StageProfile], n: int
+                   ) -> tuple[StageProfile, ...]:
+    """Each of ``n`` stages' profile: ``prof`` for all, or one per stage."""
+    if isinstance(prof, StageProfile):
+        return (prof,) * n
+    if len(prof) != n:
+        raise PlanError(f"{len(prof)} stage profiles for {n} stages: give one, or one per stage")
+    return tuple(prof)
+
+
+def replay(sched: PipelineSchedule, prof: StageProfile | Sequence[StageProfile],
+           ranges: Sequence[tuple[int, int]], n_blocks: int, over: Overheads
+           ) -> tuple[float, float, float]:
     """(step, bubble, slowest rank's gradient sync) of ``sched`` over stages holding the
-    block ranges ``ranges``: the schedule replayed, plus each rank's sync after it."""
+    block ranges ``ranges``, each priced by its own profile (``prof``: one for every stage,
+    or one per stage): the schedule replayed, plus each rank's sync after it."""
     times = []
     rank_sync = [0.0] * sched.p
-    for k, (i, j) in enumerate(ranges):
-        times.append(stage_time(sched, prof, i, j, n_blocks, over))
-        rank_sync[sched.stage_rank(k)] += chunk_cost(prof, i, j, n_blocks)[2]
+    for k, ((i, j), pk) in enumerate(zip(ranges, stage_profiles(prof, len(ranges)))):
+        times.append(stage_time(sched, pk, i, j, n_blocks, over))
+        rank_sync[sched.stage_rank(k)] += chunk_cost(pk, i, j, n_blocks)[2]
     ends = {sched.stage_rank(0), sched.stage_rank(len(ranges) - 1)}
     if len(ends) == 2:  # the tied copies' gradients are summed across the two ranks
         for r in ends:

@@ -3,8 +3,10 @@
 The pipeline planner (:mod:`autopar.planning.pipeline`) plans one stand-in stage on the stage
 submesh: the model's embedding and head with the blocks one stage holds, traced as a depth
 proxy whose kept activations are held once per microbatch in flight
-(:func:`autopar.capture.depth_proxy.stage_representative`). Every stage runs that layout; this pass
-splits the plan's cost into the three parts the slicing DP (:mod:`.stage_split`) adds up:
+(:func:`autopar.capture.depth_proxy.stage_representative`). Every stage runs that layout (each
+in a recomputation mode of its own: the layout priced in each mode planned is one profile per
+mode, ``StageProfile.recompute``); this pass splits the plan's cost into the three parts the
+slicing DP (:mod:`.stage_split`) adds up:
 
 - ``pre``: what runs before the first block (the embedding), on the first stage only;
 - ``block``: one real block (the traced blocks' total over the blocks they stand for);
@@ -75,6 +77,9 @@ class StageProfile:
     # gradient bytes per device of parameters both ends read (a head tied to the embedding):
     # the first and last stages each hold a copy and sum their gradients once per step
     tied_bytes: float = 0.0
+    # the recomputation mode its layout was priced in ("": the plan's own): the pipeline
+    # planner weighs one profile per mode and records each stage's
+    recompute: str = ""
 
     def part(self, name: str) -> PartCost:
         return getattr(self, name)

@@ -138,6 +138,7 @@ def split_stages(
     in_flight: InFlightFn | None = None,
     refine: int = 0,
     forward_share: float = 1 / 3,
+    tables: Sequence[CostArrays] | None = None,
 ) -> StageSplit:
     """The best contiguous split of ``num_layers`` layers into ``p * v`` chunks.
 
@@ -145,7 +146,8 @@ def split_stages(
     places the chunks on ranks and, unless ``in_flight`` is given, says how many microbatches
     each chunk holds. With ``refine > 1`` the ``refine`` best splits by the objective are
     replayed in the schedule (forward taken as ``forward_share`` of each chunk's time) and
-    the fastest is returned, its ``step_s`` set."""
+    the fastest is returned, its ``step_s`` set. ``tables``: ``cost`` already tabulated, one
+    :class:`CostArrays` per submesh (then ``cost`` is not called)."""
     name = schedule or ("1F1B" if v == 1 else "Interleaved1F1B")
     sched = PipelineSchedule(name, p, v, m)
     n, L = sched.num_stages, num_layers
@@ -156,7 +158,7 @@ def split_stages(
         raise PlanError("split_stages needs at least one submesh choice")
     flight = in_flight or schedule_in_flight(sched)
     held = [float(flight(k, n)) for k in range(n)]
-    table = _CostTable(cost, submeshes, L)
+    table = _CostTable(cost, submeshes, L, tables)
     cap = memory_limit / v
     best = [table.best_fitting(held[k], cap, k, n) for k in range(n)]
     least = _least_sum(best, n, L, math.inf)
@@ -244,22 +246,42 @@ class _Fit:
     mem: np.ndarray
 
 
+@dataclass(frozen=True)
+class CostArrays:
+    """A cost function tabulated on one submesh: :class:`StageCost`'s three figures of every
+    range ``[i, j)`` at ``[i, j]`` (``(L+1, L+1)`` arrays; only ``i < j`` is read)."""
+
+    time: np.ndarray
+    memory: np.ndarray
+    activation: np.ndarray
+
+
 class _CostTable:
     """``cost`` asked once per (range, submesh), as arrays ``[submesh, i, j]``."""
 
-    def __init__(self, cost: CostFn, submeshes: Sequence[Any], L: int) -> None:
+    def __init__(self, cost: CostFn, submeshes: Sequence[Any], L: int,
+                 tables: Sequence[CostArrays] | None = None) -> None:
         shape = (len(submeshes), L + 1, L + 1)
         self.time = np.full(shape, math.inf)
         self.memory = np.full(shape, math.inf)
         self.act = np.zeros(shape)
-        for s, sub in enumerate(submeshes):
-            for i in range(L):
-                for j in range(i + 1, L + 1):
-                    c = cost(i, j, sub)
-                    c = c if isinstance(c, StageCost) else StageCost(*c)
-                    self.time[s, i, j] = c.time_s
-                    self.memory[s, i, j] = c.memory_bytes
-                    self.act[s, i, j] = c.activation_bytes
+        if tables is not None:
+            if len(tables) != len(submeshes):
+                raise PlanError(f"{len(tables)} cost tables for {len(submeshes)} submeshes")
+            upper = np.triu(np.ones((L + 1, L + 1), dtype=bool), 1)
+            for s, t in enumerate(tables):
+                self.time[s] = np.where(upper, t.time, math.inf)
+                self.memory[s] = np.where(upper, t.memory, math.inf)
+                self.act[s] = np.where(upper, t.activation, 0.0)
+        else:
+            for s, sub in enumerate(submeshes):
+                for i in range(L):
+                    for j in range(i + 1, L + 1):
+                        c = cost(i, j, sub)
+                        c = c if isinstance(c, StageCost) else StageCost(*c)
+                        self.time[s, i, j] = c.time_s
+                        self.memory[s, i, j] = c.memory_bytes
+                        self.act[s, i, j] = c.activation_bytes
         # chunk k of n may hold layers [i, j) only with room for the chunks around it
         i, j = np.indices((L + 1, L + 1))
         self._i, self._j, self._L = i, j, L

@@ -252,19 +252,21 @@ def check_runnable(plan: Plan, model: nn.Module | None = None) -> None:
         raise PlanError(f"the plan keeps the optimizer state of "
                         f"{len(plan.decided.param_state.offloaded)} parameters on the host, which "
                         f"pipeline stages do not do: plan with offload='none', or {fix_fit}")
-    prec, mode = plan.decided.precision, plan.decided.recompute.mode
+    prec = plan.decided.precision
+    modes = list(dict.fromkeys(pipe.stage_recompute(plan.decided.recompute.mode)))
+    mode = "/".join(modes)  # each stage's, where they differ
     if prec.loss_scaling:
         raise PlanError(f"the plan computes in {prec.name}, whose dynamic loss scaling pipeline "
                         "stages do not do yet: plan it with precision='bf16' (--precision "
                         "bf16) or 'fp32'")
     if not plan_runs_as_program(plan):
-        if mode == "selective" and splits_backward(pipe.schedule):
+        if "selective" in modes and splits_backward(pipe.schedule):
             raise PlanError(f"the plan recomputes selectively under {pipe.schedule}, whose "
                             "backward runs twice over every block (input, then weight "
                             "gradients) where selective checkpointing keeps each result for "
                             "one pass: plan with recompute='full', or with schedule 1F1B, "
                             "GPipe, Interleaved1F1B or LoopedBFS")
-        if (prec.mixed or mode != "none") and model is not None and \
+        if (prec.mixed or modes != ["none"]) and model is not None and \
                 ps.module_family(model) is None:
             raise PlanError(f"the plan computes in {prec.name} with recompute {mode!r}, which "
                             f"pipelines run in autopar's stage modules (autopar's GPT-2, "
@@ -288,8 +290,8 @@ def runnable_option(plan: Plan) -> ScheduleOption | None:
     can; None where its choice runs."""
     pipe = plan.decided.pipeline
     assert pipe is not None
-    if plan.decided.recompute.mode != "selective" or not splits_backward(pipe.schedule) \
-            or plan_runs_as_program(plan):
+    if "selective" not in pipe.stage_recompute(plan.decided.recompute.mode) \
+            or not splits_backward(pipe.schedule) or plan_runs_as_program(plan):
         return None
     fit = [o for o in pipe.options if math.isfinite(o.step_s)
            and not splits_backward(o.schedule)]
@@ -364,14 +366,17 @@ def build_options(model: nn.Module, plan: Plan, args: tuple, kwargs: dict | None
             "forward return the output when called with the inputs alone, and pass "
             "loss_fn=(output, targets) -> loss, or run it on a mesh without a 'pp' axis")
     options: dict[str, Any] = {"frontend": "auto"}
-    if plan_runs_as_program(plan):  # each stage traced under them, planned in the mode
+    # each stage's recomputation, as the planner chose it for its microbatches in flight
+    per_stage = pipe.stage_recompute(plan.decided.recompute.mode)
+    recompute = per_stage[0] if len(set(per_stage)) == 1 else per_stage
+    if plan_runs_as_program(plan):  # each stage traced under them, planned in its mode
         options = {"frontend": "module", "precision": plan.decided.precision,
-                   "recompute": plan.decided.recompute.mode}
+                   "recompute": recompute}
     else:
         # as the SPMD runtime runs them (planned_stage)
         options["precision"] = plan.decided.precision
-        options["recompute"] = plan.decided.recompute.mode
-        if family == "hf" or plan.decided.precision.mixed or plan.decided.recompute.mode != "none":
+        options["recompute"] = recompute
+        if family == "hf" or plan.decided.precision.mixed or set(per_stage) != {"none"}:
             # autopar's stages: Hugging Face decoders' (torch's splitter drops their rotary
             # inputs with some transformers releases and fails to export 3 stages with
             # others), and the only ones a plan's precision and recomputation reach

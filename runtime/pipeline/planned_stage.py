@@ -33,7 +33,7 @@ merges the groups into one call. ``selective`` keeps its saved results for one p
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,6 +83,11 @@ def check_modes(precision: Precision, recompute: str, split_backward: str | None
                         "runs two over every block (input, then weight gradients): recompute "
                         "'full' (or 'none'), or use a schedule with a whole backward (1F1B, "
                         "GPipe, Interleaved1F1B, LoopedBFS)")
+
+
+def distinct_modes(recompute: str | Sequence[str]) -> list[str]:
+    """The recompute modes ``recompute`` names (one, or one per stage), each once."""
+    return [recompute] if isinstance(recompute, str) else list(dict.fromkeys(recompute))
 
 
 def modes_frontend(model: nn.Module, family: str | None, frontend: str, prec: Precision,

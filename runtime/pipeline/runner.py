@@ -39,6 +39,7 @@ from torch.distributed.pipelining import PipelineStage, build_stage
 from torch.distributed.tensor import DTensor
 
 from autopar.ir.errors import MeshError, PlanError
+from autopar.ir.plan import stage_recompute
 from autopar.ir.precision import Precision
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedules import ScheduleInfo, stage_placement
@@ -49,6 +50,7 @@ from autopar.runtime.pipeline.events import StageEvent, bubble_fraction, chrome_
 from autopar.runtime.pipeline.planned_stage import (
     PlannedStage,
     check_modes,
+    distinct_modes,
     modes_frontend,
     one_weight_pass,
     under_policy,
@@ -96,7 +98,8 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
                    frontend: str = "auto",
                    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                    stage_plans: PlannedStages | None = None,
-                   precision: Precision | str | None = None, recompute: str = "none",
+                   precision: Precision | str | None = None,
+                   recompute: str | Sequence[str] = "none",
                    ) -> PipelineRunner:
     """``model`` as a pipeline on ``mesh`` (a torch DeviceMesh or an :class:`autopar.Mesh`
     with a ``pp`` axis and optionally ``dp`` and ``tp`` axes).
@@ -129,6 +132,8 @@ def build_pipeline(model: nn.Module, example_inputs: tuple, mesh: Any,
     ``"module"``, which ``"auto"`` then picks). Stages that run a plan each compute and
     recompute as their plans say (traced under the precision, the plan's recomputation
     applied to the traced stage), which must be ``precision`` and ``recompute``.
+    ``recompute`` may give one mode per stage (a pipeline plan's stages each recompute as
+    their microbatches in flight allow).
     """
     layout = pipeline_layout(model, example_inputs, mesh, split, schedule, n_microbatches,
                              virtual, frontend, loss_fn, stage_plans is not None, precision,
@@ -148,7 +153,7 @@ class PipelineLayout:
     frontend: str
     family: str | None
     precision: Precision
-    recompute: str
+    recompute: tuple[str, ...]  # per stage
     modes: bool  # plain stages that run under planned_stage (mixed precision, recomputation)
     programs: bool  # stages that run a plan each (stage_program)
     dmesh: Any
@@ -169,7 +174,7 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
                     frontend: str = "auto",
                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
                     plans_given: bool = False, precision: Precision | str | None = None,
-                    recompute: str = "none") -> PipelineLayout:
+                    recompute: str | Sequence[str] = "none") -> PipelineLayout:
     """:func:`build_pipeline`'s arguments resolved and checked, before any stage is built
     (``plans_given``: stage plans will be given, so the stages run a plan each)."""
     info = schedule_info(schedule)
@@ -179,8 +184,10 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
     # a stage program recomputes inside its one lowered backward, whatever the schedule does
     # with it; a plain stage's selective checkpointing holds for one backward pass only
     plain_split = info.splits_backward and not (plans_given or _tp_size(mesh) > 1)
-    check_modes(prec, recompute, schedule if plain_split else None)
-    modes = prec.mixed or recompute != "none"  # the stages run under planned_stage
+    asked = distinct_modes(recompute)
+    for mode in asked:
+        check_modes(prec, mode, schedule if plain_split else None)
+    modes = prec.mixed or asked != ["none"]  # the stages run under planned_stage
     virtual = virtual if virtual is not None else (per_rank or 1)
     if per_rank is not None and virtual != per_rank:
         raise PlanError(f"schedule {schedule!r} runs {per_rank} stage(s) per rank, got "
@@ -202,10 +209,11 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
     if programs:
         frontend = _program_frontend(family, frontend, schedule, names)
     elif modes:
-        frontend = modes_frontend(model, family, frontend, prec, recompute)
+        frontend = modes_frontend(model, family, frontend, prec, "/".join(asked))
     n_stages = pp * virtual
     block_path, blocks = ps.find_blocks(model)
     ranges = ps.stage_ranges(split, len(blocks), n_stages)
+    per_stage = stage_recompute(recompute, n_stages)
     tokens = example_inputs[0]
     mb = ps.check_batch(tokens.shape[0], dp, n_microbatches)
     placement = stage_placement(pp, n_stages, style)
@@ -222,7 +230,7 @@ def pipeline_layout(model: nn.Module, example_inputs: tuple, mesh: Any,
 
         stage_submesh(dmesh)  # the mesh has axes besides pp for the programs to run on
     return PipelineLayout(info, schedule, n_microbatches, virtual, frontend, family, prec,
-                          recompute, modes, programs, dmesh, groups, dp, block_path, ranges, mb,
+                          per_stage, modes, programs, dmesh, groups, dp, block_path, ranges, mb,
                           placement, local, device, loss)
 
 
@@ -268,7 +276,9 @@ def build_from_layout(model: nn.Module, example_inputs: tuple, layout: PipelineL
     # sums a plan's (runtime.lower): cast before the all-reduce, back after
     runner.reduce_dtype = (lay.precision.reduce_dtype if lay.precision.mixed
                            and lay.precision.reduce != "fp32" else None)
-    runner.precision, runner.recompute = lay.precision, lay.recompute
+    # one mode where every stage runs it, else each stage's
+    runner.precision = lay.precision
+    runner.recompute = lay.recompute[0] if len(set(lay.recompute)) == 1 else lay.recompute
     runner.input_shapes = (tuple(tokens.shape), tuple(example_inputs[1].shape))
     if lay.programs:
         runner.plans = plans
@@ -278,11 +288,11 @@ def build_from_layout(model: nn.Module, example_inputs: tuple, layout: PipelineL
 def _module_stages(model: nn.Module, family: str | None, frontend: str, style: str,
                    block_path: str, ranges: ps.Ranges, local: list[int],
                    mb_tokens: torch.Tensor, device: torch.device, pp_group: Any,
-                   modes: tuple[Precision, str] | None = None
+                   modes: tuple[Precision, tuple[str, ...]] | None = None
                    ) -> tuple[dict[int, nn.Module], list, str]:
     """This rank's stages as plain modules (torch's traced ones or autopar's), torch's
     pipeline stage over each, and the frontend that made them. ``modes``: the precision and
-    recompute mode autopar's stages run under (:class:`PlannedStage`)."""
+    each stage's recompute mode autopar's stages run under (:class:`PlannedStage`)."""
     n_stages = len(ranges)
     if frontend in ("auto", "trace"):
         try:
@@ -298,10 +308,11 @@ def _module_stages(model: nn.Module, family: str | None, frontend: str, style: s
     if modes is not None:
         # the stage's outputs in the compute dtype: the manual stage infers their shapes and
         # dtypes by running it, where torch's traced stage would expect the traced fp32 ones
-        stages = [PipelineStage(PlannedStage(mods[s], *modes).to(device), s, n_stages, device,
-                                group=pp_group) for s in local]
-        if modes[1] != "none":  # a split backward's W action: checkpointed blocks once
-            for st in stages:
+        prec, per_stage = modes
+        stages = [PipelineStage(PlannedStage(mods[s], prec, per_stage[s]).to(device), s,
+                                n_stages, device, group=pp_group) for s in local]
+        for s, st in zip(local, stages):
+            if per_stage[s] != "none":  # a split backward's W action: checkpointed blocks once
                 one_weight_pass(st)
     elif frontend == "trace" and style == "loop":
         stages = [build_stage(mods[s], s, info, device, pp_group) for s in local]

@@ -42,7 +42,7 @@ from autopar.ir.errors import MeshError, PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.placements import local_shape, spec_str
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, stage_recompute
 from autopar.ir.precision import Precision
 from autopar.runtime import _compat
 from autopar.runtime.parallel_module import ParallelModule, ProgramCall, store_fresh_grads
@@ -320,12 +320,12 @@ def local_output(program: StageProgram, device: torch.device) -> torch.Tensor:
 def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int, int]],
                    local: Sequence[int], dmesh: Any, pp_group: Any, loss_fn: Callable,
                    device: torch.device, planned: PlannedStages,
-                   precision: Precision | None = None, recompute: str = "none",
-                   split_backward: bool = False
+                   precision: Precision | None = None,
+                   recompute: str | Sequence[str] = "none", split_backward: bool = False
                    ) -> tuple[dict[int, StageProgram], list, list[Plan]]:
     """This rank's stages as :class:`StageProgram` s on the submesh of ``dmesh``'s axes other
     than ``pp``, running the plans ``planned`` gives (each must compute in ``precision``,
-    None: fp32, and recompute in mode ``recompute``), torch's ``PipelineStage`` over each
+    None: fp32, and recompute in mode ``recompute``: one, or one per stage), torch's ``PipelineStage`` over each
     (static shapes: this rank's pieces), and every stage's plan. ``split_backward``: the
     schedule splits the backward (I and W actions), and so do the programs."""
     from torch.distributed.pipelining import PipelineStage
@@ -339,8 +339,9 @@ def build_programs(model: nn.Module, block_path: str, ranges: Sequence[tuple[int
         raise PlanError(f"{len(planned.plans)} stage plans for a pipeline of {n_stages} stages: "
                         "give one plan per stage")
     plans, inputs = list(planned.plans), list(planned.inputs)
+    modes = stage_recompute(recompute, n_stages)
     for s, plan in enumerate(plans):
-        _check_modes(s, plan, precision, recompute)
+        _check_modes(s, plan, precision, modes[s])
     mods = ps.module_stages(model, block_path, ranges, local)
     programs: dict[int, StageProgram] = {}
     stages = []

@@ -296,3 +296,47 @@ def test_the_busy_bound_is_below_every_schedule_weighed():
     weighed = [o for o in pipe.options if math.isfinite(o.step_s)]
     assert len(weighed) >= 3
     assert all(o.step_s >= bound * (1 - 1e-9) for o in weighed)
+
+
+def test_stages_that_hold_fewer_microbatches_recompute_less(tmp_path):
+    """pp=2 under 1F1B: the first stage holds 2 microbatches in flight, the last 1. At a limit
+    below the first stage's need without recomputation but above the last's, the first
+    recomputes and the last does not, and the plan is no slower than one mode throughout."""
+    from autopar.runtime.pipeline.module import build_options
+
+    preset = get_preset("llama3-tiny").replace(n_layers=8, max_seq_len=256)
+    model, inputs = preset.build("meta"), preset.example_inputs(64, 256, "meta")
+    mesh = Mesh((2, 2), ("pp", "dp"), "h100")
+    fixed = dict(time_limit_s=10.0, schedule="1F1B", microbatches=4)
+    budget = 40 * 2**20
+    free = plan_pipeline(model, mesh, inputs, options=Options.of(
+        **fixed, recompute="none", memory_budget=math.inf)).plan.decided.pipeline
+    assert free.stages[0].memory_bytes > budget >= free.stages[-1].memory_bytes
+    opts = Options.of(**fixed, memory_budget=budget)
+    plan = plan_pipeline(model, mesh, inputs, options=opts).plan
+    one = plan_pipeline(model, mesh, inputs, options=opts, stage_modes=False).plan
+    pipe = plan.decided.pipeline
+    modes = pipe.stage_recompute(plan.decided.recompute.mode)
+    assert modes[0] in ("selective", "full") and modes[-1] == "none", modes
+    assert all(st.memory_bytes <= budget for st in pipe.stages)
+    assert len(set(one.decided.pipeline.stage_recompute(one.decided.recompute.mode))) == 1
+    assert plan.predicted.cost.step_s <= one.predicted.cost.step_s * (1 + 1e-9)
+    assert plan.predicted.cost.step_s == pytest.approx(pipe.step_s)
+    # recorded per stage, kept through JSON, shown, and what the runtime is told to run
+    path = tmp_path / "p.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back.decided.pipeline == pipe
+    assert [s["recompute"] for s in json.loads(path.read_text())["decided"]["stages"]] == \
+        list(modes)
+    table = plan_table(back)
+    assert "recompute" in table and "recomputation per stage" in table
+    _, build = build_options(model, back, inputs, None)
+    assert tuple(build["recompute"]) == modes
+    # a plan written before stages chose their own runs the plan's one mode on every stage
+    doc = json.loads(path.read_text())
+    for st in doc["decided"]["stages"]:
+        del st["recompute"]
+    path.write_text(json.dumps(doc))
+    old = Plan.load(path).decided.pipeline
+    assert old.stage_recompute("full") == ("full",) * len(old.stages)

@@ -11,6 +11,7 @@ One launch of 2 gloo processes (pp=2) trains, in turn, 3 AdamW steps of
 - Llama-3 with ``recompute="full"`` under ZBVZeroBubble (a split backward: each block is
   recomputed in the input pass and again in the weight pass),
 - Llama-3 with ``recompute="selective"`` under 1F1B,
+- Llama-3 with ``recompute=("full", "none")`` under 1F1B: each stage in its own mode,
 
 each checked on every rank against the single device (fp32, eager) it also trains: each
 step's loss, the last step's gradients and the parameters, norm-wise relative error below
@@ -59,6 +60,9 @@ CONFIGS = [
     ("gpt2-full-1f1b", "gpt2-tiny", "1F1B", 2, "fp32", "full", True),
     ("llama-full-zbv", "llama3-tiny", "zbv", 4, "fp32", "full", False),
     ("llama-selective-1f1b", "llama3-tiny", "1f1b", 2, "fp32", "selective", False),
+    # one mode per stage, as a pipeline plan may choose them (the first stage holds more
+    # microbatches in flight than the last)
+    ("llama-full-then-none-1f1b", "llama3-tiny", "1f1b", 2, "fp32", ("full", "none"), False),
     ("llama-bf16-1f1b", "llama3-tiny", "1F1B", 2, "bf16", "none", True),
     ("llama-bf16-full-zbv", "llama3-tiny", "zbv", 4, "bf16", "full", False),
 ]
@@ -277,7 +281,8 @@ def test_pipelines_recompute_and_compute_in_bf16_as_one_device() -> None:
             # input, token ids, has no gradient)
             for s, first in r["first"].items():
                 a, b = r["ranges"][s]
-                passes = 0 if recompute == "none" else (
+                mode = recompute if isinstance(recompute, str) else recompute[s]
+                passes = 0 if mode == "none" else (
                     2 if schedule in split and not first else 1)
                 assert r["forwards"][s] == (b - a) * m * (1 + passes), (name, s, r)
             if schedule in split:

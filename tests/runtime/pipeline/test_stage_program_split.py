@@ -76,6 +76,10 @@ def _run(prog: StageProgram, x: torch.Tensor, targets: torch.Tensor, last: bool
     return x.grad, {n: p.grad.full_tensor() for n, p in prog.named_parameters()}
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _mms(steps) -> int:
     return sum(str(s.node.target).startswith(_MM) for s in steps)
 
@@ -105,3 +109,61 @@ def test_split_backward_equals_the_whole(preset: str, precision: str, recompute:
             for n, g in grads.items():
                 assert torch.equal(g, grads_split[n]), (preset, s, n)
                 assert g.dtype == torch.float32 and math.isfinite(float(g.norm()))
+
+
+def test_stage_programs_recompute_each_in_its_own_mode() -> None:
+    """Stage plans made one mode per stage (a pipeline plan's choice: the first stage, holding
+    more microbatches in flight, recomputes; the last does not), run chained as stage
+    programs: the loss and every gradient equal the single device's eager step."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.ir.errors import PlanError
+    from autopar.runtime.pipeline.stage_program import build_programs
+
+    with one_process():
+        dmesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        model, (tokens, targets) = four_block_model("llama3-tiny", BATCH, SEQ)
+        ref = copy.deepcopy(model)
+        path = ps.find_blocks(model)[0]
+        ranges = ((0, 2), (2, 4))
+        loss_fn = ps.loss_fn_for(model)
+        plans, inputs = plan_stages(ps.module_stages(model, path, ranges, [0, 1]), path,
+                                    StageInputs((tuple(tokens.shape),), ("int64",)),
+                                    StageInputs((tuple(targets.shape),), ("int64",)), loss_fn,
+                                    Mesh.from_device_mesh(dmesh), {}, None, 1.0,
+                                    recompute=("full", "none"))
+        assert [p.decided.recompute.mode for p in plans] == ["full", "none"]
+        assert plans[0].decided.recompute.nodes and not plans[1].decided.recompute.nodes
+        with pytest.raises(PlanError, match="2 recompute modes for a pipeline of 3 stages"):
+            plan_stages(ps.module_stages(model, path, ((0, 1), (1, 2), (2, 4)), [0, 1, 2]),
+                        path, StageInputs((tuple(tokens.shape),), ("int64",)),
+                        StageInputs((tuple(targets.shape),), ("int64",)), loss_fn,
+                        Mesh.from_device_mesh(dmesh), {}, None, 1.0, recompute=("full", "none"))
+        progs, mods = [], []
+        for s in (0, 1):
+            mods.append(mod := ps.module_stages(model, path, ranges, [s])[s])
+            graph = trace_stage(mod, inputs[s], s == 1, loss_fn, path, None)
+            graph = apply_recompute(graph, plans[s].decided.recompute.nodes)
+            progs.append(StageProgram(mod, dmesh, graph, plans[s]))
+        # the runtime refuses a plan made in another mode than the stage runs
+        from autopar.runtime.pipeline.stage_program import PlannedStages
+
+        with pytest.raises(PlanError, match="stage 1's plan computes in fp32 with recompute "
+                                            "'none', but the pipeline runs fp32 with recompute "
+                                            "'full'"):
+            build_programs(model, path, ranges, [], dmesh, None, loss_fn,
+                           torch.device("cpu"), PlannedStages(tuple(plans), tuple(inputs)),
+                           None, "full")
+        loss = progs[1](progs[0](tokens), targets=targets)
+        loss.backward()
+        want = ref(tokens, targets)
+        want.backward()
+        assert torch.equal(loss.detach(), want.detach())
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        # the stage modules keep the model's names
+        got = {n: _whole(p.grad) for mod in mods for n, p in mod.named_parameters()}
+        assert got.keys() == grads.keys()
+        for n, g in got.items():
+            assert torch.allclose(g, grads[n], rtol=1e-5, atol=1e-7), n
