@@ -443,3 +443,31 @@ def test_the_limit_binds_check_stops_at_the_first_cheaper_point(monkeypatch):
     calls.clear()
     assert planner._limit_not_binding(run, 20.0) is True
     assert calls == [0, 16]
+
+
+def test_a_plan_within_every_instant_problem_is_within_each_instant():
+    """The fit's problem for instants it swung between: whatever fits it fits each instant's
+    own problem at its own limit (brute force over a small problem); what the sum of the
+    largest usages shuts out is only ever a plan that fits them all."""
+    import itertools
+
+    import numpy as np
+
+    from autopar.planning import planner
+    from autopar.solver import Problem, evaluate
+
+    rng = np.random.default_rng(7)
+    costs = [rng.random(3) for _ in range(4)]
+    edges, ecosts = [(0, 1), (1, 2), (2, 3)], [rng.random((3, 3)) for _ in range(3)]
+    one = [Problem(costs, [rng.random(3) * 10 for _ in range(4)], [(0, 1)] * 4, edges, ecosts,
+                   lim) for lim in (24.0, 20.0, 28.0)]
+    joint = planner._every_instant(one)
+    assert joint.usage_limit == 20.0 and joint.costs is costs
+    fits_joint = fits_all = 0
+    for a in itertools.product(range(3), repeat=4):
+        each = all(evaluate(q, a)[1] for q in one)
+        if evaluate(joint, a)[1]:
+            fits_joint += 1
+            assert each
+        fits_all += each
+    assert 0 < fits_joint <= fits_all  # the case is a real one
