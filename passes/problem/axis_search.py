@@ -134,16 +134,18 @@ def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
 # the problems whose steps' minimisers are kept, most recent last: (what identifies the problem
 # as solved, its steps' minimisers by (axis, classes) and multiplier). The key holds the
 # problem's own cost and usage lists (they stay alive, so no other problem takes their ids):
-# a problem made again with another limit (planner._with_limit) shares them
+# a problem made again with another limit (planner._with_limit) shares them. Those lists are
+# made for one sharding problem (its reduced problem, or a restriction of it), whose
+# strategies define the steps: they stand for it, and it is not kept alive
 _HULLS: list[tuple[tuple, dict]] = []
 _MAX_HULL_PROBLEMS = 8
 _MAX_HULL_STEPS = 20_000  # a problem's kept steps, cleared past this
 
 
-def _hulls_of(sp: ShardingProblem, p: Problem, domains: list[np.ndarray] | None) -> dict:
-    """The kept minimisers of ``p``'s steps (the same costs, usages and edges, on ``sp``'s
+def _hulls_of(p: Problem, domains: list[np.ndarray] | None) -> dict:
+    """The kept minimisers of ``p``'s steps (the same costs, usages and edges, on its
     strategies restricted to ``domains``), whatever its limit."""
-    key = (sp, p.costs, p.usages, p.edges, p.edge_costs, domains)
+    key = (p.costs, p.usages, p.edges, p.edge_costs, domains)
     for k, hulls in _HULLS:
         if all(a is b for a, b in zip(k, key)):
             return hulls
@@ -194,7 +196,7 @@ def solve_axiswise(
     # random starts: single-axis moves cannot leave some basins, other starts find others
     rng = np.random.default_rng(seed)
     starts += [np.array([int(rng.integers(len(c))) for c in p.costs]) for _ in range(restarts)]
-    steps = _Steps(p, comps, _hulls_of(sp, p, domains))
+    steps = _Steps(p, comps, _hulls_of(p, domains))
     best, best_key, best_exact = None, None, False
     for start in starts:
         if time.monotonic() > deadline:
