@@ -229,11 +229,16 @@ def make_plan(
         # where the plan is also the best without the limit (near it, not bound by it), a
         # mode that only adds work (recomputes, re-gathers) cannot beat it
         unbound = first.fits and _limit_not_binding(first, dl.cap(search.time_limit_s / 4))
+        # while nothing fits, the modes that offload (tried only then) share the time left
+        # too: the modes before them took it all where none of them fit (MoE at 0.35 of its
+        # peak, under load: no plan, where an offloading mode fits)
+        offloading = len(candidates) if mem.offload == "auto" and limit is not None else 0
         for k, mode in enumerate(candidates[1:]):
             if unbound and (mode.recompute != "none" or mode.regather):
                 continue
             if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
-                run(mode, own=True, of=len(candidates) - 1 - k)
+                later = 0 if any(r.fits for r in runs.values()) else offloading
+                run(mode, own=True, of=len(candidates) - 1 - k + later)
     if mem.offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
@@ -691,7 +696,6 @@ def _solve_within_budget(
         if deadline is not None and deadline.expired() and not must_fit:
             deadline.cut("the memory fit's rounds")
             return _leanest_if_fits(sp, sol, budget)
-        swung = instant in tight and instant != sp.peak_time  # back to an earlier instant
         if instant not in tight:  # the problem constrains the instant that binds now
             # at the budget: what the problem misses there depends on the layout, and a
             # limit set at once by this plan's miss shut out layouts that miss less (the
@@ -708,12 +712,6 @@ def _solve_within_budget(
             tight[instant] = _with_limit(p_t, lim)
             margins[instant] = budget - lim
         sp.peak_time, sp.problem, problem = instant, at_budget[instant], tight[instant]
-        if swung:
-            # a plan that fits one instant overflows the other and back: constrain them all
-            # at once (the moe and enc-dec of benchmarks/solver.py, and the 3-layer MLP at
-            # 0.35 of its peak, swung so until the rounds ran out, ending with no plan or
-            # the leanest layout)
-            problem = _every_instant(list(tight.values()))
         # a retry starts from a solution that nearly fits: a quarter of the time is plenty
         # (a whole budget let the general solver search 16 s for llama3-405b's full mode)
         retry_s = max(1.0, time_limit_s / 4)
@@ -760,22 +758,6 @@ def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
     lean = hints[-1] if hints else None
     other = solve(problem, timeout_s=left, hint=lean)
     return other if other.feasible else sol
-
-
-def _every_instant(problems: list[Problem]) -> Problem:
-    """One problem whose limit holds each of ``problems``' (the reduced problem of one instant
-    each, at its own limit): every usage scaled to the smallest limit, the largest of them per
-    strategy. A plan within it is within every one (each instant's sum is at most the sum of
-    the largest), though it may shut out plans that fit them all: elimination handles one
-    instant only, and the fit turns to this only where one instant at a time swung."""
-    p = problems[-1]
-    limits = [float(q.usage_limit) for q in problems]  # type: ignore[arg-type]
-    limit = min(limits)
-    if limit <= 0:
-        return p  # a limit nothing meets: the retry says so
-    usages = [np.max([q.usages[v] * (limit / lim) for q, lim in zip(problems, limits)], axis=0)
-              for v in range(p.num_nodes)]
-    return Problem(p.costs, usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
 
 
 def _with_limit(p: Problem, limit: float | None) -> Problem:

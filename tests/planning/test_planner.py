@@ -445,29 +445,39 @@ def test_the_limit_binds_check_stops_at_the_first_cheaper_point(monkeypatch):
     assert calls == [0, 16]
 
 
-def test_a_plan_within_every_instant_problem_is_within_each_instant():
-    """The fit's problem for instants it swung between: whatever fits it fits each instant's
-    own problem at its own limit (brute force over a small problem); what the sum of the
-    largest usages shuts out is only ever a plan that fits them all."""
-    import itertools
-
-    import numpy as np
+def test_while_nothing_fits_the_offloading_modes_share_the_time_left(monkeypatch):
+    """Offload is tried only where no mode fits with the state on the device; until one
+    does, each device mode's share of the time left counts the offloading modes too, so the
+    modes before them cannot take it all (MoE at 0.35 of its peak, under load: no plan)."""
+    import math
 
     from autopar.planning import planner
-    from autopar.solver import Problem, evaluate
+    from autopar.planning.modes import candidate_modes
 
-    rng = np.random.default_rng(7)
-    costs = [rng.random(3) for _ in range(4)]
-    edges, ecosts = [(0, 1), (1, 2), (2, 3)], [rng.random((3, 3)) for _ in range(3)]
-    one = [Problem(costs, [rng.random(3) * 10 for _ in range(4)], [(0, 1)] * 4, edges, ecosts,
-                   lim) for lim in (24.0, 20.0, 28.0)]
-    joint = planner._every_instant(one)
-    assert joint.usage_limit == 20.0 and joint.costs is costs
-    fits_joint = fits_all = 0
-    for a in itertools.product(range(3), repeat=4):
-        each = all(evaluate(q, a)[1] for q in one)
-        if evaluate(joint, a)[1]:
-            fits_joint += 1
-            assert each
-        fits_all += each
-    assert 0 < fits_joint <= fits_all  # the case is a real one
+    model, inputs, graph = _mlp_tiny_graph()
+    mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
+    peak = make_plan(model, mesh, inputs, graph=graph, options=Options.of(
+        memory_budget=math.inf, recompute="none")).plan.predicted.cost.mem_bytes
+    shares: list[tuple[str, float, float]] = []
+    real = planner._plan_mode
+
+    def nothing_fits_on_the_device(pg, mesh_, mode, lim, refs, search, own, *a, **k):
+        left = search.deadline.left()
+        run = real(pg, mesh_, mode, lim, refs, search, own, *a, **k)
+        if lim is not None and own and not mode.offload:
+            shares.append((mode.label, search.time_limit_s, left))
+            run.fits = False  # as if its plan overflowed the step
+        return run
+
+    monkeypatch.setattr(planner, "_plan_mode", nothing_fits_on_the_device)
+    try:
+        make_plan(model, mesh, inputs, graph=graph,
+                  options=Options.of(memory_budget=0.7 * peak, time_limit_s=20.0))
+    except PlanError:
+        pass  # whether an offloading mode fits is not what is tested
+    labels = [m.label for m in candidate_modes("auto", "auto")]
+    assert len(shares) > 2  # (a mode whose problem another's was is not planned again)
+    for label, share, left in shares[1:]:
+        # the device modes from this one on, and as many offloading ones
+        waiting = len(labels) - labels.index(label) + len(labels)
+        assert share <= max(planner.MIN_MODE_S, left / waiting) + 0.01, (label, share, left)
