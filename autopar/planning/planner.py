@@ -233,11 +233,16 @@ def make_plan(
         # where the plan is also the best without the limit (near it, not bound by it), a
         # mode that only adds work (recomputes, re-gathers) cannot beat it
         unbound = first.fits and _limit_not_binding(first, dl.cap(search.time_limit_s / 4))
+        # while nothing fits, the modes that offload (tried only then) share the time left
+        # too: the modes before them took it all where none of them fit (MoE at 0.35 of its
+        # peak, under load: no plan, where an offloading mode fits)
+        offloading = len(candidates) if mem.offload == "auto" and limit is not None else 0
         for k, mode in enumerate(candidates[1:]):
             if unbound and (mode.recompute != "none" or mode.regather):
                 continue
             if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
-                run(mode, own=True, of=len(candidates) - 1 - k)
+                later = 0 if any(r.fits for r in runs.values()) else offloading
+                run(mode, own=True, of=len(candidates) - 1 - k + later)
     if mem.offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
@@ -324,8 +329,16 @@ def _limit_not_binding(run: _ModeRun, time_limit_s: float, restarts: int = 16) -
         return False
     p = _with_limit(sp.problem, None)
     own = float(evaluate(p, sol.assignment)[0])
-    free = solve_axiswise(sp, p, time_limit_s, [sol.assignment], restarts=restarts)
-    return free is not None and free.cost >= own * (1 - 1e-9)
+    t0 = time.monotonic()
+    # the sweeps from the all-replicated start and the plan first: their starts are the
+    # first of the full run's, so a cheaper point among them settles it as the full run
+    # would (under a binding limit, most often; the 16 random starts cost 2 s on enc-dec)
+    for tries in sorted({0, restarts}):
+        left = time_limit_s - (time.monotonic() - t0)
+        free = solve_axiswise(sp, p, max(left, 0.0), [sol.assignment], restarts=tries)
+        if free is None or free.cost < own * (1 - 1e-9):
+            return False
+    return True
 
 
 # a mode's share of the time left is never below this (a solve returns its start at worst)
@@ -406,9 +419,10 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     # variables do not always let the solver find them again in the recomputing graph)
     carried = _carried_choice(sp, seed) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
+    margins: dict[int, float] = {}  # the memory fit's limits, learnt, for the solves again
     # a mode seeded with another's plan has that plan to fall back on: half the time
     sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
-                               hint, seeds, dl, must_fit=must_fit)
+                               hint, seeds, dl, must_fit=must_fit, margins=margins)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
@@ -430,7 +444,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         t3 = time.perf_counter()
         again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
-                                     restarts=RETRY_RESTARTS)
+                                     restarts=RETRY_RESTARTS, margins=margins)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
@@ -640,6 +654,7 @@ def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
     deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
+    margins: dict[int, float] | None = None,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -652,10 +667,18 @@ def _solve_within_budget(
     time, can miss every fitting point of a tight limit from the other starts. Where they
     still find none, the general solver gets the time left. ``must_fit``: no plan that fits
     is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
-    deadline's floor)."""
+    deadline's floor).
+
+    ``margins`` (instant -> bytes): how far under the budget an earlier fit of the same
+    problem set the limit at each instant it constrained, for the buffers the reduced problem
+    does not count there; read, so a solve again (a repricing) starts at the limit the last
+    one ended at rather than learning it round by round again, and updated."""
     assert sp.problem is not None
     t0 = time.perf_counter()
+    margins = margins if margins is not None else {}
     problem = sp.problem
+    if budget is not None and margins.get(sp.peak_time, 0.0) > 0:
+        problem = _with_limit(problem, budget - margins[sp.peak_time])
     hints = ([hint] if hint is not None else []) + (more_hints or [])
     if budget is not None:
         hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
@@ -673,7 +696,7 @@ def _solve_within_budget(
     # the earlier ones had learnt, and the solution swung back to one constrained before,
     # round after round (a 2-layer attention LM at half its peak swung between two instants
     # until the rounds ran out); a tightened limit now stays with its instant
-    at_budget = {sp.peak_time: problem}
+    at_budget = {sp.peak_time: sp.problem}
     tight = {sp.peak_time: problem}
     for _ in range(4):
         choice = sp.expand(sol.assignment)
@@ -685,6 +708,9 @@ def _solve_within_budget(
             deadline.cut("the memory fit's rounds")
             return _leanest_if_fits(sp, sol, budget)
         if instant not in tight:  # the problem constrains the instant that binds now
+            # at the budget: what the problem misses there depends on the layout, and a
+            # limit set at once by this plan's miss shut out layouts that miss less (the
+            # 3-layer MLP at 0.35 of its peak ended 8% slower so)
             sp.peak_time = instant
             at_budget[instant] = tight[instant] = reduced_problem(sp, budget)
         else:
@@ -693,8 +719,9 @@ def _solve_within_budget(
             # limit in place, round after round)
             p_t = tight[instant]
             used = evaluate(p_t, sol.assignment)[2]
-            tight[instant] = _with_limit(p_t, min(p_t.usage_limit or budget, used)
-                                         - (peak - budget) * 1.05)
+            lim = min(p_t.usage_limit or budget, used) - (peak - budget) * 1.05
+            tight[instant] = _with_limit(p_t, lim)
+            margins[instant] = budget - lim
         sp.peak_time, sp.problem, problem = instant, at_budget[instant], tight[instant]
         # a retry starts from a solution that nearly fits: a quarter of the time is plenty
         # (a whole budget let the general solver search 16 s for llama3-405b's full mode)

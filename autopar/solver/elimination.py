@@ -388,19 +388,32 @@ def minimise(
     dom: list[int], edges: list[tuple[int, int]], edge_costs: list[np.ndarray],
     costs: list[np.ndarray], usages: list[np.ndarray], limit: float | None,
     order: list[int], fits: Callable[[np.ndarray], bool], timeout_s: float,
+    memo: dict[float, np.ndarray] | None = None,
 ) -> tuple[np.ndarray | None, str]:
     """:func:`solve_by_elimination` on a problem given by its parts (no :class:`Problem` is
     built: the axis sweep calls this thousands of times) and an elimination ``order``;
     ``fits(a)`` says whether an assignment fits the limit. Returns ``(assignment, status)``:
     ``optimal``, ``feasible`` (Lagrangian, fits), or ``(None, "infeasible")`` /
-    ``(None, "timeout")``."""
+    ``(None, "timeout")``. ``memo``: the minimiser at each multiplier, kept for these costs
+    and usages (whatever the limit): solved again at another limit (a memory fit's retry),
+    the walk asks for the same multipliers until the two limits part."""
     t0 = time.monotonic()
     base = [np.asarray(c, dtype=float) for c in costs]
-    a = eliminate(dom, edges, edge_costs, order, base)
+    usage = [np.asarray(u, dtype=float) for u in usages]
+
+    def at(lam: float) -> np.ndarray:
+        got = memo.get(lam) if memo is not None else None
+        if got is None:
+            unary = base if lam == 0.0 else [c + lam * u for c, u in zip(base, usage)]
+            got = eliminate(dom, edges, edge_costs, order, unary)
+            if memo is not None:
+                memo[lam] = got
+        return got
+
+    a = at(0.0)
     if fits(a):
         return a, "optimal"
     assert limit is not None
-    usage = [np.asarray(u, dtype=float) for u in usages]
     if sum(float(u.min()) for u in usage) > limit:
         return None, "infeasible"
     scale = max(max(float(c.max()) for c in base), 1e-30) / max(
@@ -408,7 +421,7 @@ def minimise(
     lo, hi = 0.0, scale
     best, below = None, a  # below: the minimiser at lo, which does not fit
     while best is None and time.monotonic() - t0 < timeout_s:  # find a lambda that fits
-        a = eliminate(dom, edges, edge_costs, order, [c + hi * u for c, u in zip(base, usage)])
+        a = at(hi)
         if fits(a):
             best = a
         else:
@@ -435,7 +448,7 @@ def minimise(
         mid = (c_hi - c_lo) / (u_lo - u_hi)
         if not lo < mid < hi:
             break
-        a = eliminate(dom, edges, edge_costs, order, [c + mid * u for c, u in zip(base, usage)])
+        a = at(mid)
         c_a, u_a = cost_and_usage(a)
         if c_a + mid * u_a >= (c_hi + mid * u_hi) - 1e-12 * max(abs(c_hi + mid * u_hi), 1e-300):
             break  # a tie: lo's and hi's minimisers are adjacent on the hull

@@ -45,10 +45,13 @@ class _Steps:
     pass of every sweep repeats the steps that found nothing; starts fall into the same
     basins), so each is solved once and remembered. Sub-problems of one axis keep the
     problem's edges, and many share their domain sizes: their elimination orders are kept
-    too. Both caches return exactly what solving again would."""
+    too. Both caches return exactly what solving again would. A step's minimisers at each
+    Lagrangian multiplier are kept beyond the sweep (:func:`_hulls_of`): a memory fit solves
+    the same problem again at other limits, and its steps ask for the same multipliers."""
 
-    def __init__(self, p: Problem, comps: list[np.ndarray]) -> None:
+    def __init__(self, p: Problem, comps: list[np.ndarray], hulls: dict | None = None) -> None:
         self.p = p
+        self.hulls = hulls if hulls is not None else {}
         self.ndim = comps[0].shape[1] if comps else 0
         self.codes: list[list[np.ndarray]] = []
         self.groups: list[list[dict[int, np.ndarray]]] = []
@@ -100,8 +103,13 @@ class _Steps:
                 return True
             return evaluate(p, [al[s] for al, s in zip(allowed, a.tolist())])[1]
 
+        memo = self.hulls.get((k, key))
+        if memo is None:
+            if len(self.hulls) > _MAX_HULL_STEPS:
+                self.hulls.clear()
+            memo = self.hulls[(k, key)] = {}
         a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
-                             max(0.1, deadline - time.monotonic()))
+                             max(0.1, deadline - time.monotonic()), memo)
         if a is None:
             return None, False
         return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"
@@ -121,6 +129,31 @@ def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
             _ORDERS.clear()
         _ORDERS[key] = cheap_order(edges, dom, _MAX_ENTRIES)
     return _ORDERS[key]
+
+
+# the problems whose steps' minimisers are kept, most recent last: (what identifies the problem
+# as solved, its steps' minimisers by (axis, classes) and multiplier). The key holds the
+# problem's own cost and usage lists (they stay alive, so no other problem takes their ids):
+# a problem made again with another limit (planner._with_limit) shares them. Those lists are
+# made for one sharding problem (its reduced problem, or a restriction of it), whose
+# strategies define the steps: they stand for it, and it is not kept alive
+_HULLS: list[tuple[tuple, dict]] = []
+_MAX_HULL_PROBLEMS = 8
+_MAX_HULL_STEPS = 20_000  # a problem's kept steps, cleared past this
+
+
+def _hulls_of(p: Problem, domains: list[np.ndarray] | None) -> dict:
+    """The kept minimisers of ``p``'s steps (the same costs, usages and edges, on its
+    strategies restricted to ``domains``), whatever its limit."""
+    key = (p.costs, p.usages, p.edges, p.edge_costs, domains)
+    for k, hulls in _HULLS:
+        if all(a is b for a, b in zip(k, key)):
+            return hulls
+    hulls: dict = {}
+    _HULLS.append((key, hulls))
+    if len(_HULLS) > _MAX_HULL_PROBLEMS:
+        _HULLS.pop(0)
+    return hulls
 
 
 def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarray, bool]:
@@ -163,7 +196,7 @@ def solve_axiswise(
     # random starts: single-axis moves cannot leave some basins, other starts find others
     rng = np.random.default_rng(seed)
     starts += [np.array([int(rng.integers(len(c))) for c in p.costs]) for _ in range(restarts)]
-    steps = _Steps(p, comps)
+    steps = _Steps(p, comps, _hulls_of(p, domains))
     best, best_key, best_exact = None, None, False
     for start in starts:
         if time.monotonic() > deadline:

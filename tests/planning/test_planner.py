@@ -362,3 +362,122 @@ def test_a_fit_that_overshoots_falls_back_to_the_leanest_layout_where_that_fits(
     assert got.method == "leanest layout" and got.assignment == lean
     # where the leanest layout does not fit either, the solution is returned as it was
     assert planner._leanest_if_fits(sp, replicated, need * 0.99) is replicated
+
+
+def _fit_case():
+    """mlp-tiny on 2 x 2 at 0.6 of its peak: a limit whose first solve overshoots (the
+    reduced problem does not count the step's reshard copies and gathers)."""
+    import math
+
+    from autopar.passes.problem import sharding_problem
+
+    model, inputs, graph = _mlp_tiny_graph()
+    mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
+    peak = make_plan(model, mesh, inputs, graph=graph, options=Options.of(
+        memory_budget=math.inf, recompute="none")).plan.predicted.cost.mem_bytes
+    budget = 0.6 * peak
+    return sharding_problem.build(graph, mesh, budget), budget
+
+
+def test_the_memory_fit_keeps_what_it_learnt_for_the_next_solve(monkeypatch):
+    """A fit that had to tighten the limit records by how much, per instant; the next fit of
+    the same problem (a repricing's) starts at that limit and needs no more rounds."""
+    from autopar.passes.memory.peak import peak_memory
+    from autopar.passes.problem.step_memory import step_usage
+    from autopar.planning import planner
+
+    sp, budget = _fit_case()
+    limits: list[float] = []
+    real = planner._solve_or_search
+
+    def recording(sp_, problem, *a, **k):
+        limits.append(problem.usage_limit)
+        return real(sp_, problem, *a, **k)
+
+    monkeypatch.setattr(planner, "_solve_or_search", recording)
+    margins: dict[int, float] = {}
+    sol = planner._solve_within_budget(sp, budget, 20.0, margins=margins)
+    first = list(limits)
+    assert sol.feasible
+    assert peak_memory(*step_usage(sp, sp.expand(sol.assignment)))[0] <= budget * (1 + 1e-9)
+    assert len(first) > 1 and margins  # the case is a real one: the first solve overshot
+    assert all(m > 0 for m in margins.values())
+    limits.clear()
+    again = planner._solve_within_budget(sp, budget, 20.0, sol.assignment, margins=margins)
+    assert again.feasible
+    assert peak_memory(*step_usage(sp, sp.expand(again.assignment)))[0] <= budget * (1 + 1e-9)
+    # it starts where the first ended, at the instant it ended on
+    assert limits[0] == pytest.approx(budget - margins[sp.peak_time])
+    assert len(limits) < len(first)
+
+
+def test_the_limit_binds_check_stops_at_the_first_cheaper_point(monkeypatch):
+    """Whether the memory limit binds a plan: the sweeps from the plan (no random starts)
+    that find a cheaper point without the limit settle it; only where they find none do the
+    random starts run, and the answer is the full search's."""
+    from autopar.passes.problem.axis_search import solve_axiswise
+    from autopar.planning import planner
+    from autopar.planning.modes import Mode
+
+    sp, budget = _fit_case()
+    sol = planner._solve_within_budget(sp, budget, 20.0)
+    run = planner._ModeRun(Mode("none"), None, sp, None, sol=sol)
+    calls: list[int] = []
+    real = planner.solve_axiswise
+
+    def counting(*a, restarts=16, **k):
+        calls.append(restarts)
+        return real(*a, restarts=restarts, **k)
+
+    monkeypatch.setattr(planner, "solve_axiswise", counting)
+    free = planner._with_limit(sp.problem, None)
+    full = solve_axiswise(sp, free, 20.0, [sol.assignment], restarts=16)
+    own = planner.evaluate(free, sol.assignment)[0]
+    binds = full.cost < own * (1 - 1e-9)
+    assert binds  # at 0.6 of the peak the limit binds this plan
+    assert planner._limit_not_binding(run, 20.0) is False
+    assert calls == [0]  # the random starts were not needed
+    # a plan the limit does not bind (the unconstrained one) runs the full check, True
+    calls.clear()
+    run.sol = solve_axiswise(sp, free, 20.0, restarts=16)
+    calls.clear()
+    assert planner._limit_not_binding(run, 20.0) is True
+    assert calls == [0, 16]
+
+
+def test_while_nothing_fits_the_offloading_modes_share_the_time_left(monkeypatch):
+    """Offload is tried only where no mode fits with the state on the device; until one
+    does, each device mode's share of the time left counts the offloading modes too, so the
+    modes before them cannot take it all (MoE at 0.35 of its peak, under load: no plan)."""
+    import math
+
+    from autopar.planning import planner
+    from autopar.planning.modes import candidate_modes
+
+    model, inputs, graph = _mlp_tiny_graph()
+    mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
+    peak = make_plan(model, mesh, inputs, graph=graph, options=Options.of(
+        memory_budget=math.inf, recompute="none")).plan.predicted.cost.mem_bytes
+    shares: list[tuple[str, float, float]] = []
+    real = planner._plan_mode
+
+    def nothing_fits_on_the_device(pg, mesh_, mode, lim, refs, search, own, *a, **k):
+        left = search.deadline.left()
+        run = real(pg, mesh_, mode, lim, refs, search, own, *a, **k)
+        if lim is not None and own and not mode.offload:
+            shares.append((mode.label, search.time_limit_s, left))
+            run.fits = False  # as if its plan overflowed the step
+        return run
+
+    monkeypatch.setattr(planner, "_plan_mode", nothing_fits_on_the_device)
+    try:
+        make_plan(model, mesh, inputs, graph=graph,
+                  options=Options.of(memory_budget=0.7 * peak, time_limit_s=20.0))
+    except PlanError:
+        pass  # whether an offloading mode fits is not what is tested
+    labels = [m.label for m in candidate_modes("auto", "auto")]
+    assert len(shares) > 2  # (a mode whose problem another's was is not planned again)
+    for label, share, left in shares[1:]:
+        # the device modes from this one on, and as many offloading ones
+        waiting = len(labels) - labels.index(label) + len(labels)
+        assert share <= max(planner.MIN_MODE_S, left / waiting) + 0.01, (label, share, left)

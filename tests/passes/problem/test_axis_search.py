@@ -80,3 +80,35 @@ def test_each_step_is_the_exact_optimum_over_one_axis_and_solved_once(limit):
             again, _ = steps.step(k, cur, deadline=time.monotonic() + 30)
             assert len(steps.memo) == before and again.tolist() == got.tolist()
     assert solved
+
+
+def test_a_problem_solved_again_at_another_limit_gives_what_a_fresh_solve_does(monkeypatch):
+    """The steps' Lagrangian minimisers kept across solves of one problem (a memory fit's
+    retries: the same costs, another limit) change no answer, only the time."""
+    from autopar.passes.problem import axis_search
+    from autopar.planning.planner import _with_limit
+
+    sp = _sp(Mesh((2, 2), ("dp", "tp")))
+    p = sp.problem
+    lean = evaluate(p, [int(np.argmin(u)) for u in p.usages])[2]
+    top = evaluate(p, [0] * p.num_nodes)[2]
+    limits = [lean + f * (top - lean) for f in (0.5, 0.3, 0.2)]
+    from autopar.solver import elimination
+
+    calls = [0]
+    real = elimination.eliminate
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(elimination, "eliminate", counting)
+    axis_search._HULLS.clear()
+    kept = [solve_axiswise(sp, _with_limit(p, lim), 60, restarts=2) for lim in limits]
+    kept_calls, calls[0] = calls[0], 0
+    for lim, got in zip(limits, kept):
+        axis_search._HULLS.clear()
+        fresh = solve_axiswise(sp, _with_limit(p, lim), 60, restarts=2)
+        assert got.assignment == fresh.assignment and got.cost == fresh.cost
+        assert got.feasible and evaluate(p, got.assignment)[2] <= lim * (1 + 1e-9)
+    assert kept_calls < calls[0]  # the later limits' solves reused the first's eliminations
