@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.solver import kernels
+from autopar.solver import kernels, regions
 from autopar.solver.contract import contract
 from autopar.solver.problem import _USAGE_RTOL, Problem
 
@@ -37,6 +37,9 @@ _KICK_AFTER, _KICK_SIGMA = 6, 0.3
 # multipliers at the steps still over raised by _TIGHTEN_FACTOR (plus a bump) each time,
 # each re-solve _TIGHTEN_PASSES passes of relaxed moves (see ``Search.tighten``)
 _TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 16, 2.0, 3
+# when the rounds stall, exact region moves (``regions.py``) on the incumbent for up to
+# this many seconds before the kick; without a limit they take the time the rounds would
+_REGION_S = 3.0
 
 
 class UnitArrays(NamedTuple):
@@ -195,6 +198,13 @@ class Search:
             return True
         return False
 
+    def improve_regions(self, until: float) -> None:
+        """Exact region moves on the incumbent until ``until`` (it never gets worse and
+        stays under the limit)."""
+        if regions.region_search(self.D, self.best, self.up.ucost, self.up.base, self.lim,
+                                 until, self.rng) > 0:
+            self.best_c = kernels.total_cost(self.D, self.best, self.up.ucost)
+
     def fit(self, ch: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """A copy of ``ch`` (and its profile) greedily repaired to fit; None if it cannot."""
         cand, cl = ch.copy(), load.copy()
@@ -245,6 +255,7 @@ class Search:
         if not math.isfinite(self.lim) or not len(up.base):
             self.polish(self.best, up.ucost, np.zeros(len(up.base)), math.inf, deadline)
             self.best_c = kernels.total_cost(D, self.best, up.ucost)
+            self.improve_regions(deadline)
             return
         lam = np.zeros(len(up.base))
         theta, best_rel, stall = _THETA0, -math.inf, 0
@@ -253,6 +264,7 @@ class Search:
         since_best = 0
         while time.monotonic() < deadline:
             if _KICK_AFTER and since_best >= _KICK_AFTER:
+                self.improve_regions(min(deadline, time.monotonic() + _REGION_S))
                 rch = self.best.copy()
                 lam = lam * self.rng.lognormal(0.0, _KICK_SIGMA, len(lam))
                 theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0
