@@ -7,8 +7,10 @@ by bijective edges change together, so a unit is one variable indexed by its roo
 strategy); fixed nodes are folded into their neighbours' costs and a base usage profile.
 The loops (``kernels.py``, numba) then run on flat arrays: a sweep of best single-unit moves
 over S's 6.5k units takes milliseconds where the Python sweep over its 28k nodes took
-seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient step, repair,
-feasible polish with single-unit and both-ends-of-an-edge moves) takes well under a second.
+seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient step,
+tightening towards the limit and repair, feasible polish with single-unit and
+both-ends-of-an-edge moves) takes well under a second. When the rounds stall, exact moves on
+regions of units (``regions.py``) polish the incumbent.
 """
 
 from __future__ import annotations
