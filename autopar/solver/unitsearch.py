@@ -7,8 +7,10 @@ by bijective edges change together, so a unit is one variable indexed by its roo
 strategy); fixed nodes are folded into their neighbours' costs and a base usage profile.
 The loops (``kernels.py``, numba) then run on flat arrays: a sweep of best single-unit moves
 over S's 6.5k units takes milliseconds where the Python sweep over its 28k nodes took
-seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient step, repair,
-feasible polish with single-unit and both-ends-of-an-edge moves) takes well under a second.
+seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient step,
+tightening towards the limit and repair, feasible polish with single-unit and
+both-ends-of-an-edge moves) takes well under a second. When the rounds stall, exact moves on
+regions of units (``regions.py``) polish the incumbent.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.solver import kernels
+from autopar.solver import kernels, regions
 from autopar.solver.contract import contract
 from autopar.solver.problem import _USAGE_RTOL, Problem
 
@@ -33,6 +35,13 @@ _THETA0, _STALL, _THETA_MIN = 0.5, 8, 0.02
 # plan with every multiplier scaled by its own log-normal factor (sigma _KICK_SIGMA) and the
 # step reset: the rounds otherwise settle into one cycle of relaxed plans (0 disables)
 _KICK_AFTER, _KICK_SIGMA = 6, 0.3
+# a relaxed plan over the limit is moved towards it by up to _TIGHTEN_ROUNDS re-solves, the
+# multipliers at the steps still over raised by _TIGHTEN_FACTOR (plus a bump) each time,
+# each re-solve _TIGHTEN_PASSES passes of relaxed moves (see ``Search.tighten``)
+_TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 16, 2.0, 3
+# when the rounds stall, exact region moves (``regions.py``) on the incumbent for up to
+# this many seconds before the kick; without a limit they take the time the rounds would
+_REGION_S = 3.0
 
 
 class UnitArrays(NamedTuple):
@@ -159,7 +168,7 @@ class Search:
         return self.rng.permutation(self.up.num_units).astype(np.int64)
 
     def polish(self, ch: np.ndarray, pc: np.ndarray, load: np.ndarray, lim: float,
-               deadline: float) -> np.ndarray:
+               deadline: float, passes: int = 50) -> np.ndarray:
         """Exact moves on random induced forests (under a limit: only choices whose usage
         nowhere rises), single-unit sweeps and moves of both ends of the costliest edges,
         until a pass improves by less than a millionth (or ``deadline``); returns the
@@ -167,7 +176,7 @@ class Search:
         D, base = self.D, self.up.base
         capped = math.isfinite(lim)
         before = kernels.total_cost(D, ch, pc)
-        for _ in range(50):
+        for _ in range(passes):
             for _ in range(3):
                 kernels.forest_dp(D, self.order(), ch, pc, capped)
             if capped:
@@ -191,12 +200,64 @@ class Search:
             return True
         return False
 
+    def improve_regions(self, until: float) -> None:
+        """Exact region moves on the incumbent until ``until`` (it never gets worse and
+        stays under the limit)."""
+        if regions.region_search(self.D, self.best, self.up.ucost, self.up.base, self.lim,
+                                 until, self.rng) > 0:
+            self.best_c = kernels.total_cost(self.D, self.best, self.up.ucost)
+
+    def fit(self, ch: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """A copy of ``ch`` (and its profile) greedily repaired to fit; None if it cannot."""
+        cand, cl = ch.copy(), load.copy()
+        if cl.max() <= self.lim or kernels.repair(self.D, cand, self.up.ucost, cl, self.lim,
+                                                  self.buf, self.buf2, 100_000):
+            return cand, cl
+        return None
+
+    def tighten(self, rch: np.ndarray, rload: np.ndarray, lam: np.ndarray,
+                deadline: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The cheapest plan that fits found on the way from the relaxed plan ``rch`` towards
+        the limit by pricing: the greedy repair (``kernels.repair``: one unit at a time, its
+        neighbours held) pays dearly for a large overflow (on S, 1.50e9 relaxed repaired to
+        1.69e9), so the multipliers are raised only at the steps still over the limit and
+        the relaxed moves re-run (forest DP, sweeps: whole regions move together), a few
+        times; each plan on the way is repaired greedily and the cheapest kept."""
+        D, up = self.D, self.up
+        ch, load = rch.copy(), rload
+        best, best_c = None, math.inf
+        lam2 = lam.copy()
+        pos = lam2[lam2 > 0]
+        # the bump's scale: the multipliers' own, else cost per unit of usage per step
+        if len(pos):
+            unit = float(pos.mean())
+        else:
+            use = float(np.abs(D.m_use).mean()) if len(D.m_use) else 1.0
+            cost = float(np.abs(up.ucost).mean()) if len(up.ucost) else 1.0
+            unit = cost / max(1.0, use * len(load))
+        for r in range(_TIGHTEN_ROUNDS + 1):
+            got = self.fit(ch, load)
+            if got is not None:
+                c = kernels.total_cost(D, got[0], up.ucost)
+                if c < best_c:
+                    best, best_c = got, c
+            over = load - self.lim
+            hot = over > 0
+            if not hot.any() or r == _TIGHTEN_ROUNDS or time.monotonic() > deadline:
+                break
+            lam2[hot] = lam2[hot] * _TIGHTEN_FACTOR + unit * over[hot] / max(self.lim, 1.0)
+            pc = kernels.priced(D, up.ucost, lam2)
+            self.polish(ch, pc, up.base, math.inf, deadline, passes=_TIGHTEN_PASSES)
+            load = kernels.profile(D, ch, up.base)
+        return best
+
     def run(self, deadline: float, log: bool = False) -> None:
         """Lagrangian rounds until ``deadline`` (a ``time.monotonic()`` value)."""
         up, D = self.up, self.D
         if not math.isfinite(self.lim) or not len(up.base):
             self.polish(self.best, up.ucost, np.zeros(len(up.base)), math.inf, deadline)
             self.best_c = kernels.total_cost(D, self.best, up.ucost)
+            self.improve_regions(deadline)
             return
         lam = np.zeros(len(up.base))
         theta, best_rel, stall = _THETA0, -math.inf, 0
@@ -205,6 +266,7 @@ class Search:
         since_best = 0
         while time.monotonic() < deadline:
             if _KICK_AFTER and since_best >= _KICK_AFTER:
+                self.improve_regions(min(deadline, time.monotonic() + _REGION_S))
                 rch = self.best.copy()
                 lam = lam * self.rng.lognormal(0.0, _KICK_SIGMA, len(lam))
                 theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0
@@ -227,10 +289,9 @@ class Search:
             gap = self.best_c - rel if math.isfinite(self.best_c) else 0.05 * abs(rel) + 1.0
             if norm > 0:
                 lam = np.maximum(0.0, lam + theta * max(gap, 1e-9 * abs(rel)) / norm * g)
-            cand, cl = rch.copy(), rload.copy()
-            if cl.max() <= self.lim or kernels.repair(D, cand, up.ucost, cl, self.lim,
-                                                      self.buf, self.buf2, 100_000):
-                since_best = 0 if self.consider(cand, cl, deadline) else since_best + 1
+            fit = self.tighten(rch, rload, lam, deadline)
+            if fit is not None:
+                since_best = 0 if self.consider(*fit, deadline) else since_best + 1
             else:
                 since_best += 1
             self.rounds += 1

@@ -129,3 +129,31 @@ def test_reported_bound_is_never_above_the_optimum(seed: int) -> None:
         # the presolved problem's optimum is the original's less what presolve fixed
         opt_q = best - (evaluate(p, red.expand(ls.a))[0] - q_cost)
         assert bound <= opt_q + 1e-6 * max(1.0, abs(opt_q))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tightening_fits_and_never_costs_more_than_the_greedy_repair(seed: int) -> None:
+    q, forbid = _reduced(400 + seed, 80)
+    if q is None or q.usage_limit is None:
+        return
+    up = UnitProblem(q, forbid)
+    s = Search(up, np.zeros(q.num_nodes, dtype=np.int64), seed)
+    rng = np.random.default_rng(seed)
+    D = up.D
+    for _ in range(4):
+        ch = np.array([rng.integers(D.k_off[u + 1] - D.k_off[u]) for u in range(up.num_units)],
+                      dtype=np.int64)
+        load = kernels.profile(D, ch, up.base)
+        lam = rng.random(len(load)) * rng.choice([0.0, 1.0, 50.0])
+        before = ch.copy()
+        greedy = s.fit(ch, load)
+        got = s.tighten(ch, load, lam, math.inf)
+        np.testing.assert_array_equal(ch, before)  # the relaxed plan is left as it was
+        if greedy is None:
+            continue
+        assert got is not None
+        cand, cl = got
+        np.testing.assert_allclose(cl, kernels.profile(D, cand, up.base))
+        assert cl.max() <= s.lim
+        g = kernels.total_cost(D, greedy[0], up.ucost)
+        assert kernels.total_cost(D, cand, up.ucost) <= g + 1e-9 * abs(g)
