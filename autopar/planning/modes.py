@@ -7,6 +7,7 @@ and whether optimizer state may live on the host. ``Mode.label`` is how it reads
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 from autopar.ir.errors import PlanError
@@ -123,12 +124,30 @@ def reference_mode(recompute: str, zero: str | None = None) -> Mode:
 def mode_graph(pg: PlanGraph, mode: Mode | str) -> PlanGraph:
     """``pg`` with a mode's recomputation and re-gathering applied (the nodes it copies into
     the backward). Without re-gathering, a parameter's views are not recomputed even where
-    the mode recomputes the rest of the layer: the stage is ZeRO-2, the gathered copy kept."""
+    the mode recomputes the rest of the layer: the stage is ZeRO-2, the gathered copy kept.
+
+    The rewritten graph is a pure function of ``pg``'s traced graph and the nodes copied, so
+    it is made once per traced graph and node list in this process (:data:`_MODE_GRAPHS`)
+    and shared: a mesh-shape search plans the same traced stand-in on several shapes, each
+    in every mode. Each call's result carries its own ``pg``'s other fields (the depth proxy,
+    the microbatches). The planner only reads these graphs (nothing in it rewrites a node)."""
     mode = Mode.of(mode)
     names = recompute_mode.recompute_nodes(pg, mode.recompute)
     chain = set(zero_mod.regather_nodes(pg))
     if mode.regather:
-        names = [n.name for n in pg.graph.nodes if n.name in chain or n.name in set(names)]
+        chosen = chain | set(names)
+        names = [n.name for n in pg.graph.nodes if n.name in chosen]
     else:
         names = [n for n in names if n not in chain]
-    return recompute_mode.apply_recompute(pg, names)
+    if not names:
+        return pg
+    made = _MODE_GRAPHS.setdefault(pg.gm, {})
+    key = tuple(names)
+    if key not in made:
+        made[key] = recompute_mode.apply_recompute(pg, names)
+    hit = made[key]
+    return replace(pg, gm=hit.gm, recomputed=hit.recomputed)
+
+
+# traced graph -> the nodes recomputed -> that mode graph (weakly keyed: gone with the trace)
+_MODE_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.capture.depth_proxy import longest_block_list
+from autopar.capture.depth_proxy import longest_block_list, traced_blocks
 from autopar.capture.joint import capture
 from autopar.ir.deadline import Deadline
 from autopar.ir.errors import PlanError
@@ -119,28 +119,30 @@ def search_shapes(
     whole = options.search.deadline  # the whole search's limit, where the caller set one
     batch = batch_size(example_inputs, example_kwargs)
     shapes = candidate_shapes(model, n_devices, batch, device, devices_per_node)
-    cache: dict = {}
+    cache: dict = {}  # traced stand-ins, in the process that plans the shapes
     prec = options.resolved_precision(Mesh((1,), ("dp",), device).device)
     max_layers = options.search.max_layers
     each = options.replace(workers=1)
     found = longest_block_list(model)
     n_blocks = len(found[1]) if found is not None else 1
-    # every trace made here, before the fan-out: the children share them
-    for s in shapes:
-        if s.pp == 1 and "whole" not in cache:
-            cache["whole"] = capture(model, example_inputs, example_kwargs, loss_fn,
-                                     max_layers=max_layers, precision=prec)
-        elif s.pp > 1:
-            m = microbatch_counts(batch, s.dp, s.pp, None)[0]
-            stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
-                           math.ceil(n_blocks / s.pp), max_layers, 1.0, cache)
-
     limit_s = shape_limit_s(whole, len(shapes), options.search.workers)
+
+    def trace(s: MeshShape) -> None:
+        """The shape's stand-in into ``cache``, unless there already."""
+        if s.pp == 1:
+            if "whole" not in cache:
+                cache["whole"] = capture(model, example_inputs, example_kwargs, loss_fn,
+                                         max_layers=max_layers, precision=prec)
+            return
+        m = microbatch_counts(batch, s.dp, s.pp, None)[0]
+        stand_in_graph(model, example_inputs, example_kwargs, loss_fn, prec, batch // m,
+                       math.ceil(n_blocks / s.pp), max_layers, 1.0, cache)
 
     def plan_one(s: MeshShape) -> ShapeResult:
         if whole is not None and whole.left() < QUICK_S:  # shapes before it overran
             return ShapeResult(s, math.inf, math.inf, None,
                                "not planned: the time limit ran out (raise --time-limit)")
+        trace(s)
         mesh = shape_mesh(s, device)
         opts = replace(each, search=replace(each.search, deadline=Deadline(limit_s)))
         refs = references_for(s) if references_for is not None else None
@@ -158,11 +160,33 @@ def search_shapes(
         c = planned.plan.predicted.cost
         return ShapeResult(s, c.step_s, c.mem_bytes, planned.plan)
 
-    results = forked_map(plan_one, shapes, options.search.workers)
+    # the shapes of one traced stand-in are planned together, in one process: the trace is
+    # made once, there, and so are its mode graphs (planning.modes.mode_graph); the largest
+    # groups go first, so the last jobs to finish are short ones
+    groups = sorted(_by_stand_in(shapes, batch, n_blocks, max_layers).values(),
+                    key=lambda g: -len(g))
+    done = forked_map(lambda g: [plan_one(s) for s in g], groups, options.search.workers)
+    results = [r for rs in done for r in rs]
     if whole is not None and whole.expired():
         whole.cut("mesh shapes planned past their share of the limit")
     order = {s: k for k, s in enumerate(shapes)}
     return sorted(results, key=lambda r: (r.step_s, order[r.shape]))
+
+
+def _by_stand_in(shapes: list[MeshShape], batch: int, n_blocks: int, max_layers: int | None
+                 ) -> dict[Any, list[MeshShape]]:
+    """The shapes by the stand-in they are planned on: the whole step traced (``pp = 1``), or
+    a stage's, which depends only on the microbatch and the blocks traced
+    (:func:`autopar.planning.pipeline.stand_in_graph`'s cache key), in their order."""
+    out: dict[Any, list[MeshShape]] = {}
+    for s in shapes:
+        if s.pp == 1:
+            key: Any = "whole"
+        else:
+            m = microbatch_counts(batch, s.dp, s.pp, None)[0]
+            key = (batch // m, traced_blocks(math.ceil(n_blocks / s.pp), max_layers))
+        out.setdefault(key, []).append(s)
+    return out
 
 
 def shape_limit_s(whole: Deadline | None, n_shapes: int, workers: int) -> float:

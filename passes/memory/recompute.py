@@ -175,9 +175,22 @@ def apply_recompute(pg: PlanGraph, names: list[str] | tuple[str, ...]) -> PlanGr
                 if u is not c and u not in made.values() and _phase(u) == "bwd":
                     u.replace_input_with(n, c)
     graph.lint()
-    gm = fx.GraphModule(pg.gm, graph)
+    gm = _graph_module(pg.gm, graph)
     # every other field (a pipeline stage's boundary and pins among them) as the original's
     return dataclasses.replace(pg, gm=gm, recomputed=copies)
+
+
+def _graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule of ``graph`` whose Python code is generated when first run or read, not
+    now: a planner builds a mode graph per recomputation mode and mesh shape and only reads
+    its nodes (405B's mesh-shape search spent 37 of its 557 profiled seconds generating code
+    no one ran). The lazy class is torch's own (what ``torch.compile`` uses); a torch without
+    it gets the eager one."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # pragma: no cover - older torch
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 def _phase(n: fx.Node) -> str:

@@ -36,10 +36,18 @@ def _reshard_table(sp: ShardingProblem, meta: TensorMeta, srcs: list, dsts: list
     dst_ids = [ids.setdefault(b, len(ids)) for b in dsts]
     cache, tensor = sp.reshard_cache, cm.reshard_price_key(meta, sp.mesh)
     moves_of, route = sp.moves_cache, cm.reshard_route_key(meta, sp.mesh)
+    whole = kind == "grad" and sp.zero1  # ZeRO-1: a gradient is summed whole, then sliced
+    # the whole table, for the problems of the other planner modes on this mesh (they share
+    # these caches): everything a price below depends on is in the key, the bucket fills
+    # too where the tensor moves in batches (a repricing changes them)
+    fills = frozenset(sp.bucket_fill.items()) if kind is not None else None
+    whole_key = (tensor, route, meta.dtype, kind, whole, fills, tuple(src_ids), tuple(dst_ids))
+    table = sp.table_cache.get(whole_key)
+    if table is not None:
+        return table
     nbytes = float(meta.nbytes)
     table = np.empty((len(srcs), len(dsts)))
     plain = (False, cm.BUCKET_BYTES)  # a move that runs alone (see _batch_price)
-    whole = kind == "grad" and sp.zero1  # ZeRO-1: a gradient is summed whole, then sliced
     for i, (a, ai) in enumerate(zip(srcs, src_ids)):
         row = table[i]
         for j, (b, bj) in enumerate(zip(dsts, dst_ids)):
@@ -55,6 +63,8 @@ def _reshard_table(sp: ShardingProblem, meta: TensorMeta, srcs: list, dsts: list
                     moves = moves_of[route, ai, bj] = cm.reshard_moves(meta, a, b, sp.mesh)
                 t = cache[key] = sum(m.time(nbytes, bucketed, fill) for m in moves)
             row[j] = t
+    table.flags.writeable = False  # shared: its readers index it into new arrays
+    sp.table_cache[whole_key] = table
     return table
 
 

@@ -100,7 +100,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         # keyed by spec ids and tensor price keys, valid in any problem on this mesh (not the
         # matrix cache: it is keyed by the ids of this build's strategy lists)
         sp.spec_ids, sp.reshard_cache = prices_of.spec_ids, prices_of.reshard_cache
-        sp.moves_cache = prices_of.moves_cache
+        sp.moves_cache, sp.table_cache = prices_of.moves_cache, prices_of.table_cache
     if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
         sp.grad_dtype = pg.precision.reduce_dtype
     sp.loss_scaling = pg.precision is not None and pg.precision.loss_scaling

@@ -45,7 +45,9 @@ class ShardingProblem:
     reshard_cache: dict = field(default_factory=dict, repr=False)
     # (route key, src id, dst id) -> the pair's cost_model.Move list (edge_costs)
     moves_cache: dict = field(default_factory=dict, repr=False)
-    # spec -> int, the ids both caches are keyed by: reset or share the three together
+    # a tensor's whole resharding table between two spec lists (edge_costs._reshard_table)
+    table_cache: dict = field(default_factory=dict, repr=False)
+    # spec -> int, the ids the caches are keyed by: reset or share the four together
     spec_ids: dict = field(default_factory=dict, repr=False)
     matrix_cache: dict = field(default_factory=dict, repr=False)
     # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found

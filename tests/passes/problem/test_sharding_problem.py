@@ -239,3 +239,59 @@ def test_inputs_written_in_place_are_never_resharded():
     bn_eval = next(n for n in pg_eval.graph.nodes if "batch_norm" in str(n.target)
                    and "backward" not in str(n.target))
     assert mutated_inputs(bn_eval) == frozenset()
+
+
+def _same_problem(a, b):
+    from autopar.passes.problem.edge_costs import edge_matrix
+
+    assert [n.name for n in a.nodes] == [n.name for n in b.nodes]
+    assert len(a.edges) == len(b.edges)
+    for e, f in zip(a.edges, b.edges):
+        assert np.array_equal(edge_matrix(a, e), edge_matrix(b, f))
+    for x, y in zip(a.node_cost, b.node_cost):
+        assert np.array_equal(x, y)
+    pa, pb = a.problem, b.problem
+    assert len(pa.costs) == len(pb.costs)
+    for x, y in zip(pa.costs, pb.costs):
+        assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("mesh", [Mesh((2, 4), ("dp", "tp")), Mesh((16, 8), ("dp", "tp"))])
+def test_problems_lent_prices_by_another_mode_are_the_problems_built_alone(mesh):
+    """The planner's modes build their problems on one mesh with the first's caches
+    (``prices_of``: strategy lists, move prices, whole resharding tables); each must be the
+    problem built alone, edge for edge, also once its bucket fills change (a repricing)."""
+    from autopar.planning.modes import mode_graph
+
+    pg, first = _problem("llama3-tiny", mesh, batch=16)
+    for label, zero1 in (("full+zero3", False), ("selective", False), ("none", True)):
+        mpg = mode_graph(pg, label)
+        lent = sharding_problem.build(mpg, mesh, zero1=zero1, prices_of=first)
+        alone = sharding_problem.build(mpg, mesh, zero1=zero1)
+        assert lent.table_cache is first.table_cache and alone.table_cache is not lent.table_cache
+        _same_problem(lent, alone)
+        fills = {k: v / 3 for k, v in _fills(lent).items()}  # buckets found a third full
+        assert fills
+        for sp in (lent, alone):
+            sp.bucket_fill = dict(fills)
+            sp.matrix_cache.clear()
+        alone.table_cache.clear()  # priced afresh at the new fills
+        _same_problem(lent, alone)
+    assert first.table_cache  # tables were lent
+
+
+def _fills(sp):
+    """Every gradient bucket key the problem's edges price, each at a byte."""
+    from autopar.passes.cost.buckets import bucket_kind
+    from autopar.passes.problem.edge_costs import edge_meta, edge_specs
+
+    keys = set()
+    for e in sp.edges:
+        if e.in_idx < 0:
+            srcs, dsts = edge_specs(sp, e)
+            for a in set(srcs):
+                for b in set(dsts):
+                    k = bucket_kind(a, b)
+                    if k is not None:
+                        keys.add((k.kind, k.axes, edge_meta(sp, e).dtype))
+    return dict.fromkeys(keys, 3.0)
