@@ -275,11 +275,14 @@ def _weigh_modes(sched: PipelineSchedule, profs: list[StageProfile], n_blocks: i
     the best split with each stage in the fastest mode that fits it where that replays
     faster (the DP ranks splits by Alpa's objective, the replay decides: more choices per
     stage need not replay faster), else the first."""
-    one = weigh(sched, profs[0], n_blocks, limit, over)
     if len(profs) == 1:
+        one = weigh(sched, profs[0], n_blocks, limit, over)
         return one, one
     per_stage = weigh(sched, profs, n_blocks, limit, over)
-    if per_stage.split is None or (one.split is not None and one.step_s <= per_stage.step_s):
+    if per_stage.split is None:  # no split fits with any mode per stage: none with one
+        return per_stage, per_stage
+    one = weigh(sched, profs[0], n_blocks, limit, over)
+    if one.split is not None and one.step_s <= per_stage.step_s:
         return one, one
     return one, per_stage
 
