@@ -195,15 +195,18 @@ def plan_pipeline(
         for name, sp, choice in layouts:
             prof = stage_profile(sp, choice, proxy_blocks(planned), dp)
             over = overheads(prof.boundary_bytes, mesh, axis, prof.tied_bytes)
-            # a layout only weighed to be kept where faster, and it cannot be (nor tie with
-            # the best at the key's 6 digits, where the leaner would win)
-            if name and name not in asked_refs and best is not None and \
-                    busy_bound(prof, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5):
-                continue
             # the layout also in each other recomputation mode planned: a stage holding
             # fewer microbatches than the busiest may recompute less
             profs = mode_profiles(planned, sp, choice, prof, dp) if stage_modes else [prof]
-            pairs = [_weigh_modes(sched, profs, n_blocks, limit, over) for sched in scheds]
+            # a layout that cannot be kept (be faster than the best, nor tie with it at the
+            # key's 6 digits, where the leaner would win) is weighed only to be listed, as
+            # its policy runs, and only where asked
+            hopeless = name and best is not None and busy_bound(
+                profs, n_blocks, p, m, over) > best.option.step_s * (1 + 1e-5)
+            if hopeless and name not in asked_refs:
+                continue
+            pairs = [_weigh_modes(sched, profs[:1] if hopeless else profs, n_blocks, limit,
+                                  over) for sched in scheds]
             weighed = [kept for _, kept in pairs]
             if not name:
                 weighed_all += weighed
@@ -275,11 +278,14 @@ def _weigh_modes(sched: PipelineSchedule, profs: list[StageProfile], n_blocks: i
     the best split with each stage in the fastest mode that fits it where that replays
     faster (the DP ranks splits by Alpa's objective, the replay decides: more choices per
     stage need not replay faster), else the first."""
-    one = weigh(sched, profs[0], n_blocks, limit, over)
     if len(profs) == 1:
+        one = weigh(sched, profs[0], n_blocks, limit, over)
         return one, one
     per_stage = weigh(sched, profs, n_blocks, limit, over)
-    if per_stage.split is None or (one.split is not None and one.step_s <= per_stage.step_s):
+    if per_stage.split is None:  # no split fits with any mode per stage: none with one
+        return per_stage, per_stage
+    one = weigh(sched, profs[0], n_blocks, limit, over)
+    if one.split is not None and one.step_s <= per_stage.step_s:
         return one, one
     return one, per_stage
 
@@ -294,12 +300,16 @@ def _display_schedules(scheds: list[PipelineSchedule]) -> list[PipelineSchedule]
     return list(scheds[:1])
 
 
-def busy_bound(prof: StageProfile, n_blocks: int, p: int, m: int, over: Overheads) -> float:
-    """A lower bound on the step of any split and schedule of ``prof`` over ``p`` ranks and
-    ``m`` microbatches: the ranks' work, spread evenly, at the fastest a rank computes. (A
-    rank runs its actions one at a time, and the replay only adds to them: sends, overheads,
-    waits, the gradient sync.)"""
-    work = sum(c.time_s * k for c, k in ((prof.pre, 1), (prof.block, n_blocks), (prof.post, 1)))
+def busy_bound(prof: StageProfile | Sequence[StageProfile], n_blocks: int, p: int, m: int,
+               over: Overheads) -> float:
+    """A lower bound on the step of any split and schedule of ``prof`` (or of any stage's
+    choice among several profiles) over ``p`` ranks and ``m`` microbatches: the ranks' work,
+    each part at its fastest, spread evenly, at the fastest a rank computes. (A rank runs its
+    actions one at a time, and the replay only adds to them: sends, overheads, waits, the
+    gradient sync.)"""
+    profs = [prof] if isinstance(prof, StageProfile) else list(prof)
+    work = sum(min(q.part(part).time_s for q in profs) * k
+               for part, k in (("pre", 1), ("block", n_blocks), ("post", 1)))
     return m * work / p / max(over.speed or (1.0,))
 
 

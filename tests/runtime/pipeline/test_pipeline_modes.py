@@ -184,6 +184,11 @@ def test_what_plain_stages_do_not_run_is_refused() -> None:
         build_pipeline(model, inputs, None, schedule="zbv", recompute="selective")
     with pytest.raises(PlanError, match=r"recompute in a fixed mode.*not 'auto'"):
         build_pipeline(model, inputs, None, recompute="auto")
+    # one mode per stage: each is checked (a selective stage under a split backward)
+    with pytest.raises(PlanError, match=r"schedule zbv runs two over every block"):
+        build_pipeline(model, inputs, None, schedule="zbv", recompute=("full", "selective"))
+    with pytest.raises(PlanError, match=r"recompute in a fixed mode.*not 'auto'"):
+        build_pipeline(model, inputs, None, recompute=("none", "auto"))
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
                                   n_head=4)
