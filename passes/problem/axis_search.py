@@ -138,8 +138,12 @@ def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
 # made for one sharding problem (its reduced problem, or a restriction of it), whose
 # strategies define the steps: they stand for it, and it is not kept alive
 _HULLS: list[tuple[tuple, dict]] = []
-_MAX_HULL_PROBLEMS = 8
-_MAX_HULL_STEPS = 20_000  # a problem's kept steps, cleared past this
+# bounds on what is kept: a step keeps an assignment per multiplier tried (a few, each a few
+# hundred bytes), and a memory fit solves one problem a few times in a row, so a few problems
+# of up to 2000 steps each hold what is asked again (benchmarks/solver.py's decoder LM at 0.7
+# and MLP at 0.35 keep at most 71 steps per problem) in tens of MB at most
+_MAX_HULL_PROBLEMS = 4
+_MAX_HULL_STEPS = 2_000  # a problem's kept steps, cleared past this
 
 
 def _hulls_of(p: Problem, domains: list[np.ndarray] | None) -> dict:
