@@ -37,6 +37,7 @@ from autopar.solver.treedp import TREE_SIZE, tree_move
 # Inside the heuristic, forbidden costs (1e18 in the contest files) are lowered to this so
 # sums keep the precision of the ordinary costs; it still outweighs any real plan.
 _PENALTY = 1e15
+_UNIT_MIN_RUN_S = 2.0  # the unit search is not started with less than this left
 _GROUP_CAP = 3_000  # a neighbourhood may exceed its size by this much to take a whole group
 
 
@@ -341,13 +342,17 @@ def run_heuristic(
     forbid: float = ilp.FORBIDDEN,
     lagrange_share: float = 0.0,
     unit_share: float = 0.0,
+    unit_min: tuple[float, float] = (0.0, 0.0),
 ) -> HeuristicResult:
     """Best assignment of ``q`` found by ``deadline`` (a ``time.monotonic()`` value).
 
     ``unit_share`` of the time left after the greedy start goes to the compiled unit search
     (``unitsearch.py``: Lagrangian rounds under a usage limit); under a limit
     ``lagrange_share`` of what is left then goes to the Python Lagrangian rounds
-    (``lagrange.py``) before the feasible local search and LNS."""
+    (``lagrange.py``) before the feasible local search and LNS. ``unit_min`` =
+    (seconds, until): the unit search runs that many seconds after the greedy start at least,
+    even past ``deadline`` but not past ``until``: a loaded machine can spend a short window
+    on the greedy start alone, and the caller knows how much later it can afford."""
     ls = LocalSearch(q, seed, forbid)
     if hint is not None:
         h = np.asarray(hint, dtype=np.int64)
@@ -361,10 +366,14 @@ def run_heuristic(
     size, it, tree_fails, tree_its, pair_fails = 60, 0, 0, 0, 0
     whole = len(ls.free_nodes) <= size
     bound = -math.inf
-    if unit_share > 0 and not whole and time.monotonic() < deadline:
+    now = time.monotonic()
+    until = max(now + unit_share * max(0.0, deadline - now),
+                min(now + unit_min[0], unit_min[1]))
+    # building the units and the first polish take a second or two of their own: a search
+    # with less than that left would only overrun its deadline
+    if unit_share > 0 and not whole and until - now >= _UNIT_MIN_RUN_S:
         # the compiled search over rigid units (Lagrangian rounds under a limit, exact
         # forest moves either way) first; the Python moves and CP-SAT LNS polish after it
-        until = time.monotonic() + unit_share * max(0.0, deadline - time.monotonic())
         bound = _unit_search(ls, until, seed, workers, log)
     for _ in range(3):
         if time.monotonic() > deadline or ls.sweep(deadline) == 0:

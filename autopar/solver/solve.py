@@ -27,6 +27,11 @@ UNIT_SHARE = 0.75
 # kernels (about 8-10 s on the loaded 2-core machine, 0.5 s once cached), which the
 # planner's calls of a second or two cannot pay for.
 UNIT_MIN_S = 20.0
+# A small problem's unit search keeps this share of the limit after the greedy start, as
+# long as CP-SAT keeps the last UNIT_CPSAT_KEEP of it: see ``solve``. Where the start ends
+# that late the machine is loaded, and CP-SAT on it gets little done (A at load 9-12: the
+# greedy start ended past half the limit, and CP-SAT did not move its plan)
+UNIT_MIN_SHARE, UNIT_CPSAT_KEEP = 0.1, 0.25
 # The Python Lagrangian rounds (``lagrange.py``) after it: superseded by the unit search
 # (on S, 30 s of it reach 1.73e9 where 240 s of the old path reached 2.05e9), so none.
 LAGRANGE_SHARE = 0.0
@@ -77,15 +82,21 @@ def solve(
     # CP-SAT's own portfolio beats our LNS whenever the whole model fits, so a small problem
     # gets only a short heuristic run, for a warm-start hint, before the exact solve; a big
     # one keeps a margin for expanding and scoring the answer.
+    unit_min = (0.0, 0.0)
     if small:
         # the unit search's hint is most of what a loaded machine gets: A at load 6, 2.5 s
         # of it gave +2.5%, where CP-SAT then moved it by 0.01%
         lns_deadline = time.monotonic() + min(15.0, 0.15 * timeout_s)
+        # ... so it keeps UNIT_MIN_SHARE of the limit after the greedy start, even when that
+        # start used the window up (A at load 9-12: the greedy took it all, +61.7% left)
+        unit_min = (UNIT_MIN_SHARE * timeout_s, deadline - UNIT_CPSAT_KEEP * timeout_s)
     else:
         lns_deadline = deadline - min(1.0, 0.02 * timeout_s)
     a, optimal, bound = run_heuristic(q, lns_deadline, workers, seed, rh, log=log, forbid=forbid,
                                       lagrange_share=0.0 if small else LAGRANGE_SHARE,
-                                      unit_share=UNIT_SHARE if timeout_s >= UNIT_MIN_S else 0.0)
+                                      unit_share=UNIT_SHARE if timeout_s >= UNIT_MIN_S else 0.0,
+                                      unit_min=unit_min if timeout_s >= UNIT_MIN_S
+                                      else (0.0, 0.0))
     best = _finish(problem, red, a, "optimal" if optimal else "feasible", t0, f"{method}/lns")
     if best.feasible and best.status != "optimal" and math.isfinite(bound) and not soft:
         best = replace(best, lower_bound=min(bound, best.cost))

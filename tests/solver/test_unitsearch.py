@@ -157,3 +157,30 @@ def test_tightening_fits_and_never_costs_more_than_the_greedy_repair(seed: int) 
         assert cl.max() <= s.lim
         g = kernels.total_cost(D, greedy[0], up.ucost)
         assert kernels.total_cost(D, cand, up.ucost) <= g + 1e-9 * abs(g)
+
+
+def test_unit_min_runs_the_search_past_a_spent_window_but_not_past_its_end() -> None:
+    from autopar.solver.heuristic import run_heuristic
+    for seed in range(20):
+        q, forbid = _reduced(700 + seed, 120)
+        if q is None:
+            continue
+        ls = LocalSearch(q, seed, forbid)
+        ls.greedy()
+        greedy = ls.cost()
+        if not ls.fits() or greedy >= 1e14:
+            continue  # a plan with forbidden pairs: left to the tests above
+        now = time.monotonic()
+        # the window already spent: no unit search, the greedy plan polished by nothing
+        a0 = run_heuristic(q, now, seed=seed, forbid=forbid, unit_share=0.75).assignment
+        assert evaluate(ls.q, a0)[0] == pytest.approx(greedy)
+        now = time.monotonic()
+        res = run_heuristic(q, now, seed=seed, forbid=forbid, unit_share=0.75,
+                            unit_min=(2.5, now + 2.5))
+        took = time.monotonic() - now
+        cost, ok, _ = evaluate(ls.q, res.assignment)
+        assert ok and cost <= greedy + 1e-6 * abs(greedy)
+        assert 2.0 <= took < 2.5 + 5.0  # ran, and stopped near its end
+        if cost < greedy - 1e-6 * abs(greedy):
+            return  # the search past the window improved the plan
+    pytest.fail("the unit search past a spent window never improved a greedy plan")
