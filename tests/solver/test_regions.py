@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from harness.brute import brute_optimum
-from solver.test_unitsearch import random_problem
+from harness.limited_problems import random_problem
 
 from autopar.solver import evaluate, kernels, regions
 from autopar.solver.problem import _USAGE_RTOL
