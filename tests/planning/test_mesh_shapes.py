@@ -77,3 +77,30 @@ def test_shapes_not_started_within_the_whole_limit_are_not_planned():
                             "cpu", spent)
     assert results and all(r.plan is None and "time limit ran out" in r.note for r in results)
     assert spent.search.deadline.was_cut
+
+
+def test_each_stand_in_is_traced_once_and_its_shapes_planned_together(monkeypatch):
+    """The search groups shapes by the stand-in they are planned on (``_by_stand_in``): one
+    trace per group, whatever the order the shapes come in."""
+    from autopar.capture import joint
+    from autopar.ir.options import Options
+    from autopar.models import get_preset
+    from autopar.planning import pipeline, shapes
+
+    preset = get_preset("gpt2-tiny").replace(n_layer=4)
+    model, inputs = preset.build("meta"), preset.example_inputs(8, 16, "meta")
+    traced = []
+
+    def counting(*args, **kwargs):
+        traced.append(args[1][0].shape[0])  # the microbatch traced
+        return joint.capture(*args, **kwargs)
+
+    monkeypatch.setattr(shapes, "capture", counting)
+    monkeypatch.setattr(pipeline, "capture", counting)
+    opts = Options.of(time_limit_s=0.5, workers=1)  # every layer traced
+    candidates = shapes.candidate_shapes(model, 8, 8, "cpu")
+    groups = shapes._by_stand_in(candidates, 8, 4, None)
+    assert sum(len(g) for g in groups.values()) == len(candidates) > len(groups) > 1
+    results = shapes.search_shapes(model, 8, inputs, None, "cpu", opts)
+    assert {r.shape for r in results} == set(candidates)
+    assert len(traced) == len(groups)  # no stand-in traced twice, none missed
