@@ -419,10 +419,9 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     # variables do not always let the solver find them again in the recomputing graph)
     carried = _carried_choice(sp, seed) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
-    margins: dict[int, float] = {}  # the memory fit's limits, learnt, for the solves again
     # a mode seeded with another's plan has that plan to fall back on: half the time
     sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
-                               hint, seeds, dl, must_fit=must_fit, margins=margins)
+                               hint, seeds, dl, must_fit=must_fit)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
@@ -444,7 +443,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         t3 = time.perf_counter()
         again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
-                                     restarts=RETRY_RESTARTS, margins=margins)
+                                     restarts=RETRY_RESTARTS)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
@@ -654,7 +653,6 @@ def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
     deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
-    margins: dict[int, float] | None = None,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -668,17 +666,10 @@ def _solve_within_budget(
     still find none, the general solver gets the time left. ``must_fit``: no plan that fits
     is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
     deadline's floor).
-
-    ``margins`` (instant -> bytes): how far under the budget an earlier fit of the same
-    problem set the limit at each instant it constrained, for the buffers the reduced problem
-    does not count there; read, so a solve again (a repricing) starts at the limit the last
-    one ended at rather than learning it round by round again, and updated."""
+    """
     assert sp.problem is not None
     t0 = time.perf_counter()
-    margins = margins if margins is not None else {}
     problem = sp.problem
-    if budget is not None and margins.get(sp.peak_time, 0.0) > 0:
-        problem = _with_limit(problem, budget - margins[sp.peak_time])
     hints = ([hint] if hint is not None else []) + (more_hints or [])
     if budget is not None:
         hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
@@ -721,7 +712,6 @@ def _solve_within_budget(
             used = evaluate(p_t, sol.assignment)[2]
             lim = min(p_t.usage_limit or budget, used) - (peak - budget) * 1.05
             tight[instant] = _with_limit(p_t, lim)
-            margins[instant] = budget - lim
         sp.peak_time, sp.problem, problem = instant, at_budget[instant], tight[instant]
         # a retry starts from a solution that nearly fits: a quarter of the time is plenty
         # (a whole budget let the general solver search 16 s for llama3-405b's full mode)

@@ -379,38 +379,6 @@ def _fit_case():
     return sharding_problem.build(graph, mesh, budget), budget
 
 
-def test_the_memory_fit_keeps_what_it_learnt_for_the_next_solve(monkeypatch):
-    """A fit that had to tighten the limit records by how much, per instant; the next fit of
-    the same problem (a repricing's) starts at that limit and needs no more rounds."""
-    from autopar.passes.memory.peak import peak_memory
-    from autopar.passes.problem.step_memory import step_usage
-    from autopar.planning import planner
-
-    sp, budget = _fit_case()
-    limits: list[float] = []
-    real = planner._solve_or_search
-
-    def recording(sp_, problem, *a, **k):
-        limits.append(problem.usage_limit)
-        return real(sp_, problem, *a, **k)
-
-    monkeypatch.setattr(planner, "_solve_or_search", recording)
-    margins: dict[int, float] = {}
-    sol = planner._solve_within_budget(sp, budget, 20.0, margins=margins)
-    first = list(limits)
-    assert sol.feasible
-    assert peak_memory(*step_usage(sp, sp.expand(sol.assignment)))[0] <= budget * (1 + 1e-9)
-    assert len(first) > 1 and margins  # the case is a real one: the first solve overshot
-    assert all(m > 0 for m in margins.values())
-    limits.clear()
-    again = planner._solve_within_budget(sp, budget, 20.0, sol.assignment, margins=margins)
-    assert again.feasible
-    assert peak_memory(*step_usage(sp, sp.expand(again.assignment)))[0] <= budget * (1 + 1e-9)
-    # it starts where the first ended, at the instant it ended on
-    assert limits[0] == pytest.approx(budget - margins[sp.peak_time])
-    assert len(limits) < len(first)
-
-
 def test_the_limit_binds_check_stops_at_the_first_cheaper_point(monkeypatch):
     """Whether the memory limit binds a plan: the sweeps from the plan (no random starts)
     that find a cheaper point without the limit settle it; only where they find none do the
