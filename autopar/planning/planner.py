@@ -417,7 +417,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     # the other mode's placements, node for node: a start for the solver (each variable at its
     # root's strategy) and a candidate itself (the reduced problem's followers and shared
     # variables do not always let the solver find them again in the recomputing graph)
-    carried = _carried_choice(sp, seed) if seed is not None else None
+    carried = carried_choice(sp, seed.sp, seed.choice) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     # a mode seeded with another's plan has that plan to fall back on: half the time
     sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
@@ -460,11 +460,6 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     if out.fits and shown:
         dl.found(out.step_s)
     return out
-
-
-def _carried_choice(sp: ShardingProblem, other: _ModeRun) -> list[int]:
-    assert other.choice is not None
-    return carried_choice(sp, other.sp, other.choice)
 
 
 def carried_choice(sp: ShardingProblem, other: ShardingProblem, choice: list[int]) -> list[int]:
