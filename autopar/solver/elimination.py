@@ -29,6 +29,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from autopar.solver.elimination_kernel import DIAGONAL as _DIAGONAL
+from autopar.solver.elimination_kernel import EDGE as _EDGE
+from autopar.solver.elimination_kernel import MESSAGE as _MESSAGE
+from autopar.solver.elimination_kernel import UNARY as _UNARY
+from autopar.solver.elimination_kernel import Program
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -184,59 +189,35 @@ def eliminate(
 
     The axis sweep runs this thousands of times on small tables of one graph, so what does
     not depend on the numbers (each bucket's factors, their scopes and layouts) is worked
-    out once per graph and order (:func:`_schedule`) and only the arithmetic runs per call:
-    the plain one (a bucket's factors added in the order they were placed), so that ties are
-    broken the same way whatever the bookkeeping."""
-    n = len(dom)
-    steps = _schedule(dom, edges, order)
-    messages: dict[int, np.ndarray] = {}
-    argmins: list[tuple[tuple[int, ...], np.ndarray | None]] = [((), None)] * n
-    for x, rest, parts, shape in steps:
-        total = None
-        for kind, k, perm, layout in parts:
-            if kind == _UNARY:
-                t = unary[k]
-            elif kind == _EDGE:
-                t = np.asarray(edge_costs[k], dtype=float)
-            elif kind == _DIAGONAL:
-                t = np.diagonal(edge_costs[k])
-            else:
-                t = messages.pop(k)
-            if perm is not None:
-                t = t.transpose(perm)
-            if layout is not None:
-                t = t.reshape(layout)
-            total = t if total is None else total + t
-        assert total is not None
-        if total.shape != shape:
-            total = np.broadcast_to(total, shape)
-        if shape[0] == 1:
-            argmins[x] = (rest, None)  # the only choice
-            low = total[0]
-        else:
-            argmins[x] = (rest, total.argmin(axis=0))
-            low = total.min(axis=0)
-        if rest:
-            messages[x] = low
-    return _back_substitute(n, order, argmins)
+    out once per graph and order (:func:`_schedule`), lowered to flat arrays, and only the
+    arithmetic runs per call, compiled (:mod:`autopar.solver.elimination_kernel`): the plain
+    one (a bucket's factors added in the order they were placed, the first minimum kept),
+    so that ties are broken the same way whatever the bookkeeping."""
+    return _program(dom, edges, order).run(unary, edge_costs)
 
 
-# a factor's source in a schedule: a node's own costs, an edge's matrix, the diagonal of a
-# self-edge's, the message left by eliminating a node
-_UNARY, _EDGE, _DIAGONAL, _MESSAGE = range(4)
-_SCHEDULES: dict[tuple, list] = {}
-_MAX_SCHEDULES = 256
+def _program(dom: list[int], edges: list[tuple[int, int]], order: list[int]) -> Program:
+    key = (tuple(dom), tuple(map(tuple, edges)), tuple(order))
+    got = _PROGRAMS.get(key)
+    if got is None:
+        if len(_PROGRAMS) >= _MAX_SCHEDULES:
+            _PROGRAMS.clear()
+        got = _PROGRAMS[key] = Program(dom, edges, _schedule(dom, edges, order))
+    return got
+
+
+_PROGRAMS: dict[tuple, Program] = {}
+
+
+_MAX_SCHEDULES = 256  # programs kept (the sweep's steps share a few graphs and orders)
 
 
 def _schedule(dom: list[int], edges: list[tuple[int, int]], order: list[int]) -> list:
-    """Per node eliminated, in order: ``(node, rest, parts, shape)``, ``parts`` being each
-    factor of its bucket as ``(source kind, index, transpose or None, reshape or None)``
-    laid out along the bucket's scope ``(node, *rest)`` of domain sizes ``shape``. Cached by
-    graph and order (the sweep's steps share a few)."""
-    key = (tuple(dom), tuple(map(tuple, edges)), tuple(order))
-    got = _SCHEDULES.get(key)
-    if got is not None:
-        return got
+    """Per node eliminated, in order: ``(node, rest, parts, shape)``: the nodes left in its
+    bucket (in elimination order), each factor of the bucket as ``(source kind, index)``
+    (``elimination_kernel``'s kinds: a node's costs, an edge's matrix, a self-edge's
+    diagonal, a message by the node that left it) in the order they are added, and the
+    domain sizes of its scope ``(node, *rest)``."""
     n = len(dom)
     pos = [0] * n
     for k, x in enumerate(order):
@@ -255,25 +236,10 @@ def _schedule(dom: list[int], edges: list[tuple[int, int]], order: list[int]) ->
         others = {y for _, _, sc in fs for y in sc}
         others.discard(x)
         rest = tuple(sorted(others, key=pos.__getitem__))
-        scope = (x, *rest)
-        where = {y: k for k, y in enumerate(scope)}
-        parts = []
-        for kind, k, sc in fs:
-            axes = [where[y] for y in sc]
-            perm = None
-            if axes != sorted(axes):
-                perm = tuple(sorted(range(len(axes)), key=axes.__getitem__))
-                sc = tuple(sc[j] for j in perm)
-            inside = set(sc)
-            layout = tuple(dom[y] if y in inside else 1 for y in scope)
-            own = tuple(dom[y] for y in sc)
-            parts.append((kind, k, perm, None if layout == own else layout))
-        steps.append((x, rest, tuple(parts), tuple(dom[y] for y in scope)))
+        steps.append((x, rest, tuple((kind, k) for kind, k, _ in fs),
+                      tuple(dom[y] for y in (x, *rest))))
         if rest:
             buckets[rest[0]].append((_MESSAGE, x, rest))
-    if len(_SCHEDULES) >= _MAX_SCHEDULES:
-        _SCHEDULES.clear()
-    _SCHEDULES[key] = steps
     return steps
 
 
@@ -400,12 +366,24 @@ def minimise(
     t0 = time.monotonic()
     base = [np.asarray(c, dtype=float) for c in costs]
     usage = [np.asarray(u, dtype=float) for u in usages]
+    # the elimination runs on the choices no other choice dominates, at every multiplier
+    kept = _without_dominated(dom, edges, edge_costs, base, usage, order)
+    if kept is None:
+        s_dom, s_order, s_edge_costs, s_base, s_usage = dom, order, edge_costs, base, usage
+    else:
+        s_dom, s_order, keep = kept
+        s_edge_costs = [m.take(keep[u], 0).take(keep[v], 1)
+                        for (u, v), m in zip(edges, edge_costs)]
+        s_base = [c[k] for c, k in zip(base, keep)]
+        s_usage = [w[k] for w, k in zip(usage, keep)]
 
     def at(lam: float) -> np.ndarray:
         got = memo.get(lam) if memo is not None else None
         if got is None:
-            unary = base if lam == 0.0 else [c + lam * u for c, u in zip(base, usage)]
-            got = eliminate(dom, edges, edge_costs, order, unary)
+            unary = s_base if lam == 0.0 else [c + lam * u for c, u in zip(s_base, s_usage)]
+            got = eliminate(s_dom, edges, s_edge_costs, s_order, unary)
+            if kept is not None:
+                got = np.array([k[a] for k, a in zip(kept[2], got.tolist())], dtype=np.int64)
             if memo is not None:
                 memo[lam] = got
         return got
@@ -457,3 +435,71 @@ def minimise(
         else:
             lo, c_lo, u_lo = mid, c_a, u_a
     return best, "feasible"
+
+
+def _without_dominated(
+    dom: list[int], edges: list[tuple[int, int]], edge_costs: list[np.ndarray],
+    costs: list[np.ndarray], usages: list[np.ndarray], order: list[int],
+) -> tuple[list[int], list[int], list[np.ndarray]] | None:
+    """``(domain sizes, elimination order, the choices kept per node)`` of the problem
+    without its dominated choices, or None where dropping them would not make elimination
+    much cheaper. Choice ``b`` of node ``x`` is dominated by ``a`` when ``a`` uses no more
+    memory and costs no more whatever its neighbours choose: ``c[a] - c[b]`` plus, for each
+    edge, the most ``a``'s row exceeds ``b``'s is at most 0. Then ``c + lam * u`` plus the
+    edges is at most as large with ``a`` for every multiplier ``lam >= 0``, so some minimiser
+    avoids ``b``: the minimum is the same, only which of equal minimisers is returned can
+    change. Dropping is done one choice at a time against the choices still kept, so that
+    every node keeps one. On the planner's axis steps a third of the choices go and the
+    tables shrink 3 to 15 times (the encoder-decoder of ``benchmarks/solver.py``)."""
+    full = order_size(edges, dom, order)[0]
+    if full < _PRUNE_FROM:
+        return None
+    own = [c.copy() for c in costs]
+    worst = [np.zeros((d, d)) for d in dom]  # worst[x][a, b]: most a's edges cost above b's
+    for (u, v), m in zip(edges, edge_costs):
+        if u == v:
+            own[u] += np.diagonal(m)
+            continue
+        if dom[u] > 1:
+            worst[u] += (m[:, None, :] - m[None, :, :]).max(axis=2)
+        if dom[v] > 1:
+            worst[v] += (m.T[:, None, :] - m.T[None, :, :]).max(axis=2)
+    keep = []
+    for c, w, use, d in zip(own, worst, usages, dom):
+        if d == 1:
+            keep.append(np.zeros(1, dtype=np.int64))
+            continue
+        beats = (c[:, None] + w <= c[None, :]) & (use[:, None] <= use[None, :])
+        np.fill_diagonal(beats, False)
+        alive = np.ones(d, dtype=bool)
+        for b in np.nonzero(beats.any(axis=0))[0]:
+            if beats[alive, b].any():
+                alive[b] = False
+        keep.append(np.nonzero(alive)[0])
+    small = [len(k) for k in keep]
+    # the full problem's order: its tables only shrink (an order of its own, min-fill's,
+    # cost more to find than it saved)
+    if small == dom or order_size(edges, small, order)[0] > _PRUNE_GAIN * full:
+        return None
+    return small, order, keep
+
+
+# below this many table entries an elimination takes well under a millisecond, less than
+# looking for dominated choices; a smaller problem is used only where its tables are at most
+# this fraction of the full one's
+_PRUNE_FROM = 50_000
+_PRUNE_GAIN = 0.7
+# elimination orders by graph and domain sizes, kept across solves: a planner solves problems
+# of one graph many times (the memory fit's retries, repricings, modes that copy nothing)
+_ORDERS: dict[tuple, list[int] | None] = {}
+
+
+def cached_order(edges: list[tuple[int, int]], dom: list[int], max_entries: float
+                 ) -> list[int] | None:
+    """:func:`cheap_order`, kept by graph, domain sizes and cap."""
+    key = (tuple(map(tuple, edges)), tuple(dom), max_entries)
+    if key not in _ORDERS:
+        if len(_ORDERS) > 4096:
+            _ORDERS.clear()
+        _ORDERS[key] = cheap_order(edges, dom, max_entries)
+    return _ORDERS[key]

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from autopar.passes.problem.types import ShardingProblem
-from autopar.solver.elimination import cheap_order, minimise
+from autopar.solver.elimination import cached_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -117,18 +117,10 @@ class _Steps:
 
 # sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)
 _MAX_ENTRIES = 4e6
-# elimination orders by graph and domain sizes, kept across solves: a planner solves problems
-# of one graph many times (the memory fit's retries, repricings, modes that copy nothing)
-_ORDERS: dict[tuple, list[int] | None] = {}
 
 
 def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
-    key = (tuple(map(tuple, edges)), tuple(dom))
-    if key not in _ORDERS:
-        if len(_ORDERS) > 4096:
-            _ORDERS.clear()
-        _ORDERS[key] = cheap_order(edges, dom, _MAX_ENTRIES)
-    return _ORDERS[key]
+    return cached_order(edges, dom, _MAX_ENTRIES)
 
 
 # the problems whose steps' minimisers are kept, most recent last: (what identifies the problem

@@ -1,0 +1,251 @@
+"""Variable elimination as one compiled loop (numba) over a program made once per schedule.
+
+:func:`autopar.solver.elimination.eliminate` runs thousands of times per plan on the small
+tables of one graph (the axis sweep's steps, each at a few Lagrange multipliers). Done with
+numpy, each bucket costs a dozen array operations of a few microseconds each, and the
+minimum over the eliminated node's axis (its first axis) is a strided reduction that numpy
+copies first: on the encoder of ``benchmarks/solver.py`` at half its peak, 7.5 s of a 15 s
+plan. Here the schedule (which factors meet in which bucket, laid out how) becomes flat
+integer arrays once, and one compiled call per elimination does the arithmetic.
+
+Every number is the one the numpy form computes: a bucket's entry is its factors added left
+to right in the schedule's order, its minimum over the node taken in order with the first
+minimum kept (``argmin``'s tie rule), so the assignment is the same bit for bit.
+
+The program, for a buffer laid out as ``[unary costs | edge matrices | messages]``:
+
+- per step ``s`` (a node eliminated): ``st_x`` the node, ``st_dx`` its domain size,
+  ``st_rest`` (``st_rest_ptr``) the domain sizes of the nodes left in its bucket, in scope
+  order, ``st_parts`` (``st_part_ptr``) its factors, ``st_msg`` where its message (the
+  minimum per assignment of the rest, C order) goes in the buffer (-1: none), ``st_arg``
+  where its best choices go in the choices array, and ``st_rest_nodes`` which nodes those
+  are (for reading the choices back);
+- per part: ``pt_base`` its first entry in the buffer, ``pt_sx`` its stride along the
+  node's axis, ``pt_strides`` (``st_rest_ptr`` again: one per rest axis, 0 where the factor
+  does not depend on that node) its strides along the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+_INT = np.int64
+# the kinds of factor in a bucket of a schedule (``elimination._schedule``): a node's own
+# costs, an edge's matrix, the diagonal of a self-edge's, the message left by eliminating a node
+UNARY, EDGE, DIAGONAL, MESSAGE = range(4)
+
+
+class Program:
+    """A schedule lowered to flat arrays (see the module docstring), with the buffer's
+    layout: where each node's unary costs and each edge's matrix start, and its length."""
+
+    __slots__ = ("n", "steps", "unary_off", "edge_off", "size", "n_args", "entries")
+
+    def __init__(self, dom: list[int], edges: list[tuple[int, int]], schedule: list) -> None:
+        self.n = n = len(dom)
+        unary_off = np.zeros(n + 1, dtype=_INT)
+        unary_off[1:] = np.cumsum(dom)
+        edge_off = np.zeros(len(edges) + 1, dtype=_INT)
+        edge_off[1:] = np.cumsum([dom[u] * dom[v] for u, v in edges])
+        edge_off += unary_off[-1]
+        self.unary_off, self.edge_off = unary_off, edge_off
+        cursor = int(edge_off[-1])
+        messages: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
+        arg_cursor = 0
+        self.entries = 0  # of every bucket's table: the work of one elimination
+        st_x, st_dx, st_msg, st_arg = [], [], [], []
+        st_rest_ptr, st_rest, st_rest_nodes, st_part_ptr = [0], [], [], [0]
+        pt_base, pt_sx, pt_stride_ptr, pt_strides = [], [], [], []
+        st_op_ptr, op_dst, op_src, op_dim_ptr, op_dims, op_dst_st, op_src_st = (
+            [0], [], [], [0], [], [], [])
+        for x, rest, parts, shape in schedule:
+            st_x.append(x)
+            st_dx.append(shape[0])
+            st_rest.extend(shape[1:])
+            st_rest_nodes.extend(rest)
+            st_rest_ptr.append(len(st_rest))
+            placed = []  # (first entry, {node: stride}) per factor, in the bucket's order
+            for kind, k in parts:
+                if kind == MESSAGE:
+                    base, own_scope, own_strides = messages.pop(k)
+                else:
+                    base, own_scope, own_strides = self._source(kind, k, dom, edges)
+                placed.append((base, dict(zip(own_scope, own_strides))))
+            kept, into = _absorb(placed, dom)
+            for j, q in enumerate(into):
+                if q is None:
+                    continue
+                # factor j added into factor q's entries (each factor is read by one bucket
+                # only, so its entries in this call's buffer are free to change)
+                (src, src_of), (dst, dst_of) = placed[j], placed[q]
+                op_dst.append(dst)
+                op_src.append(src)
+                for y, stride in dst_of.items():
+                    op_dims.append(dom[y])
+                    op_dst_st.append(stride)
+                    op_src_st.append(src_of.get(y, 0))
+                op_dim_ptr.append(len(op_dims))
+            st_op_ptr.append(len(op_dst))
+            for j in kept:
+                base, stride_of = placed[j]
+                pt_base.append(base)
+                pt_sx.append(stride_of.get(x, 0))
+                pt_stride_ptr.append(len(pt_strides))
+                pt_strides.extend(stride_of.get(y, 0) for y in rest)
+            st_part_ptr.append(len(pt_base))
+            size = int(np.prod(shape[1:], dtype=_INT))
+            self.entries += size * shape[0]
+            if rest:
+                messages[x] = (cursor, rest, _c_strides(shape[1:]))
+                st_msg.append(cursor)
+                cursor += size
+            else:
+                st_msg.append(-1)
+            st_arg.append(arg_cursor)
+            arg_cursor += size
+        self.size = cursor
+        self.n_args = arg_cursor
+        self.steps = tuple(np.asarray(a, dtype=_INT) for a in (
+            st_x, st_dx, st_msg, st_arg, st_rest_ptr, st_rest, st_rest_nodes, st_part_ptr,
+            pt_base, pt_sx, pt_stride_ptr, pt_strides, st_op_ptr, op_dst, op_src, op_dim_ptr,
+            op_dims, op_dst_st, op_src_st))
+
+    def _source(self, kind: int, k: int, dom: list[int], edges: list[tuple[int, int]]
+                ) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """(first entry in the buffer, the nodes it spans, its strides along them) of a
+        factor given to the call: unary costs, an edge's matrix (C order), the diagonal of a
+        self-edge's."""
+        if kind == UNARY:
+            return int(self.unary_off[k]), (k,), (1,)
+        u, v = edges[k]
+        if kind == EDGE:
+            return int(self.edge_off[k]), (u, v), (dom[v], 1)
+        assert kind == DIAGONAL
+        return int(self.edge_off[k]), (u,), (dom[u] + 1,)
+
+    def run(self, unary: list[np.ndarray], edge_costs: list[np.ndarray]) -> np.ndarray:
+        """The assignment minimising ``unary`` plus the edge costs."""
+        buf = np.empty(self.size)
+        split = int(self.unary_off[-1])
+        if unary:
+            buf[:split] = np.concatenate(unary)
+        if edge_costs:
+            buf[split:self.edge_off[-1]] = np.concatenate(
+                [np.asarray(m, dtype=float).reshape(-1) for m in edge_costs])
+        return _run(buf, np.empty(self.n_args, dtype=_INT), self.n, *self.steps)
+
+
+
+
+def _absorb(placed: list[tuple[int, dict[int, int]]], dom: list[int]
+            ) -> tuple[list[int], list[int | None]]:
+    """Which factors of a bucket the main loop reads (``kept``, in order), and for each of
+    the others the kept factor it is added into first (``into``, None for a kept one): a
+    factor over a subset of another's nodes goes into the smallest such (the first of
+    equals), so that each entry of the bucket's table adds fewer numbers (4.5 factors an
+    entry became 2.1 on the encoder-decoder of ``benchmarks/solver.py``). The sums are the
+    same up to rounding (their order changes)."""
+    scopes = [frozenset(of) for _, of in placed]
+    sizes = [math.prod(dom[y] for y in sc) for sc in scopes]
+    kept = [j for j, sc in enumerate(scopes)
+            if not any(sc < t or (sc == t and i < j) for i, t in enumerate(scopes))]
+    into: list[int | None] = [None] * len(placed)
+    for j, sc in enumerate(scopes):
+        if j not in kept:
+            into[j] = min((q for q in kept if sc <= scopes[q]), key=lambda q: (sizes[q], q))
+    return kept, into
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+@njit(cache=True, nogil=True)
+def _run(buf, args, n, st_x, st_dx, st_msg, st_arg, st_rest_ptr, st_rest, st_rest_nodes,
+         st_part_ptr, pt_base, pt_sx, pt_stride_ptr, pt_strides, st_op_ptr, op_dst, op_src,
+         op_dim_ptr, op_dims, op_dst_st, op_src_st):
+    n_steps = len(st_x)
+    idx = np.zeros(len(st_rest) + 1, dtype=np.int64)  # the rest's multi-index
+    roff = np.zeros(len(pt_base) + 1, dtype=np.int64)  # each part's entry at that index
+    for s in range(n_steps):
+        for o in range(st_op_ptr[s], st_op_ptr[s + 1]):
+            _add_into(buf, op_dst[o], op_src[o], op_dim_ptr[o], op_dim_ptr[o + 1], op_dims,
+                      op_dst_st, op_src_st, idx)
+        dx = st_dx[s]
+        r0, r1 = st_rest_ptr[s], st_rest_ptr[s + 1]
+        m = r1 - r0
+        p0, p1 = st_part_ptr[s], st_part_ptr[s + 1]
+        size = 1
+        for j in range(m):
+            size *= st_rest[r0 + j]
+            idx[j] = 0
+        msg, arg = st_msg[s], st_arg[s]
+        for p in range(p0, p1):
+            roff[p] = pt_base[p]
+        for r in range(size):
+            best = buf[roff[p0]]
+            for p in range(p0 + 1, p1):
+                best = best + buf[roff[p]]
+            which = 0
+            for i in range(1, dx):
+                t = buf[roff[p0] + i * pt_sx[p0]]
+                for p in range(p0 + 1, p1):
+                    t = t + buf[roff[p] + i * pt_sx[p]]
+                # the first minimum kept, as argmin; branch-free (the comparisons are
+                # unpredictable)
+                lower = t < best
+                which = i if lower else which
+                best = t if lower else best
+            if msg >= 0:
+                buf[msg + r] = best
+            args[arg + r] = which
+            # the next index of the rest (C order), each part's entry moved with it
+            j = m - 1
+            while j >= 0:
+                idx[j] += 1
+                if idx[j] < st_rest[r0 + j]:
+                    for p in range(p0, p1):
+                        roff[p] += pt_strides[pt_stride_ptr[p] + j]
+                    break
+                for p in range(p0, p1):
+                    roff[p] -= (st_rest[r0 + j] - 1) * pt_strides[pt_stride_ptr[p] + j]
+                idx[j] = 0
+                j -= 1
+    out = np.zeros(n, dtype=np.int64)
+    for s in range(n_steps - 1, -1, -1):
+        at = 0
+        for j in range(st_rest_ptr[s], st_rest_ptr[s + 1]):
+            at = at * st_rest[j] + out[st_rest_nodes[j]]
+        out[st_x[s]] = args[st_arg[s] + at]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _add_into(buf, dst, src, d0, d1, dims, dst_st, src_st, idx):
+    """buf[dst + i . dst_st] += buf[src + i . src_st] for every index i of ``dims[d0:d1]``."""
+    size = 1
+    for j in range(d0, d1):
+        size *= dims[j]
+        idx[j - d0] = 0
+    m = d1 - d0
+    a, b = dst, src
+    for _ in range(size):
+        buf[a] += buf[b]
+        j = m - 1
+        while j >= 0:
+            idx[j] += 1
+            if idx[j] < dims[d0 + j]:
+                a += dst_st[d0 + j]
+                b += src_st[d0 + j]
+                break
+            a -= (dims[d0 + j] - 1) * dst_st[d0 + j]
+            b -= (dims[d0 + j] - 1) * src_st[d0 + j]
+            idx[j] = 0
+            j -= 1
