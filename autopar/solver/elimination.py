@@ -33,7 +33,7 @@ from autopar.solver.elimination_kernel import DIAGONAL as _DIAGONAL
 from autopar.solver.elimination_kernel import EDGE as _EDGE
 from autopar.solver.elimination_kernel import MESSAGE as _MESSAGE
 from autopar.solver.elimination_kernel import UNARY as _UNARY
-from autopar.solver.elimination_kernel import Program
+from autopar.solver.elimination_kernel import Program, undominated
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -454,28 +454,9 @@ def _without_dominated(
     full = order_size(edges, dom, order)[0]
     if full < _PRUNE_FROM:
         return None
-    own = [c.copy() for c in costs]
-    worst = [np.zeros((d, d)) for d in dom]  # worst[x][a, b]: most a's edges cost above b's
-    for (u, v), m in zip(edges, edge_costs):
-        if u == v:
-            own[u] += np.diagonal(m)
-            continue
-        if dom[u] > 1:
-            worst[u] += (m[:, None, :] - m[None, :, :]).max(axis=2)
-        if dom[v] > 1:
-            worst[v] += (m.T[:, None, :] - m.T[None, :, :]).max(axis=2)
-    keep = []
-    for c, w, use, d in zip(own, worst, usages, dom):
-        if d == 1:
-            keep.append(np.zeros(1, dtype=np.int64))
-            continue
-        beats = (c[:, None] + w <= c[None, :]) & (use[:, None] <= use[None, :])
-        np.fill_diagonal(beats, False)
-        alive = np.ones(d, dtype=bool)
-        for b in np.nonzero(beats.any(axis=0))[0]:
-            if beats[alive, b].any():
-                alive[b] = False
-        keep.append(np.nonzero(alive)[0])
+    alive = undominated(dom, edges, costs, usages, edge_costs)
+    starts = np.cumsum([0, *dom])
+    keep = [np.nonzero(alive[a:b])[0] for a, b in zip(starts[:-1], starts[1:])]
     small = [len(k) for k in keep]
     # the full problem's order: its tables only shrink (an order of its own, min-fill's,
     # cost more to find than it saved)

@@ -45,13 +45,8 @@ class Program:
     __slots__ = ("n", "steps", "unary_off", "edge_off", "size", "n_args", "entries")
 
     def __init__(self, dom: list[int], edges: list[tuple[int, int]], schedule: list) -> None:
-        self.n = n = len(dom)
-        unary_off = np.zeros(n + 1, dtype=_INT)
-        unary_off[1:] = np.cumsum(dom)
-        edge_off = np.zeros(len(edges) + 1, dtype=_INT)
-        edge_off[1:] = np.cumsum([dom[u] * dom[v] for u, v in edges])
-        edge_off += unary_off[-1]
-        self.unary_off, self.edge_off = unary_off, edge_off
+        self.n = len(dom)
+        self.unary_off, self.edge_off = unary_off, edge_off = layout(dom, edges)
         cursor = int(edge_off[-1])
         messages: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
         arg_cursor = 0
@@ -129,15 +124,100 @@ class Program:
     def run(self, unary: list[np.ndarray], edge_costs: list[np.ndarray]) -> np.ndarray:
         """The assignment minimising ``unary`` plus the edge costs."""
         buf = np.empty(self.size)
-        split = int(self.unary_off[-1])
-        if unary:
-            buf[:split] = np.concatenate(unary)
-        if edge_costs:
-            buf[split:self.edge_off[-1]] = np.concatenate(
-                [np.asarray(m, dtype=float).reshape(-1) for m in edge_costs])
+        pack(buf, self.unary_off, self.edge_off, unary, edge_costs)
         return _run(buf, np.empty(self.n_args, dtype=_INT), self.n, *self.steps)
 
 
+def layout(dom: list[int], edges: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Where each node's unary costs and each edge's matrix (C order) start in a buffer
+    ``[unary costs | edge matrices | ...]``; the last entry of each is where they end."""
+    unary_off = np.zeros(len(dom) + 1, dtype=_INT)
+    unary_off[1:] = np.cumsum(dom)
+    edge_off = np.zeros(len(edges) + 1, dtype=_INT)
+    edge_off[1:] = np.cumsum([dom[u] * dom[v] for u, v in edges])
+    edge_off += unary_off[-1]
+    return unary_off, edge_off
+
+
+def pack(buf: np.ndarray, unary_off: np.ndarray, edge_off: np.ndarray,
+         unary: list[np.ndarray], edge_costs: list[np.ndarray]) -> None:
+    """``unary`` and ``edge_costs`` written into ``buf`` as :func:`layout` places them."""
+    split = int(unary_off[-1])
+    if unary:
+        buf[:split] = np.concatenate(unary)
+    if edge_costs:
+        buf[split:edge_off[-1]] = np.concatenate(
+            [np.asarray(m, dtype=float).reshape(-1) for m in edge_costs])
+
+
+def undominated(dom: list[int], edges: list[tuple[int, int]], costs: list[np.ndarray],
+                usages: list[np.ndarray], edge_costs: list[np.ndarray]) -> np.ndarray:
+    """Per choice (flat, node by node), whether it is kept: choice ``b`` of a node is left
+    out where a choice ``a`` still kept uses no more memory and costs no more whatever the
+    neighbours choose (its own cost plus, per edge, the most its row exceeds ``b``'s, at
+    most ``b``'s own cost); a self-edge's diagonal counts as own cost. Choices are looked at
+    in order, each against those still kept, so every node keeps one."""
+    unary_off, edge_off = layout(dom, edges)
+    buf = np.empty(int(edge_off[-1]))
+    pack(buf, unary_off, edge_off, costs, edge_costs)
+    use = np.concatenate(usages) if usages else np.empty(0)
+    ends = np.asarray(edges, dtype=_INT).reshape(-1, 2)
+    return _undominated(buf, use, np.asarray(dom, dtype=_INT), ends[:, 0].copy(),
+                        ends[:, 1].copy(), unary_off, edge_off)
+
+
+@njit(cache=True, nogil=True)
+def _undominated(buf, use, dom, eu, ev, unary_off, edge_off):
+    n = len(dom)
+    own = buf[:unary_off[n]].copy()
+    # incident edges per node: (edge, which side the node is on)
+    deg = np.zeros(n + 1, dtype=np.int64)
+    for e in range(len(eu)):
+        if eu[e] == ev[e]:
+            d = dom[eu[e]]
+            for a in range(d):
+                own[unary_off[eu[e]] + a] += buf[edge_off[e] + a * (d + 1)]
+        else:
+            deg[eu[e] + 1] += 1
+            deg[ev[e] + 1] += 1
+    for x in range(n):
+        deg[x + 1] += deg[x]
+    inc = np.zeros(deg[n], dtype=np.int64)
+    side = np.zeros(deg[n], dtype=np.int64)
+    fill = deg[:n].copy()
+    for e in range(len(eu)):
+        if eu[e] != ev[e]:
+            inc[fill[eu[e]]], side[fill[eu[e]]] = e, 0
+            fill[eu[e]] += 1
+            inc[fill[ev[e]]], side[fill[ev[e]]] = e, 1
+            fill[ev[e]] += 1
+    alive = np.ones(unary_off[n], dtype=np.bool_)
+    for x in range(n):
+        d = dom[x]
+        o = unary_off[x]
+        for b in range(d):
+            for a in range(d):
+                if a == b or not alive[o + a] or use[o + a] > use[o + b]:
+                    continue
+                worst = own[o + a] - own[o + b]
+                for k in range(deg[x], deg[x + 1]):
+                    e = inc[k]
+                    base = edge_off[e]
+                    if side[k] == 0:  # x is the row: rows a and b of a (d x dv) matrix
+                        dv = dom[ev[e]]
+                        most = -np.inf
+                        for y in range(dv):
+                            most = max(most, buf[base + a * dv + y] - buf[base + b * dv + y])
+                    else:  # x is the column
+                        du = dom[eu[e]]
+                        most = -np.inf
+                        for y in range(du):
+                            most = max(most, buf[base + y * d + a] - buf[base + y * d + b])
+                    worst += most
+                if worst <= 0.0:
+                    alive[o + b] = False
+                    break
+    return alive
 
 
 def _absorb(placed: list[tuple[int, dict[int, int]]], dom: list[int]
