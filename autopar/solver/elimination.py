@@ -247,8 +247,8 @@ def _eliminate_plain(
     dom: list[int], edges: list[tuple[int, int]], edge_costs: list[np.ndarray],
     order: list[int], unary: list[np.ndarray],
 ) -> np.ndarray:
-    """:func:`eliminate` with its bookkeeping done on every call (what the schedule caches),
-    kept as the reference the tests hold it to."""
+    """:func:`eliminate` in numpy, its bookkeeping done on every call (what the compiled
+    program holds), kept as the reference the tests hold it to."""
     n = len(dom)
     buckets: list[list[_Factor]] = [[] for _ in range(n)]
     pos = [0] * n

@@ -1,28 +1,32 @@
 """Variable elimination as one compiled loop (numba) over a program made once per schedule.
 
-:func:`autopar.solver.elimination.eliminate` runs thousands of times per plan on the small
-tables of one graph (the axis sweep's steps, each at a few Lagrange multipliers). Done with
-numpy, each bucket costs a dozen array operations of a few microseconds each, and the
-minimum over the eliminated node's axis (its first axis) is a strided reduction that numpy
-copies first: on the encoder of ``benchmarks/solver.py`` at half its peak, 7.5 s of a 15 s
-plan. Here the schedule (which factors meet in which bucket, laid out how) becomes flat
-integer arrays once, and one compiled call per elimination does the arithmetic.
+:func:`autopar.solver.elimination.eliminate` runs thousands of times per plan on the tables
+of one graph (the axis sweep's steps, each at a few Lagrange multipliers). In numpy each
+bucket costs a dozen array operations, and the minimum over the eliminated node's axis (its
+first) is a strided reduction. Here the schedule (which factors meet in which bucket, laid
+out how) becomes flat integer arrays once, and one compiled call per elimination does the
+arithmetic: 1.5 times numpy's speed in CPU time on the eliminations of the encoder-decoder
+of ``benchmarks/solver.py`` (tables of 0.6 to 6.7 million entries), where the work is
+memory-bound (about 4 ns an entry).
 
-Every number is the one the numpy form computes: a bucket's entry is its factors added left
-to right in the schedule's order, its minimum over the node taken in order with the first
-minimum kept (``argmin``'s tie rule), so the assignment is the same bit for bit.
+A bucket's factors over a subset of another's nodes are first added into that one (in the
+buffer: each factor is read by one bucket only), so each entry adds fewer numbers (4.5 an
+entry became 2.1 there). Sums change in order only: exact on integers, within rounding
+otherwise; the minimum over the node is taken in order with the first kept (``argmin``'s
+tie rule).
 
 The program, for a buffer laid out as ``[unary costs | edge matrices | messages]``:
 
 - per step ``s`` (a node eliminated): ``st_x`` the node, ``st_dx`` its domain size,
   ``st_rest`` (``st_rest_ptr``) the domain sizes of the nodes left in its bucket, in scope
-  order, ``st_parts`` (``st_part_ptr``) its factors, ``st_msg`` where its message (the
-  minimum per assignment of the rest, C order) goes in the buffer (-1: none), ``st_arg``
-  where its best choices go in the choices array, and ``st_rest_nodes`` which nodes those
-  are (for reading the choices back);
-- per part: ``pt_base`` its first entry in the buffer, ``pt_sx`` its stride along the
-  node's axis, ``pt_strides`` (``st_rest_ptr`` again: one per rest axis, 0 where the factor
-  does not depend on that node) its strides along the rest.
+  order, ``st_rest_nodes`` which nodes those are, ``st_msg`` where its message (the minimum
+  per assignment of the rest, C order) goes in the buffer (-1: none), ``st_arg`` where its
+  best choices go in the choices array, ``st_op_ptr`` its additions of small factors into
+  larger ones (``op_*``: destination, source, and the destination's index space with both
+  strides), ``st_part_ptr`` the factors its loop reads;
+- per factor read: ``pt_base`` its first entry in the buffer, ``pt_sx`` its stride along the
+  node's axis, ``pt_strides`` (from ``pt_stride_ptr``, one per rest axis, 0 where the
+  factor does not depend on that node) its strides along the rest.
 """
 
 from __future__ import annotations

@@ -112,9 +112,10 @@ def _random_graph(rng, n, dense):
 
 
 def test_scheduled_elimination_equals_the_plain_one_ties_included():
-    """The cached schedule changes the bookkeeping only: on integer costs (many ties), the
-    same assignment as the elimination that works out every bucket on each call, self-edges,
-    repeated pairs and domains of one included."""
+    """The compiled program changes the bookkeeping and the order in which a bucket's
+    factors are added (exact on integers): on integer costs (many ties), the same assignment
+    as the numpy elimination that works out every bucket on each call, self-edges, repeated
+    pairs and domains of one included."""
     from autopar.solver.elimination import _eliminate_plain, eliminate, greedy_order
 
     rng = np.random.default_rng(1)
