@@ -31,7 +31,15 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from harness.spmd import EPS, LR, fake_group, four_block_model, one_device_run, rel_err
+from harness.spmd import (
+    EPS,
+    LR,
+    fake_group,
+    four_block_model,
+    one_device_run,
+    rel_err,
+    start_method,
+)
 
 from autopar.api import build_pipeline  # plans the stages, then builds (runtime)
 from autopar.ir.errors import MeshError, PlanError
@@ -216,7 +224,8 @@ def test_pipeline_stages_run_their_plans() -> None:
         if key not in made:
             made[key] = _reference(preset, CLIP.get(name))
     references = {c[0]: made[(c[1], CLIP.get(c[0]))] for c in CONFIGS}
-    reports = launch(_worker, WORLD, (CONFIGS, references), timeout_s=300)
+    reports = launch(_worker, WORLD, (CONFIGS, references), timeout_s=300,
+                     start_method=start_method())
     for name, preset, axes, schedule, virtual, m, plans in CONFIGS:
         pp = axes["pp"]
         backward = ("I", "W") if schedule == "zbv" else ("B",)
