@@ -295,6 +295,9 @@ def start_method() -> str:
     imports them again: about 3 s of CPU per worker on the 2-core machine). The workers still
     start clean, as spawned ones do: the server is a fresh interpreter that ran no collective
     and no OpenMP region, unlike the test process (the reason ``launch`` does not fork).
+    The server keeps the environment of its first start: pass a worker what it needs as
+    arguments, as these tests do; each tensor among them travels as a file descriptor, of
+    which the server hands a worker at most 256 (``test_pipeline_tp.py`` sends bytes).
     ``tests/runtime/test_launch.py`` keeps ``launch``'s default, ``spawn``."""
     import multiprocessing
 
