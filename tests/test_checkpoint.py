@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from harness.spmd import EPS, LR, four_block_model, reference_plan, rel_err
+from harness.spmd import EPS, LR, four_block_model, reference_plan, rel_err, start_method
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -173,7 +173,7 @@ def gloo_run(tmp_path_factory) -> tuple[list[dict], Path]:
 
     d = tmp_path_factory.mktemp("ckpt")
     reports = launch(_worker, WORLD, (str(d / "dp2tp2"), str(d / "pipe"), str(d / "fsdp")),
-                     timeout_s=300)
+                     timeout_s=300, start_method=start_method())
     return reports, d
 
 
@@ -228,7 +228,8 @@ def test_four_processes_checkpoint_resumes_on_eight(gloo_run) -> None:
 
     reports, d = gloo_run
     want = torch.tensor(reports[0]["uninterrupted"])
-    for losses in launch(_worker_on_eight, 8, (str(d / "dp2tp2"),), timeout_s=600):
+    for losses in launch(_worker_on_eight, 8, (str(d / "dp2tp2"),), timeout_s=600,
+                         start_method=start_method()):
         assert rel_err(torch.tensor(losses), want) < TOL
 
 

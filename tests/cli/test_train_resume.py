@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness.spmd import train_usage_error
+from harness.spmd import start_method, train_usage_error
 
 from autopar.cli import resume
 from autopar.cli.corpus import BatchSampler
@@ -178,7 +178,8 @@ def test_resumed_runs_equal_the_uninterrupted_run(tmp_path: Path) -> None:
     from autopar.checkpoint import committed_steps
     from autopar.runtime.launch import launch
 
-    reports = launch(_resume_worker, 2, (str(tmp_path),), timeout_s=300)
+    reports = launch(_resume_worker, 2, (str(tmp_path),), timeout_s=300,
+                     start_method=start_method())
     r = reports[0]
     assert all(rep["full"] == r["full"] for rep in reports)  # every rank's loss is the whole
     assert committed_steps(tmp_path / "full") == [2, 4, 6]  # every 2 steps, the last at the end

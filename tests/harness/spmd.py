@@ -283,6 +283,28 @@ def check_collectives(records: list, pm: nn.Module, what: str = "") -> None:
         assert collective_totals(records) == planned_totals(pm.plan), what
 
 
+# imported once by the fork server, so a started worker begins with them loaded
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+            "torch.distributed.pipelining", "autopar", "autopar.api", "autopar.runtime",
+            "harness.spmd"]
+
+
+def start_method() -> str:
+    """How the multi-process tests start their workers: ``forkserver``, with torch and autopar
+    imported once in the server (each worker is a fork of it, not a fresh interpreter that
+    imports them again: about 3 s of CPU per worker on the 2-core machine). The workers still
+    start clean, as spawned ones do: the server is a fresh interpreter that ran no collective
+    and no OpenMP region, unlike the test process (the reason ``launch`` does not fork).
+    The server keeps the environment of its first start: pass a worker what it needs as
+    arguments, as these tests do; each tensor among them travels as a file descriptor, of
+    which the server hands a worker at most 256 (``test_pipeline_tp.py`` sends bytes).
+    ``tests/runtime/test_launch.py`` keeps ``launch``'s default, ``spawn``."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)  # read when the server first starts
+    return "forkserver"
+
+
 def spawn_reports(worker: Callable, args: tuple, nprocs: int, out_dir: Any,
                   timeout_s: float) -> list[dict]:
     """Run ``worker(rank, *args)`` on ``nprocs`` spawned processes (gloo tests) and read back
@@ -295,7 +317,7 @@ def spawn_reports(worker: Callable, args: tuple, nprocs: int, out_dir: Any,
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False,
-                             start_method="spawn")
+                             start_method=start_method())
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=2):

@@ -15,6 +15,7 @@ to return the same completion twice) and handed to every rank as JSON.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import socket
@@ -152,26 +153,27 @@ def _checkpoint_round_trip(pm, preset_name, mesh_shape, plan, out_dir, dcp) -> N
         assert a.placements == b.placements, n
 
 
-def _reference_plans(configs: list) -> dict[str, str]:
+def _reference_plans(configs: list) -> dict[str, dict]:
+    """Every config's plan as JSON, but the solver's (made on rank 0)."""
+    return {name: _plan_json(name) for name, *_, source in configs if source != "solver"}
+
+
+@functools.cache  # both tests run dp, tp, fsdp-2x2 and 2d-gpt: their plans are made once
+def _plan_json(name: str) -> dict:
     from autopar.capture.joint import capture
     from autopar.ir.plan import Plan
     from autopar.planning.planner import with_recompute
 
-    plans = {}
-    for name, preset_name, mesh_shape, source in configs:
-        if source == "solver":
-            continue
-        preset, model, inputs = _build(preset_name)
-        base, _, mode = source.partition("+")
-        if mode:  # another config's plan, recomputing
-            plan = with_recompute(capture(model, inputs), Plan.from_json(plans[base]), mode,
-                                  mesh_for(mesh_shape))
-            plans[name] = plan.to_json()
-            continue
-        plan = reference_plan(model, preset.family, source, mesh_for(mesh_shape), inputs)
-        assert plan is not None, f"{source} does not apply to {preset_name} on {mesh_shape}"
-        plans[name] = plan.to_json()
-    return plans
+    _, preset_name, mesh_shape, source = next(c for c in CONFIGS if c[0] == name)
+    preset, model, inputs = _build(preset_name)
+    base, _, mode = source.partition("+")
+    if mode:  # another config's plan, recomputing
+        plan = with_recompute(capture(model, inputs), Plan.from_json(_plan_json(base)), mode,
+                              mesh_for(mesh_shape))
+        return plan.to_json()
+    plan = reference_plan(model, preset.family, source, mesh_for(mesh_shape), inputs)
+    assert plan is not None, f"{source} does not apply to {preset_name} on {mesh_shape}"
+    return plan.to_json()
 
 
 def _run_workers(tmp_path: Path, configs: list, compile: bool = False) -> list[dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import torch
+from harness.spmd import start_method
 
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
@@ -98,7 +99,8 @@ def test_live_bytes_counts_storages_once() -> None:
 
 def test_predicted_peak_within_10_percent_of_measured() -> None:
     made = {case: _plan(case) for case in PLANS}
-    ranks = launch(_measure, WORLD, ([made[c][0] for c in PLANS],), timeout_s=300)
+    ranks = launch(_measure, WORLD, ([made[c][0] for c in PLANS],), timeout_s=300,
+                   start_method=start_method())
     for k, case in enumerate(PLANS):
         measured = max(r[k] for r in ranks)
         _, predicted, full = made[case]

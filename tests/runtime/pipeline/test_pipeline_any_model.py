@@ -15,7 +15,7 @@ import copy
 import torch
 import torch.nn as nn
 from harness.hand_written import VOCAB, DictDecoder, lm_loss
-from harness.spmd import EPS, LR, fake_world, rel_err
+from harness.spmd import EPS, LR, fake_world, rel_err, start_method
 
 import autopar
 from autopar.capture.joint import capture
@@ -92,7 +92,8 @@ def _worker() -> dict:
 def test_pipelined_on_2_stages_by_2_replicas_equals_one_device() -> None:
     from autopar.runtime.launch import launch
 
-    reports = launch(_worker, 4, (), timeout_s=300)
+    reports = launch(_worker, 4, (), timeout_s=300,
+                     start_method=start_method())
     names = set()
     for rep in reports:
         assert rep["frontend"] == "trace"

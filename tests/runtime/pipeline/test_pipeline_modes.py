@@ -40,7 +40,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from harness.spmd import EPS, LR, fake_world, one_device_run, rel_err
+from harness.spmd import EPS, LR, fake_world, one_device_run, rel_err, start_method
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
@@ -276,7 +276,8 @@ def _counted(step, counts: Counter):
 def test_pipelines_recompute_and_compute_in_bf16_as_one_device() -> None:
     from autopar.runtime.launch import launch
 
-    reports = launch(_worker, WORLD, (CONFIGS,), timeout_s=240)
+    reports = launch(_worker, WORLD, (CONFIGS,), timeout_s=240,
+                     start_method=start_method())
     split = {"zbv"}
     for name, preset, schedule, m, precision, recompute, _ in CONFIGS:
         for rep in reports:

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from harness.spmd import EPS, LR, fake_world, rel_err
+from harness.spmd import EPS, LR, fake_world, rel_err, start_method
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -178,7 +178,8 @@ def test_parallelize_pipelines_equal_one_device(tmp_path) -> None:
     from autopar.runtime.launch import launch
 
     plan_path = str(tmp_path / "plan.json")
-    reports = launch(_worker, WORLD, (plan_path,), timeout_s=240)
+    reports = launch(_worker, WORLD, (plan_path,), timeout_s=240,
+                     start_method=start_method())
     for rep in reports:
         g = rep["gpt2"]
         assert g["runtime"] == schedule_info(g["schedule"]).key

@@ -25,7 +25,7 @@ from collections import Counter
 
 import pytest
 import torch
-from harness.spmd import EPS, LR, four_block_model, rel_err
+from harness.spmd import EPS, LR, four_block_model, rel_err, start_method
 from torch import nn
 
 import autopar
@@ -220,7 +220,8 @@ def _compare(config: str, what: str, got: dict, want: dict) -> None:
 def test_pipeline_schedules_equal_one_device() -> None:
     from autopar.runtime.launch import launch
 
-    reports = launch(_worker, WORLD, (CONFIGS,), timeout_s=240)
+    reports = launch(_worker, WORLD, (CONFIGS,), timeout_s=240,
+                     start_method=start_method())
     for name, preset, (pp, dp), schedule, virtual, frontend, m, _ in CONFIGS:
         held = sorted(s for rank in range(pp * dp) for s in reports[rank][name]["stages"])
         assert held == sorted(list(range(pp * virtual)) * dp), name  # each stage once per replica

@@ -25,13 +25,22 @@ errors for meshes, frontends, schedules and plans that cannot run.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness.spmd import EPS, LR, fake_group, four_block_model, one_device_run, rel_err
+from harness.spmd import (
+    EPS,
+    LR,
+    fake_group,
+    four_block_model,
+    one_device_run,
+    rel_err,
+    start_method,
+)
 
 from autopar.api import build_pipeline  # plans the stages, then builds (runtime)
 from autopar.ir.errors import MeshError, PlanError
@@ -124,9 +133,10 @@ def _megatron(model, family: str, recompute: str = "none"):
     return plan
 
 
-def _worker(configs: list, references: dict) -> dict:
+def _worker(configs: list, saved_references: bytes) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
+    references = torch.load(io.BytesIO(saved_references))
     report, made = {}, {}
     for name, preset, axes, schedule, virtual, m, plans in configs:
         model, (tokens, targets) = _build(preset)
@@ -216,7 +226,12 @@ def test_pipeline_stages_run_their_plans() -> None:
         if key not in made:
             made[key] = _reference(preset, CLIP.get(name))
     references = {c[0]: made[(c[1], CLIP.get(c[0]))] for c in CONFIGS}
-    reports = launch(_worker, WORLD, (CONFIGS, references), timeout_s=300)
+    # the references go as torch.save's bytes: passed as tensors, each would travel as a file
+    # descriptor, and a fork server hands a worker at most 256 of them
+    saved = io.BytesIO()
+    torch.save(references, saved)
+    reports = launch(_worker, WORLD, (CONFIGS, saved.getvalue()), timeout_s=300,
+                     start_method=start_method())
     for name, preset, axes, schedule, virtual, m, plans in CONFIGS:
         pp = axes["pp"]
         backward = ("I", "W") if schedule == "zbv" else ("B",)
