@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.solver import kernels, regions
+from autopar.solver import kernels, regions, wcsp
 from autopar.solver.contract import contract
 from autopar.solver.problem import _USAGE_RTOL, Problem
 
@@ -42,6 +42,10 @@ _TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 16, 2.0, 3
 # when the rounds stall, exact region moves (``regions.py``) on the incumbent for up to
 # this many seconds before the kick; without a limit they take the time the rounds would
 _REGION_S = 3.0
+# relaxed plans from the complete WCSP solver (``wcsp.py``, toulbar2) in the first
+# _ORACLE_SHARE of a run under a limit: each solve gets _ORACLE_PART of the run's time,
+# within [_ORACLE_MIN_S, _ORACLE_MAX_S] seconds (shorter ones return poor plans on M)
+_ORACLE_SHARE, _ORACLE_PART, _ORACLE_MIN_S, _ORACLE_MAX_S = 0.5, 0.1, 5.0, 20.0
 
 
 class UnitArrays(NamedTuple):
@@ -148,8 +152,10 @@ class Search:
     """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
 
     def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0,
-                 deadline: float = math.inf) -> None:
+                 deadline: float = math.inf, oracle: bool = False) -> None:
         self.up, self.D = up, up.D
+        self.oracle = oracle and wcsp.available()
+        self.oracle_wins = 0  # rounds whose relaxed plan came from the oracle
         limit = up.q.usage_limit
         self.lim = math.inf if limit is None else limit + _USAGE_RTOL * max(1.0, abs(limit))
         self.rng = np.random.default_rng(seed)
@@ -251,6 +257,28 @@ class Search:
             load = kernels.profile(D, ch, up.base)
         return best
 
+    def oracle_round(self, rch: np.ndarray, pc: np.ndarray, lam: np.ndarray, wall_s: float,
+                     deadline: float) -> np.ndarray:
+        """The relaxed plan of the WCSP solver for prices ``pc`` (polished), tightened
+        and considered as a candidate whatever its priced cost (it starts the repair in
+        another basin); returns it instead of the local relaxed plan ``rch`` when its
+        priced cost is lower, else ``rch``."""
+        D, up = self.D, self.up
+        got = wcsp.solve_priced(D, pc, _PENALTY, wall_s, hint=rch)
+        if got is None or len(got) != len(rch):
+            return rch
+        sizes = np.diff(D.k_off)
+        if (got < 0).any() or (got >= sizes).any():
+            return rch
+        self.polish(got, pc, up.base, math.inf, deadline)
+        fit = self.tighten(got, kernels.profile(D, got, up.base), lam, deadline)
+        if fit is not None:
+            self.consider(*fit, deadline)
+        if kernels.total_cost(D, got, pc) < kernels.total_cost(D, rch, pc):
+            self.oracle_wins += 1
+            return got
+        return rch
+
     def run(self, deadline: float, log: bool = False) -> None:
         """Lagrangian rounds until ``deadline`` (a ``time.monotonic()`` value)."""
         up, D = self.up, self.D
@@ -264,6 +292,10 @@ class Search:
         rch = self.best.copy()
         inf = math.inf
         since_best = 0
+        start = time.monotonic()
+        span = deadline - start
+        oracle_until = start + _ORACLE_SHARE * span
+        oracle_s = min(_ORACLE_MAX_S, max(_ORACLE_MIN_S, _ORACLE_PART * span))
         while time.monotonic() < deadline:
             if _KICK_AFTER and since_best >= _KICK_AFTER:
                 self.improve_regions(min(deadline, time.monotonic() + _REGION_S))
@@ -272,6 +304,9 @@ class Search:
                 theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0
             pc = kernels.priced(D, up.ucost, lam)
             self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
+            left = min(oracle_until, deadline) - time.monotonic()
+            if self.oracle and left >= min(oracle_s, _ORACLE_MIN_S):
+                rch = self.oracle_round(rch, pc, lam, min(oracle_s, left), deadline)
             rload = kernels.profile(D, rch, up.base)
             # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
             off = float(lam @ up.base) - self.lim * float(lam.sum())
