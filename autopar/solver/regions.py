@@ -206,12 +206,18 @@ def region_move(D, units: list[int], ch: np.ndarray, cost: np.ndarray, base: np.
                     order = big_order
                     ch[idx] = eliminate(dom, edges, mats, order, unary)
                     load = kernels.profile(D, ch, base)
-            got = _priced_fit(D, units, ch, idx, dom, edges, mats, order, unary, cost, base,
-                              lim, load, cap, before - after)
-            if got is None:  # the fallback: choices whose usage nowhere rises
-                ch[idx] = old
-                _no_rise(D, units, ch, unary)
-                got = eliminate(dom, edges, mats, order, unary)
+            priced = _priced_fit(D, units, ch, idx, dom, edges, mats, order, unary, cost,
+                                 base, lim, load, cap, before - after)
+            # and the fallback, which always fits: choices whose usage nowhere rises
+            ch[idx] = old
+            _no_rise(D, units, ch, unary)
+            got = eliminate(dom, edges, mats, order, unary)
+            if priced is not None:
+                ch[idx] = got
+                c_rise = kernels.total_cost(D, ch, cost)
+                ch[idx] = priced
+                if kernels.total_cost(D, ch, cost) < c_rise:
+                    got = priced
             ch[idx] = got
             after = kernels.total_cost(D, ch, cost)
             if after >= cap or kernels.profile(D, ch, base).max() > lim:

@@ -46,6 +46,7 @@ _REGION_S = 3.0
 # _ORACLE_SHARE of a run under a limit: each solve gets _ORACLE_PART of the run's time,
 # within [_ORACLE_MIN_S, _ORACLE_MAX_S] seconds (shorter ones return poor plans on M)
 _ORACLE_SHARE, _ORACLE_PART, _ORACLE_MIN_S, _ORACLE_MAX_S = 0.5, 0.1, 5.0, 20.0
+_ORACLE_FIRST = 2.0  # the first solve's time, in solves
 
 
 class UnitArrays(NamedTuple):
@@ -156,6 +157,7 @@ class Search:
         self.up, self.D = up, up.D
         self.oracle = oracle and wcsp.available()
         self.oracle_wins = 0  # rounds whose relaxed plan came from the oracle
+        self.oracle_calls = 0
         limit = up.q.usage_limit
         self.lim = math.inf if limit is None else limit + _USAGE_RTOL * max(1.0, abs(limit))
         self.rng = np.random.default_rng(seed)
@@ -264,6 +266,7 @@ class Search:
         another basin); returns it instead of the local relaxed plan ``rch`` when its
         priced cost is lower, else ``rch``."""
         D, up = self.D, self.up
+        self.oracle_calls += 1
         got = wcsp.solve_priced(D, pc, _PENALTY, wall_s, hint=rch)
         if got is None or len(got) != len(rch):
             return rch
@@ -306,7 +309,11 @@ class Search:
             self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
             left = min(oracle_until, deadline) - time.monotonic()
             if self.oracle and left >= min(oracle_s, _ORACLE_MIN_S):
-                rch = self.oracle_round(rch, pc, lam, min(oracle_s, left), deadline)
+                # the first solve (no prices yet) sets the multipliers' first step: the
+                # unconstrained optimum's overflow (M: 5.5x the limit) steps them towards
+                # plans that tighten well, a poorer plan's (2x) did not; it gets longer
+                want = oracle_s * (_ORACLE_FIRST if self.oracle_calls == 0 else 1.0)
+                rch = self.oracle_round(rch, pc, lam, min(want, left), deadline)
             rload = kernels.profile(D, rch, up.base)
             # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
             off = float(lam @ up.base) - self.lim * float(lam.sum())
