@@ -11,6 +11,15 @@ seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient ste
 tightening towards the limit and repair, feasible polish with single-unit and
 both-ends-of-an-edge moves) takes well under a second. When the rounds stall, exact moves on
 regions of units (``regions.py``) polish the incumbent.
+
+Those moves settle in the basin they start in: on contest instance M the relaxed plans of
+every round stayed within 0.1% of the incumbent (5.226e10, the multipliers positive at 2-3
+steps), from any price, while the contest's best is 4.99e10. So in the first half of a run
+one search (``oracle``) also asks a complete weighted-CSP solver (``wcsp.py``, toulbar2,
+hinted by the local relaxed plan) for the relaxed plan: its plan is tightened and considered
+whatever its priced cost, and replaces the local one for the subgradient step where it is
+cheaper under the prices. On M its first, unpriced plan (4.615e10, 5.5 times over the limit)
+steps the multipliers to priced plans 1.6 times over that tighten to 4.99e10.
 """
 
 from __future__ import annotations
