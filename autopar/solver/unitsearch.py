@@ -14,8 +14,9 @@ regions of units (``regions.py``) polish the incumbent.
 
 Those moves settle in the basin they start in: on contest instance M the relaxed plans of
 every round stayed within 0.1% of the incumbent (5.226e10, the multipliers positive at 2-3
-steps), from any price, while the contest's best is 4.99e10. So in the first half of a run
-one search (``oracle``) also asks a complete weighted-CSP solver (``wcsp.py``, toulbar2,
+steps), from any price, while the contest's best is 4.99e10. So where the relaxed plans
+stay at the incumbent's cost, one search (``oracle``) spends the next part of its run
+asking a complete weighted-CSP solver (``wcsp.py``, toulbar2,
 hinted by the local relaxed plan) for the relaxed plan: its plan is tightened and considered
 whatever its priced cost, and replaces the local one for the subgradient step where it is
 cheaper under the prices. On M its first, unpriced plan (4.615e10, 5.5 times over the limit)
@@ -52,10 +53,15 @@ _TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 16, 2.0, 3
 # this many seconds before the kick; without a limit they take the time the rounds would
 _REGION_S = 3.0
 # relaxed plans from the complete WCSP solver (``wcsp.py``, toulbar2) in the first
-# _ORACLE_SHARE of a run under a limit: each solve gets _ORACLE_PART of the run's time,
-# within [_ORACLE_MIN_S, _ORACLE_MAX_S] seconds (shorter ones return poor plans on M)
-_ORACLE_SHARE, _ORACLE_PART, _ORACLE_MIN_S, _ORACLE_MAX_S = 0.5, 0.1, 5.0, 20.0
-_ORACLE_FIRST = 2.0  # the first solve's time, in solves
+# _ORACLE_SHARE of a run under a limit: each solve gets _ORACLE_PART of the run's time in
+# CPU seconds, within [_ORACLE_MIN_S, _ORACLE_MAX_S] (shorter ones return poor plans on M),
+# and at most _ORACLE_WALL times that in wall time (a loaded machine gives it a fraction of
+# a core); the first solve _ORACLE_FIRST times as much (see ``run``)
+_ORACLE_SHARE, _ORACLE_PART, _ORACLE_MIN_S, _ORACLE_MAX_S = 0.6, 0.1, 5.0, 20.0
+_ORACLE_WALL, _ORACLE_FIRST = 4.0, 2.0
+# ... once the local rounds are stuck: after _ORACLE_AFTER rounds, the best relaxed value
+# within _STUCK of the incumbent's cost
+_ORACLE_AFTER, _STUCK = 8, 0.01
 
 
 class UnitArrays(NamedTuple):
@@ -269,14 +275,14 @@ class Search:
         return best
 
     def oracle_round(self, rch: np.ndarray, pc: np.ndarray, lam: np.ndarray, wall_s: float,
-                     deadline: float) -> np.ndarray:
+                     cpu_s: float, deadline: float) -> np.ndarray:
         """The relaxed plan of the WCSP solver for prices ``pc`` (polished), tightened
         and considered as a candidate whatever its priced cost (it starts the repair in
         another basin); returns it instead of the local relaxed plan ``rch`` when its
         priced cost is lower, else ``rch``."""
         D, up = self.D, self.up
         self.oracle_calls += 1
-        got = wcsp.solve_priced(D, pc, _PENALTY, wall_s, hint=rch)
+        got = wcsp.solve_priced(D, pc, _PENALTY, wall_s, hint=rch, cpu_s=cpu_s)
         if got is None or len(got) != len(rch):
             return rch
         sizes = np.diff(D.k_off)
@@ -304,11 +310,22 @@ class Search:
         rch = self.best.copy()
         inf = math.inf
         since_best = 0
-        start = time.monotonic()
-        span = deadline - start
-        oracle_until = start + _ORACLE_SHARE * span
+        span = deadline - time.monotonic()
         oracle_s = min(_ORACLE_MAX_S, max(_ORACLE_MIN_S, _ORACLE_PART * span))
+        oracle_until = -math.inf  # the oracle's phase, once the local rounds are stuck
         while time.monotonic() < deadline:
+            if (self.oracle and self.oracle_calls == 0 and self.rounds >= _ORACLE_AFTER
+                    and best_rel >= (1.0 - _STUCK) * self.best_c
+                    and deadline - time.monotonic() >= 2 * _ORACLE_MIN_S):
+                # the relaxed plans stay at the incumbent (M: within 0.02%; S, where the
+                # rounds still move, 12% below): their moves cannot leave its basin. The
+                # oracle's rounds start afresh from unpriced costs: the unconstrained
+                # optimum's overflow (M: 5.5 times the limit) steps the multipliers towards
+                # plans that tighten well (a poorer first plan's, 2 times over, did not)
+                oracle_until = time.monotonic() + _ORACLE_SHARE * (deadline - time.monotonic())
+                lam = np.zeros(len(up.base))
+                rch = self.best.copy()
+                theta, best_rel, stall = _THETA0, -math.inf, 0
             if _KICK_AFTER and since_best >= _KICK_AFTER:
                 self.improve_regions(min(deadline, time.monotonic() + _REGION_S))
                 rch = self.best.copy()
@@ -318,11 +335,10 @@ class Search:
             self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
             left = min(oracle_until, deadline) - time.monotonic()
             if self.oracle and left >= min(oracle_s, _ORACLE_MIN_S):
-                # the first solve (no prices yet) sets the multipliers' first step: the
-                # unconstrained optimum's overflow (M: 5.5x the limit) steps them towards
-                # plans that tighten well, a poorer plan's (2x) did not; it gets longer
-                want = oracle_s * (_ORACLE_FIRST if self.oracle_calls == 0 else 1.0)
-                rch = self.oracle_round(rch, pc, lam, min(want, left), deadline)
+                # the first solve (no prices) sets the multipliers' first step: it gets longer
+                cpu = oracle_s * (_ORACLE_FIRST if self.oracle_calls == 0 else 1.0)
+                rch = self.oracle_round(rch, pc, lam, min(_ORACLE_WALL * cpu, left), cpu,
+                                        deadline)
             rload = kernels.profile(D, rch, up.base)
             # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
             off = float(lam @ up.base) - self.lim * float(lam.sum())

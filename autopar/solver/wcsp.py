@@ -52,9 +52,13 @@ def _int_costs(a: np.ndarray, forbid: float, scale: float) -> np.ndarray:
 
 
 def solve_priced(D, pc: np.ndarray, forbid: float, wall_s: float,
-                 hint: np.ndarray | None = None) -> np.ndarray | None:
+                 hint: np.ndarray | None = None, cpu_s: float | None = None
+                 ) -> np.ndarray | None:
     """The best unit choice toulbar2 finds for unit costs ``pc`` and ``D``'s edge matrices
-    within ``wall_s`` seconds of wall time (the whole child process), or None. ``hint``: a
+    in ``cpu_s`` seconds of its own CPU time (default: ``wall_s``), and never more than
+    ``wall_s`` seconds of wall time (the whole child process), or None. On a shared machine
+    the CPU limit is what makes a solve as good as on an idle one, the wall limit what
+    keeps the caller's deadline. ``hint``: a
     plan whose values the search tries first (solution-based phase saving); without it
     the first plans of a short search are poor (M: 6.4e10 in 15 s against 4.6e10 in 30)."""
     k_off, e_a, e_b, e_off, e_nb, e_flat = D[0], D[9], D[10], D[11], D[12], D[13]
@@ -70,9 +74,8 @@ def solve_priced(D, pc: np.ndarray, forbid: float, wall_s: float,
         left = wall_s - (time.monotonic() - t0)
         if left <= 0.5:
             return None
-        # CPU seconds for toulbar2's own limit: the wall limit (on a shared machine it gets
-        # less CPU than wall time; the parent's kill is what holds the limit)
-        cpu = max(1, int(left))
+        # toulbar2's own limit counts CPU seconds, whole ones; the parent's kill holds the wall
+        cpu = max(1, int(min(left, wall_s if cpu_s is None else cpu_s)))
         with open(out, "w") as f:
             proc = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), src, str(cpu)],
