@@ -8,15 +8,10 @@ units grown breadth-first from a costly edge is re-chosen exactly with the rest 
 and all, by variable elimination (``elimination.eliminate``: work is the product of the
 domains in the largest factor, so the ball's size adapts to what the region's width allows).
 
-Under a usage limit the region's optimum is taken when the whole profile still fits.
-Otherwise the region trades memory inside itself: its usage at the steps the optimum
-overflowed is priced by one multiplier (``_priced_fit``), raised until the region's optimum
-under that price fits and then bisected down to the cheapest that still does (steps that
-overflow on the way join the priced set). On M, from the unit search's plan, unconstrained
-region moves save 1.7% in 15 s but overflow by half; held to choices whose usage nowhere
-rises (the fallback, which always fits) they save nothing: one unit must give memory back
-for another to take it. A move is taken only when it lowers the true cost, so the incumbent
-never gets worse and never leaves the limit.
+Under a usage limit the region's optimum is taken when the whole profile still fits;
+otherwise the region is solved again allowing only choices whose usage nowhere rises (which
+always fits). A move is taken only when it lowers the true cost, so the incumbent never gets
+worse and never leaves the limit.
 """
 
 from __future__ import annotations
@@ -33,9 +28,6 @@ from autopar.solver.elimination import eliminate, greedy_order
 _MAX_ENTRIES = 2e5
 # region sizes (units): start, floor and ceiling of the adaptive size
 _SIZE0, _SIZE_MIN, _SIZE_MAX = 16, 4, 400
-# the priced re-solve of a region that overflows: the price grows by _PRICE_GROW until the
-# region fits (at most _PRICE_UP times), then _PRICE_BISECT halvings of the bracket
-_PRICE_GROW, _PRICE_UP, _PRICE_BISECT = 4.0, 12, 5
 
 
 def grow(D, seed: int, size: int, rng: np.random.Generator) -> list[int]:
@@ -96,78 +88,8 @@ def _no_rise(D, units: list[int], ch: np.ndarray, unary: list[np.ndarray]) -> No
             unary[i][use > use[ch[u]]] = math.inf
 
 
-def _member_weights(D, units: list[int], hot: np.ndarray) -> list[np.ndarray]:
-    """Per region unit, per choice: its members' usage times their live steps in ``hot``."""
-    m_ptr, m_st, m_en, m_uoff, m_use = D[1], D[2], D[3], D[4], D[5]
-    k_off = D[0]
-    cum = np.concatenate([[0], np.cumsum(hot)])
-    out = []
-    for u in units:
-        kk = int(k_off[u + 1] - k_off[u])
-        w = np.zeros(kk)
-        for m in range(m_ptr[u], m_ptr[u + 1]):
-            n = cum[m_en[m]] - cum[m_st[m]]
-            if n:
-                w += n * m_use[m_uoff[m]:m_uoff[m] + kk]
-        out.append(w)
-    return out
-
-
-def _priced_fit(D, units, ch, idx, dom, edges, mats, order, unary, cost, base, lim,
-                load: np.ndarray, cap: float, gain: float) -> np.ndarray | None:
-    """The cheapest assignment of the region found that fits under ``lim``, its usage at
-    the overflowing steps priced by one multiplier: from the price at which the overflow
-    (usage x steps) would cost the unconstrained optimum's ``gain``, grown until the region
-    fits, then bisected (geometrically) down; None if none fits below ``cap`` (the true
-    cost to beat)."""
-    hot = load > lim
-    over = float(np.maximum(load - lim, 0.0).sum())
-    mu = max(gain, 1e-12) / max(over, 1e-12) / _PRICE_GROW
-    lo, hi, best, best_c = 0.0, math.inf, None, cap
-    for step in range(_PRICE_UP + _PRICE_BISECT):
-        w = _member_weights(D, units, hot)
-        a = eliminate(dom, edges, mats, order, [c + mu * x for c, x in zip(unary, w)])
-        ch[idx] = a
-        load = kernels.profile(D, ch, base)
-        if load.max() <= lim:
-            c = kernels.total_cost(D, ch, cost)
-            if c < best_c:
-                best, best_c = a, c
-            hi = mu
-        else:
-            hot |= load > lim
-            lo = mu
-        if not math.isfinite(hi):
-            if step >= _PRICE_UP:
-                break
-            mu *= _PRICE_GROW
-        else:
-            mu = math.sqrt(lo * hi) if lo > 0 else hi / _PRICE_GROW
-    return best
-
-
-def _partners(D, hot: np.ndarray, ch: np.ndarray, units: list[int], count: int,
-              rng: np.random.Generator) -> list[int]:
-    """Up to ``count`` units outside ``units`` that could give memory back at the ``hot``
-    steps (a choice with less usage there), the likeliest first: what a region trades
-    with is whatever is live at its overflow, rarely its graph neighbours."""
-    m_ptr, m_st, m_en = D[1], D[2], D[3]
-    cum = np.concatenate([[0], np.cumsum(hot)])
-    n_m = cum[m_en] - cum[m_st]
-    m_unit = np.repeat(np.arange(len(m_ptr) - 1), np.diff(m_ptr))
-    cand = np.setdiff1d(np.unique(m_unit[n_m > 0]), np.array(units, dtype=np.int64))
-    if not len(cand):
-        return []
-    drop = np.array([w[ch[u]] - w.min() for u, w in
-                     zip(cand.tolist(), _member_weights(D, cand.tolist(), hot))])
-    cand, drop = cand[drop > 0], drop[drop > 0]
-    if len(cand) > count:  # by the memory they could free, with some chance
-        cand = cand[np.argsort(-drop * rng.uniform(0.5, 1.0, len(drop)))[:count]]
-    return cand.tolist()
-
-
 def region_move(D, units: list[int], ch: np.ndarray, cost: np.ndarray, base: np.ndarray,
-                lim: float, rng: np.random.Generator | None = None) -> tuple[bool, float]:
+                lim: float) -> tuple[bool, float]:
     """Re-choose ``units`` exactly with the rest of ``ch`` held; ``ch`` changes only when
     the plan's true ``cost`` falls and its profile stays under ``lim``. Returns (whether
     the region was narrow enough to solve, the cost saved)."""
@@ -176,54 +98,21 @@ def region_move(D, units: list[int], ch: np.ndarray, cost: np.ndarray, base: np.
     if order is None:
         return False, 0.0
     before = kernels.total_cost(D, ch, cost)
-    cap = before - 1e-9 * abs(before)
     idx = np.array(units, dtype=np.int64)
     old = ch[idx].copy()
-    a = eliminate(dom, edges, mats, order, unary)
-    if np.array_equal(a, old):
-        return True, 0.0
-    ch[idx] = a
-    after = kernels.total_cost(D, ch, cost)
-    if after >= cap:
-        ch[idx] = old
-        return True, 0.0
-    if math.isfinite(lim):
-        load = kernels.profile(D, ch, base)
-        if load.max() > lim:
-            ch[idx] = old
-            got, units = None, list(units)
-            # the region and the units live at its overflow that could give memory back
-            extra = _partners(D, load > lim, ch, units, len(units),
-                              rng or np.random.default_rng(0))
-            if extra:
-                big = _region_problem(D, units + extra, ch, cost)
-                big_order = greedy_order(big[1], big[0], _MAX_ENTRIES)
-                if big_order is not None:
-                    units = units + extra
-                    idx = np.array(units, dtype=np.int64)
-                    old = ch[idx].copy()
-                    dom, edges, mats, unary = big
-                    order = big_order
-                    ch[idx] = eliminate(dom, edges, mats, order, unary)
-                    load = kernels.profile(D, ch, base)
-            priced = _priced_fit(D, units, ch, idx, dom, edges, mats, order, unary, cost,
-                                 base, lim, load, cap, before - after)
-            # and the fallback, which always fits: choices whose usage nowhere rises
-            ch[idx] = old
+    for attempt in range(2 if math.isfinite(lim) else 1):
+        if attempt == 1:
             _no_rise(D, units, ch, unary)
-            got = eliminate(dom, edges, mats, order, unary)
-            if priced is not None:
-                ch[idx] = got
-                c_rise = kernels.total_cost(D, ch, cost)
-                ch[idx] = priced
-                if kernels.total_cost(D, ch, cost) < c_rise:
-                    got = priced
-            ch[idx] = got
-            after = kernels.total_cost(D, ch, cost)
-            if after >= cap or kernels.profile(D, ch, base).max() > lim:
-                ch[idx] = old
-                return True, 0.0
-    return True, before - after
+        a = eliminate(dom, edges, mats, order, unary)
+        if np.array_equal(a, old):
+            return True, 0.0
+        ch[idx] = a
+        after = kernels.total_cost(D, ch, cost)
+        if after < before - 1e-9 * abs(before) and (
+                not math.isfinite(lim) or kernels.profile(D, ch, base).max() <= lim):
+            return True, before - after
+        ch[idx] = old
+    return True, 0.0
 
 
 def region_search(D, ch: np.ndarray, cost: np.ndarray, base: np.ndarray, lim: float,
@@ -241,7 +130,7 @@ def region_search(D, ch: np.ndarray, cost: np.ndarray, base: np.ndarray, lim: fl
             if time.monotonic() >= deadline:
                 break
             seed = int(D[9][e] if rng.random() < 0.5 else D[10][e])
-            ok, gain = region_move(D, grow(D, seed, size, rng), ch, cost, base, lim, rng)
+            ok, gain = region_move(D, grow(D, seed, size, rng), ch, cost, base, lim)
             saved += gain
             size = min(_SIZE_MAX, int(size * 1.1) + 1) if ok else max(_SIZE_MIN,
                                                                        int(size * 0.8))

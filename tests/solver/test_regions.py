@@ -92,39 +92,3 @@ def test_region_search_never_worsens_nor_overflows(seed: int) -> None:
             assert kernels.total_cost(D, ch, up.ucost) <= c0 + 1e-9 * abs(c0)
             assert kernels.profile(D, ch, up.base).max() <= lim
     assert kernels.total_cost(D, ch, up.ucost) <= before + 1e-9 * abs(before)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_an_overflowing_region_does_no_worse_than_its_no_rise_fallback(seed: int) -> None:
-    """Where a region's optimum overflows, the priced re-solve (with the units live at the
-    overflow) is taken only when it beats the choices whose usage nowhere rises, so the move
-    is never worse than that fallback alone, and it fits."""
-    p = random_problem(900 + seed, 60)
-    red, up = _units(p)
-    if up is None or up.num_units == 0:
-        return
-    lim = _lim(red.problem)
-    D = up.D
-    from autopar.solver.heuristic import LocalSearch
-    ls = LocalSearch(red.problem, seed, FORBIDDEN)
-    ls.greedy()
-    if not ls.fits():
-        return
-    rng = np.random.default_rng(seed)
-    for _ in range(10):
-        ch = up.choice(ls.a)
-        if kernels.profile(D, ch, up.base).max() > lim:
-            return
-        units = regions.grow(D, int(rng.integers(up.num_units)), 6, rng)
-        # the fallback alone: the region's optimum among choices whose usage nowhere rises
-        fb = ch.copy()
-        dom, edges, mats, unary = regions._region_problem(D, units, fb, up.ucost)
-        order = regions.greedy_order(edges, dom, regions._MAX_ENTRIES)
-        if order is None:
-            continue
-        regions._no_rise(D, units, fb, unary)
-        fb[np.array(units)] = regions.eliminate(dom, edges, mats, order, unary)
-        fallback = min(kernels.total_cost(D, fb, up.ucost), kernels.total_cost(D, ch, up.ucost))
-        regions.region_move(D, units, ch, up.ucost, up.base, lim, rng)
-        assert kernels.profile(D, ch, up.base).max() <= lim
-        assert kernels.total_cost(D, ch, up.ucost) <= fallback + 1e-9 * abs(fallback)
