@@ -303,7 +303,7 @@ def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bo
     up = unitsearch.UnitProblem(ls.q, ls.forbid)
 
     def one(k: int) -> unitsearch.Search:
-        s = unitsearch.Search(up, ls.a, seed + k, until)
+        s = unitsearch.Search(up, ls.a, seed + k, until, oracle=k == 0)
         s.run(until, log=log and k == 0)
         return s
 

@@ -11,6 +11,16 @@ seconds, so a round (reprice, relaxed sweeps to a local optimum, subgradient ste
 tightening towards the limit and repair, feasible polish with single-unit and
 both-ends-of-an-edge moves) takes well under a second. When the rounds stall, exact moves on
 regions of units (``regions.py``) polish the incumbent.
+
+Those moves settle in the basin they start in: on contest instance M the relaxed plans of
+every round stayed within 0.1% of the incumbent (5.226e10, the multipliers positive at 2-3
+steps), from any price, while the contest's best is 4.99e10. So where the relaxed plans
+stay at the incumbent's cost, one search (``oracle``) spends the next part of its run
+asking a complete weighted-CSP solver (``wcsp.py``, toulbar2,
+hinted by the local relaxed plan) for the relaxed plan: its plan is tightened and considered
+whatever its priced cost, and replaces the local one for the subgradient step where it is
+cheaper under the prices. On M its first, unpriced plan (4.615e10, 5.5 times over the limit)
+steps the multipliers to priced plans 1.6 times over that tighten to 4.99e10.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.solver import kernels, regions
+from autopar.solver import kernels, regions, wcsp
 from autopar.solver.contract import contract
 from autopar.solver.problem import _USAGE_RTOL, Problem
 
@@ -42,6 +52,16 @@ _TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 16, 2.0, 3
 # when the rounds stall, exact region moves (``regions.py``) on the incumbent for up to
 # this many seconds before the kick; without a limit they take the time the rounds would
 _REGION_S = 3.0
+# relaxed plans from the complete WCSP solver (``wcsp.py``, toulbar2) in the first
+# _ORACLE_SHARE of a run under a limit: each solve gets _ORACLE_PART of the run's time in
+# CPU seconds, within [_ORACLE_MIN_S, _ORACLE_MAX_S] (shorter ones return poor plans on M),
+# and at most _ORACLE_WALL times that in wall time (a loaded machine gives it a fraction of
+# a core); the first solve _ORACLE_FIRST times as much (see ``run``)
+_ORACLE_SHARE, _ORACLE_PART, _ORACLE_MIN_S, _ORACLE_MAX_S = 0.6, 0.1, 5.0, 20.0
+_ORACLE_WALL, _ORACLE_FIRST = 4.0, 2.0
+# ... once the local rounds are stuck: after _ORACLE_AFTER rounds, the best relaxed value
+# within _STUCK of the incumbent's cost
+_ORACLE_AFTER, _STUCK = 8, 0.01
 
 
 class UnitArrays(NamedTuple):
@@ -148,8 +168,11 @@ class Search:
     """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
 
     def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0,
-                 deadline: float = math.inf) -> None:
+                 deadline: float = math.inf, oracle: bool = False) -> None:
         self.up, self.D = up, up.D
+        self.oracle = oracle and wcsp.available()
+        self.oracle_wins = 0  # rounds whose relaxed plan came from the oracle
+        self.oracle_calls = 0
         limit = up.q.usage_limit
         self.lim = math.inf if limit is None else limit + _USAGE_RTOL * max(1.0, abs(limit))
         self.rng = np.random.default_rng(seed)
@@ -251,6 +274,29 @@ class Search:
             load = kernels.profile(D, ch, up.base)
         return best
 
+    def oracle_round(self, rch: np.ndarray, pc: np.ndarray, lam: np.ndarray, wall_s: float,
+                     cpu_s: float, deadline: float) -> np.ndarray:
+        """The relaxed plan of the WCSP solver for prices ``pc`` (polished), tightened
+        and considered as a candidate whatever its priced cost (it starts the repair in
+        another basin); returns it instead of the local relaxed plan ``rch`` when its
+        priced cost is lower, else ``rch``."""
+        D, up = self.D, self.up
+        self.oracle_calls += 1
+        got = wcsp.solve_priced(D, pc, _PENALTY, wall_s, hint=rch, cpu_s=cpu_s)
+        if got is None or len(got) != len(rch):
+            return rch
+        sizes = np.diff(D.k_off)
+        if (got < 0).any() or (got >= sizes).any():
+            return rch
+        self.polish(got, pc, up.base, math.inf, deadline)
+        fit = self.tighten(got, kernels.profile(D, got, up.base), lam, deadline)
+        if fit is not None:
+            self.consider(*fit, deadline)
+        if kernels.total_cost(D, got, pc) < kernels.total_cost(D, rch, pc):
+            self.oracle_wins += 1
+            return got
+        return rch
+
     def run(self, deadline: float, log: bool = False) -> None:
         """Lagrangian rounds until ``deadline`` (a ``time.monotonic()`` value)."""
         up, D = self.up, self.D
@@ -264,7 +310,23 @@ class Search:
         rch = self.best.copy()
         inf = math.inf
         since_best = 0
+        span = deadline - time.monotonic()
+        oracle_s = min(_ORACLE_MAX_S, max(_ORACLE_MIN_S, _ORACLE_PART * span))
+        oracle_until = -math.inf  # the oracle's phase, once the local rounds are stuck
+        top_rel = -math.inf  # the best relaxed value so far (``best_rel`` never leaves -inf)
         while time.monotonic() < deadline:
+            if (self.oracle and self.oracle_calls == 0 and self.rounds >= _ORACLE_AFTER
+                    and top_rel >= (1.0 - _STUCK) * self.best_c
+                    and deadline - time.monotonic() >= 2 * _ORACLE_MIN_S):
+                # the relaxed plans stay at the incumbent (M: within 0.02%; S, where the
+                # rounds still move, 12% below): their moves cannot leave its basin. The
+                # oracle's rounds start afresh from unpriced costs: the unconstrained
+                # optimum's overflow (M: 5.5 times the limit) steps the multipliers towards
+                # plans that tighten well (a poorer first plan's, 2 times over, did not)
+                oracle_until = time.monotonic() + _ORACLE_SHARE * (deadline - time.monotonic())
+                lam = np.zeros(len(up.base))
+                rch = self.best.copy()
+                theta, best_rel, stall = _THETA0, -math.inf, 0
             if _KICK_AFTER and since_best >= _KICK_AFTER:
                 self.improve_regions(min(deadline, time.monotonic() + _REGION_S))
                 rch = self.best.copy()
@@ -272,10 +334,17 @@ class Search:
                 theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0
             pc = kernels.priced(D, up.ucost, lam)
             self.polish(rch, pc, up.base, inf, deadline)  # the limit relaxed: load unused
+            left = min(oracle_until, deadline) - time.monotonic()
+            if self.oracle and left >= min(oracle_s, _ORACLE_MIN_S):
+                # the first solve (no prices) sets the multipliers' first step: it gets longer
+                cpu = oracle_s * (_ORACLE_FIRST if self.oracle_calls == 0 else 1.0)
+                rch = self.oracle_round(rch, pc, lam, min(_ORACLE_WALL * cpu, left), cpu,
+                                        deadline)
             rload = kernels.profile(D, rch, up.base)
             # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
             off = float(lam @ up.base) - self.lim * float(lam.sum())
             rel = kernels.total_cost(D, rch, pc) + off
+            top_rel = max(top_rel, rel)
             self.bound = max(self.bound, kernels.lower_bound(D, pc) + off)
             if rel > best_rel + 1e-9 * abs(best_rel):
                 best_rel, stall = rel, 0
