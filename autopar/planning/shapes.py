@@ -21,7 +21,11 @@ What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
   order and on the machine's load. A shape's planning may still run past its share (a mode
   with no plan yet goes on), so shapes not started by the whole limit are not planned;
 - the traced stand-ins are shared: a trace depends only on the microbatch and the blocks
-  traced, not on the submesh, so it is made once in this process before the shapes fan out;
+  traced, not on the submesh, so the shapes of one stand-in are planned in one process, which
+  traces it once;
+- a shape that no plan can fit is not planned: where every mode's least peak (each node at its
+  smallest layout, :func:`autopar.planning.modes.least_need`) is over the memory limit, it
+  fails at once, as planning it would (the bound is below every plan's peak);
 - the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`).
 """
 
