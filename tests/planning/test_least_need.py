@@ -100,3 +100,26 @@ def test_a_pipeline_the_bound_rules_out_is_not_planned_and_fails_as_planned_in_f
 
 def _not_called(*a, **k):
     raise AssertionError("make_plan was called on a stand-in the bound rules out")
+
+
+def test_a_whole_step_shape_the_bound_rules_out_is_not_planned(monkeypatch):
+    import autopar.planning.shapes as shapes_mod
+    from autopar.capture.joint import capture
+    from autopar.planning.planner import make_plan
+
+    model, inputs = _model()
+    mesh = Mesh((4,), ("dp",), "h100")
+    pg = capture(model, inputs, precision=Options().resolved_precision(mesh.device))
+    lowest = min(sharding_problem.least_peak(mode_graph(pg, md), mesh, "auto")
+                 for md in candidate_modes("auto", "auto"))
+    opts = Options.of(memory_budget=0.9 * lowest, time_limit_s=1.0, max_layers=None,
+                      workers=1)
+    monkeypatch.setattr(shapes_mod, "make_plan", _not_called)
+    monkeypatch.setattr(shapes_mod, "plan_pipeline", _not_called)
+    monkeypatch.setattr(shapes_mod, "candidate_shapes",
+                        lambda *a, **k: [shapes_mod.MeshShape(1, 4, 1)])
+    (got,) = shapes_mod.search_shapes(model, 4, inputs, device="h100", options=opts)
+    assert not got.fits and "any plan holds at least" in got.note
+    # planned in full, the same budget has no plan
+    with pytest.raises(PlanError):
+        make_plan(model, mesh, inputs, options=opts)
