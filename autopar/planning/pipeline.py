@@ -53,6 +53,7 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.pipeline_mesh import pipeline_axis, stage_mesh
 from autopar.ir.plan import PipelinePlan, PipelineStage, PlanCost, ScheduleOption
+from autopar.ir.units import fmt_bytes
 from autopar.models.reference_plans import megatron_pipeline_layouts
 from autopar.passes.pipeline.cost import (
     Option,
@@ -73,6 +74,7 @@ from autopar.passes.pipeline.stage_profile import StageProfile, stage_profile
 from autopar.passes.pipeline.stage_split import schedule_in_flight
 from autopar.passes.problem.types import ShardingProblem
 from autopar.planning.memory_fit import memory_limit
+from autopar.planning.modes import least_need
 from autopar.planning.planner import Planned, carried_choice, make_plan
 
 __all__ = ["batch_size", "microbatch_counts", "pipeline_axis",
@@ -161,6 +163,7 @@ def plan_pipeline(
     references = {**megatron_pipeline_layouts(model, sub.shape, sub.axes), **(references or {})}
 
     best: _Best | None = None
+    bounded = True  # every microbatch count ruled out by the memory bound alone
     weighed_all: list[Option] = []  # the solver's layout's, for the table
     ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
     failures: list[str] = []
@@ -178,6 +181,16 @@ def plan_pipeline(
                             math.ceil(n_blocks / p), options.search.max_layers, flight,
                             trace_cache, microbatches=m)
         timings["trace_s"] += time.perf_counter() - t1
+        # where no mode's leanest plan fits the stand-in, none of its plans can: nothing to
+        # solve (a valid bound, modes.least_need; the retry below plans a subset of modes)
+        need = least_need(pg, sub, options.memory, limit) if limit is not None else None
+        if need is not None:
+            failures.append(f"m={m}: no plan of the stand-in stage fits {fmt_bytes(limit)} per "
+                            f"device on the stage submesh {sub.describe()}: any plan holds at "
+                            f"least {fmt_bytes(need)} (every tensor at its leanest, in every "
+                            "recomputation mode)")
+            continue
+        bounded = False
         try:
             planned = make_plan(model, sub, options=options, graph=pg,
                                 model_name=model_name, references=references)
@@ -230,7 +243,7 @@ def plan_pipeline(
                 if best is None or key < best.key:
                     best = _Best(key, planned, name, opt, prof, over)
         timings["pipeline_s"] += time.perf_counter() - t2
-    if best is None and options.memory.recompute == "auto":
+    if best is None and options.memory.recompute == "auto" and not bounded:
         # the stand-in chose its recomputation for one microbatch in flight; where that
         # mode fits no split with the schedules' microbatches in flight, plan the leanest
         return plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
@@ -441,7 +454,6 @@ def _label(s: PipelineSchedule) -> str:
 
 def _no_fit(failures: list[str], options: list[Option], limit: float | None, p: int,
             n_blocks: int) -> str:
-    from autopar.ir.units import fmt_bytes
 
     lim = "no limit" if limit is None else fmt_bytes(limit)
     lines = [f"no pipeline plan of {n_blocks} blocks on {p} stages fits {lim} per device"]

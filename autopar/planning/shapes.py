@@ -21,7 +21,11 @@ What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
   order and on the machine's load. A shape's planning may still run past its share (a mode
   with no plan yet goes on), so shapes not started by the whole limit are not planned;
 - the traced stand-ins are shared: a trace depends only on the microbatch and the blocks
-  traced, not on the submesh, so it is made once in this process before the shapes fan out;
+  traced, not on the submesh, so the shapes of one stand-in are planned in one process, which
+  traces it once;
+- a shape that no plan can fit is not planned: where every mode's least peak (each node at its
+  smallest layout, :func:`autopar.planning.modes.least_need`) is over the memory limit, it
+  fails at once, as planning it would (the bound is below every plan's peak);
 - the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`).
 """
 
@@ -41,7 +45,10 @@ from autopar.ir.errors import PlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import SHAPE_LIMIT_S, Options
 from autopar.ir.plan import Plan
+from autopar.ir.units import fmt_bytes
+from autopar.planning.memory_fit import memory_limit
 from autopar.planning.mesh_shapes import MeshShape, mesh_shapes
+from autopar.planning.modes import least_need
 from autopar.planning.parallel_map import forked_map
 from autopar.planning.pipeline import batch_size, microbatch_counts, plan_pipeline, stand_in_graph
 from autopar.planning.planner import make_plan
@@ -148,6 +155,14 @@ def search_shapes(
         refs = references_for(s) if references_for is not None else None
         try:
             if s.pp == 1:
+                # where no mode's leanest plan fits, make_plan has nothing to find
+                limit, _ = memory_limit(opts.memory.budget, mesh.device)
+                need = least_need(cache["whole"], mesh, opts.memory, limit) \
+                    if limit is not None else None
+                if need is not None:
+                    return ShapeResult(s, math.inf, math.inf, None,
+                                       f"no plan fits {fmt_bytes(limit)} per device: any plan "
+                                       f"holds at least {fmt_bytes(need)}")
                 planned = make_plan(model, mesh, options=opts, graph=cache["whole"],
                                     model_name=model_name, references=refs)
             else:

@@ -36,7 +36,7 @@ from autopar.passes.pipeline.schedule import (
     StageTime,
     canonical_name,
     core_speed,
-    simulate,
+    step_and_bubble,
 )
 from autopar.passes.pipeline.stage_profile import PartCost, StageProfile
 from autopar.passes.pipeline.stage_split import (
@@ -294,8 +294,8 @@ def replay(sched: PipelineSchedule, prof: StageProfile | Sequence[StageProfile],
     if len(ends) == 2:  # the tied copies' gradients are summed across the two ranks
         for r in ends:
             rank_sync[r] += over.tied_s
-    sim = simulate(sched, times, over.speed)
-    return sim.step_s + max(rank_sync), sim.bubble_fraction, max(rank_sync)
+    step, bubble = step_and_bubble(sched, times, over.speed)
+    return step + max(rank_sync), bubble, max(rank_sync)
 
 
 def planned_stages(plan: Plan) -> tuple[PipelineSchedule, list[StageTime], list[float],

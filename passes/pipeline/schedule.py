@@ -215,6 +215,7 @@ def rank_orders(schedule: PipelineSchedule) -> tuple[tuple[Action, ...], ...]:
     return _torch_order(schedule.name, schedule.p, schedule.v, schedule.m)
 
 
+@lru_cache(maxsize=64)
 def _single_stage_order(name: str, p: int, m: int) -> tuple[tuple[Action, ...], ...]:
     orders = []
     for r in range(p):
@@ -364,11 +365,18 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
         return sum(1 for other in (a.stage - 1, a.stage + 1)
                    if 0 <= other <= last and rank_of[other] != rank_of[a.stage])
 
+    lengths: dict[tuple[int, str], float] = {}  # an action's length: by stage and kind
+
     def duration(a: Action) -> float:
-        t = times[a.stage]
-        return t.action_s + t.post_s * posts_of(a) + {FORWARD: t.forward_s, BACKWARD: t.backward_s,
-                             BACKWARD_INPUT: t.backward_input_s + t.split_s,
-                             BACKWARD_WEIGHT: t.backward_weight_s}[a.kind]
+        key = (a.stage, a.kind)
+        d = lengths.get(key)
+        if d is None:
+            t = times[a.stage]
+            d = lengths[key] = t.action_s + t.post_s * posts_of(a) + {
+                FORWARD: t.forward_s, BACKWARD: t.backward_s,
+                BACKWARD_INPUT: t.backward_input_s + t.split_s,
+                BACKWARD_WEIGHT: t.backward_weight_s}[a.kind]
+        return d
 
     def finish(r: int, a: Action, start: float, end: float) -> None:
         runs[r].append((a, start, end))
@@ -488,12 +496,27 @@ def simulate(schedule: PipelineSchedule, stage_times: StageTime | Sequence[Stage
     ``speed``: ranks sharing cores (:func:`core_speed`)."""
     times = _as_stage_times(schedule, stage_times)
     runs = _replay(schedule, times, speed)
+    step, bubble, busy, idle = _timing(schedule, runs)
+    peak_n, peak_b, stage_peak = _memory(schedule, times, runs)
+    return ScheduleCost(schedule, step, bubble, busy, idle, peak_n, peak_b, stage_peak)
+
+
+def step_and_bubble(schedule: PipelineSchedule, stage_times: StageTime | Sequence[StageTime],
+                    speed: Sequence[float] | None = None) -> tuple[float, float]:
+    """:func:`simulate`'s step and bubble alone (the same replay, the peaks not counted):
+    what the pipeline planner's splits are weighed by."""
+    runs = _replay(schedule, _as_stage_times(schedule, stage_times), speed)
+    step, bubble, _, _ = _timing(schedule, runs)
+    return step, bubble
+
+
+def _timing(schedule: PipelineSchedule, runs) -> tuple[float, float, tuple, tuple]:
+    """Step, bubble, and each rank's busy and idle time of a replay's runs."""
     step = max((end for rank_runs in runs for _, _, end in rank_runs), default=0.0)
     busy = tuple(sum(end - start for _, start, end in rank_runs) for rank_runs in runs)
     idle = tuple(max(0.0, step - b) for b in busy)
     bubble = sum(idle) / (schedule.p * step) if step > 0 else 0.0
-    peak_n, peak_b, stage_peak = _memory(schedule, times, runs)
-    return ScheduleCost(schedule, step, bubble, busy, idle, peak_n, peak_b, stage_peak)
+    return step, bubble, busy, idle
 
 
 def events(schedule: PipelineSchedule, stage_times: StageTime | Sequence[StageTime],

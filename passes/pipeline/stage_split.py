@@ -42,7 +42,12 @@ from typing import Any
 import numpy as np
 
 from autopar.ir.errors import PlanError
-from autopar.passes.pipeline.schedule import PipelineSchedule, StageTime, simulate
+from autopar.passes.pipeline.schedule import (
+    PipelineSchedule,
+    StageTime,
+    simulate,
+    step_and_bubble,
+)
 
 GiB = 1024**3
 # splits worse than the best by more than this fraction of the objective are not replayed
@@ -174,7 +179,7 @@ def split_stages(
     splits = [_split(sched, best, submeshes, ranges, value) for value, ranges in ranked]
     if refine > 1:
         # the formula ranks; the schedule's replay decides among the few best
-        steps = [simulate(sched, sp.stage_times(forward_share)).step_s for sp in splits]
+        steps = [step_and_bubble(sched, sp.stage_times(forward_share))[0] for sp in splits]
         order = sorted(range(len(splits)), key=lambda x: (steps[x], x))
         return replace(splits[order[0]], step_s=steps[order[0]])
     return splits[0]

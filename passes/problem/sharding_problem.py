@@ -45,36 +45,15 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     on the same mesh whose resharding prices this one reuses (a planner builds one problem
     per recomputation mode, of mostly the same tensors: 8B on 8x8 spent 4 of its 7 s of
     builds pricing the same moves again)."""
-    nodes = [n for n in pg.graph.nodes if n.op in ("placeholder", "call_function")]
+    nodes = problem_nodes(pg)
     idx = {n: i for i, n in enumerate(nodes)}
-    strategies: list[list[Strategy]] = []
-    missing: dict[str, int] = {}
     # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
     # once and shared (the same list object), which also lets edge matrices be cached; a
     # problem on this mesh (prices_of: the planner's other modes) lends its lists, by offload
     lent = getattr(prices_of, "strategy_lists", None) if prices_of is not None \
         and prices_of.mesh is mesh else None
     lent = lent if lent is not None else {}
-    cache = lent.setdefault(offload, {})
-    for n in nodes:
-        facts: NodeFacts = n.meta["autopar"]
-        key = _strategy_key(n)
-        hit = cache.get(key) if key is not None else None
-        if hit is None:
-            if n.op == "placeholder":
-                meta = facts.out
-                specs = all_specs(meta, mesh.shape) if meta is not None else [(Replicate(),) * mesh.ndim]
-                hit = (_placeholder_strategies(specs, facts.role == "param", offload), False)
-            else:
-                ns = node_strategies(n, mesh.shape)
-                hit = (ns.strategies, ns.missing_rule)
-            first = hit[0][0]
-            assert all(isinstance(p, Replicate) for s in first.ins + first.outs for p in s), n.name
-            if key is not None:
-                cache[key] = hit
-        if hit[1]:
-            missing[facts.op] = missing.get(facts.op, 0) + 1
-        strategies.append(hit[0])
+    strategies, missing = strategy_lists(nodes, mesh, offload, lent.setdefault(offload, {}))
 
     edges: list[Edge] = []
     for n in nodes:
@@ -118,41 +97,17 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         [sum(c.time_s for c in cm.loss_collectives(loss_meta, s.outs[0], mesh))
          for s in strategies[loss_i]]
     )
-    # like the costs, per strategy list and outputs: a model's repeated layers repeat them
-    usage_cache: dict = {}
-    for i, n in enumerate(nodes):
-        f = n.meta["autopar"]
-        key = (id(strategies[i]), f.role, f.op,
-               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
-               own_storage(n), _read_outputs(n))
-        if key not in usage_cache:
-            usage_cache[key] = _usage(n, strategies[i], mesh)
-        sp.usage.append(usage_cache[key])
+    sp.usage = node_usages(pg, nodes, strategies, mesh)
     sp.live = live_intervals(nodes)
     if pg.proxy is not None:
-        # a traced middle layer stands for several real ones: weigh its costs, and the memory
-        # each of them holds at once: its parameters, gradients and the activations kept for
-        # the backward (live across the forward's end). What a layer frees before the next
-        # one runs (its transients, forward or backward) is held by one layer at a time.
-        # A pipeline stage's stand-in (depth_proxy.stage_representative) also holds each
-        # kept activation once per microbatch in flight.
+        # a traced middle layer stands for several real ones: weigh its costs (its memory is
+        # weighed in node_usages)
         sp.weight = np.array([pg.layer_weight(node_layer(n)) for n in nodes])
-        sp.in_flight = f = pg.proxy.in_flight
-        turn = next((i for i, n in enumerate(nodes) if n.meta["autopar"].phase == "bwd"),
-                    len(nodes))
+        sp.in_flight = pg.proxy.in_flight
         sp.microbatches = pg.proxy.microbatches
         for i, w in enumerate(sp.weight):
             if w != 1.0:
                 sp.node_cost[i] = sp.node_cost[i] * w
-            a, b = sp.live[i]
-            # a parameter's own cast or view is one copy per step, whatever is in flight
-            if nodes[i].meta["autopar"].role in ("param", "grad") or \
-                    zero.param_root(nodes[i]) is not None:
-                scale = w
-            else:
-                scale = w * f if a < turn <= b else 1.0
-            if scale != 1.0:
-                sp.usage[i] = sp.usage[i] * scale
     else:
         sp.weight = np.ones(len(nodes))
     if sp.microbatches > 1:
@@ -164,6 +119,99 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     assign_variables(sp, share_layers)
     sp.problem = reduced_problem(sp, memory_budget)
     return sp
+
+
+def problem_nodes(pg: PlanGraph) -> list[fx.Node]:
+    """The nodes the problem places: placeholders and ops, in graph order."""
+    return [n for n in pg.graph.nodes if n.op in ("placeholder", "call_function")]
+
+
+def strategy_lists(nodes: list[fx.Node], mesh: Mesh, offload: str, cache: dict
+                   ) -> tuple[list[list[Strategy]], dict[str, int]]:
+    """Every node's strategies on ``mesh`` (one list object per distinct op, shapes and
+    values, kept in ``cache``), and the ops with no rule (planned replicated), counted."""
+    strategies: list[list[Strategy]] = []
+    missing: dict[str, int] = {}
+    for n in nodes:
+        facts: NodeFacts = n.meta["autopar"]
+        key = _strategy_key(n)
+        hit = cache.get(key) if key is not None else None
+        if hit is None:
+            if n.op == "placeholder":
+                meta = facts.out
+                specs = all_specs(meta, mesh.shape) if meta is not None else [(Replicate(),) * mesh.ndim]
+                hit = (_placeholder_strategies(specs, facts.role == "param", offload), False)
+            else:
+                ns = node_strategies(n, mesh.shape)
+                hit = (ns.strategies, ns.missing_rule)
+            first = hit[0][0]
+            assert all(isinstance(p, Replicate) for s in first.ins + first.outs for p in s), n.name
+            if key is not None:
+                cache[key] = hit
+        if hit[1]:
+            missing[facts.op] = missing.get(facts.op, 0) + 1
+        strategies.append(hit[0])
+    return strategies, missing
+
+
+def node_usages(pg: PlanGraph, nodes: list[fx.Node], strategies: list[list[Strategy]],
+                mesh: Mesh) -> list[np.ndarray]:
+    """Bytes per device each node holds under each of its strategies. Under a depth proxy a
+    traced middle layer stands for several real ones: the memory each of them holds at once
+    is weighed (its parameters, gradients and the activations kept for the backward, live
+    across the forward's end); what a layer frees before the next one runs (its transients,
+    forward or backward) is held by one layer at a time. A pipeline stage's stand-in
+    (depth_proxy.stage_representative) also holds each kept activation once per microbatch
+    in flight."""
+    usage: list[np.ndarray] = []
+    # like the costs, per strategy list and outputs: a model's repeated layers repeat them
+    usage_cache: dict = {}
+    for i, n in enumerate(nodes):
+        f = n.meta["autopar"]
+        key = (id(strategies[i]), f.role, f.op,
+               tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
+               own_storage(n), _read_outputs(n))
+        if key not in usage_cache:
+            usage_cache[key] = _usage(n, strategies[i], mesh)
+        usage.append(usage_cache[key])
+    if pg.proxy is None:
+        return usage
+    live = live_intervals(nodes)
+    flight = pg.proxy.in_flight
+    turn = next((i for i, n in enumerate(nodes) if n.meta["autopar"].phase == "bwd"),
+                len(nodes))
+    for i, n in enumerate(nodes):
+        w = pg.layer_weight(node_layer(n))
+        a, b = live[i]
+        # a parameter's own cast or view is one copy per step, whatever is in flight
+        if n.meta["autopar"].role in ("param", "grad") or zero.param_root(n) is not None:
+            scale = w
+        else:
+            scale = w * flight if a < turn <= b else 1.0
+        if scale != 1.0:
+            usage[i] = usage[i] * scale
+    return usage
+
+
+def least_peak(pg: PlanGraph, mesh: Mesh, offload: str = "none",
+               cache: dict | None = None) -> float:
+    """A lower bound on the whole step's peak memory per device of every plan of ``pg`` on
+    ``mesh`` (``offload`` as :func:`build` takes it): each node at its smallest layout (a
+    pinned input at its pin), each held for the shortest it can be, with every view taken
+    to alias a copy of its input (then no view keeps its input alive). A plan's step peak
+    (:func:`autopar.passes.problem.step_memory.step_usage`) holds each node's own usage over
+    an interval that contains that one, plus buffers of its own; so no plan peaks lower.
+    ``cache``: strategy lists by op, as :func:`strategy_lists` keeps them."""
+    nodes = problem_nodes(pg)
+    strategies, _ = strategy_lists(nodes, mesh, offload, cache if cache is not None else {})
+    usage = node_usages(pg, nodes, strategies, mesh)
+    least = []
+    for n, u, strats in zip(nodes, usage, strategies):
+        pin = pg.pins.get(n.name)
+        keep = [k for k, s in enumerate(strats) if s.outs[0] == pin] if pin is not None else []
+        least.append(float(u[keep].min() if keep else u.min()))
+    views = {i for i, n in enumerate(nodes) if n.meta["autopar"].op in cm.VIEW_OPS}
+    return peak_memory(least, live_intervals(nodes, views))[0]
 
 
 def mark_once_per_step(sp: ShardingProblem) -> None:

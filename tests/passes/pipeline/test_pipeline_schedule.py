@@ -14,6 +14,7 @@ from autopar.passes.pipeline.schedule import (
     rank_orders,
     receive_posts,
     simulate,
+    step_and_bubble,
     textbook_bubble,
 )
 
@@ -287,3 +288,21 @@ def test_split_into_three_stages_per_rank():
     assert split.schedule.v == 3 and split.schedule.num_stages == 12
     # stage k runs on rank k % 4: each rank holds three chunks, a quarter of the model
     assert [split.schedule.stage_rank(k) for k in range(12)] == [0, 1, 2, 3] * 3
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize("shared", [False, True])
+def test_step_and_bubble_are_the_replays_own(name, shared):
+    """What the planner weighs splits by is simulate's step and bubble, to the bit, with
+    unequal stages, sends, overheads and (where ranks share cores) changing speeds."""
+    p, m = 4, 8
+    v = 1 if name in ("GPipe", "1F1B") else 2
+    sched = PipelineSchedule(name, p, v, m)
+    times = [StageTime(0.5 + 0.1 * k, 0.7 + 0.05 * k, 0.3, send_s=0.02, action_s=0.001,
+                       post_s=0.003, split_s=0.01 * (k % 2)) for k in range(sched.num_stages)]
+    speed = core_speed(p, 2, 4) if shared else None
+    full = simulate(sched, times, speed)
+    assert step_and_bubble(sched, times, speed) == (full.step_s, full.bubble_fraction)
+    # the orders are built once and shared: a second replay gives the same
+    assert rank_orders(sched) is rank_orders(sched)
+    assert simulate(sched, times, speed) == full
