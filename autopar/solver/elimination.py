@@ -190,9 +190,10 @@ def eliminate(
     The axis sweep runs this thousands of times on small tables of one graph, so what does
     not depend on the numbers (each bucket's factors, their scopes and layouts) is worked
     out once per graph and order (:func:`_schedule`), lowered to flat arrays, and only the
-    arithmetic runs per call, compiled (:mod:`autopar.solver.elimination_kernel`): the plain
-    one (a bucket's factors added in the order they were placed, the first minimum kept),
-    so that ties are broken the same way whatever the bookkeeping."""
+    arithmetic runs per call, compiled (:mod:`autopar.solver.elimination_kernel`): exact on
+    integer costs (the numpy reference :func:`_eliminate_plain` gives the same assignment,
+    ties included), within rounding otherwise (a bucket's factors are summed in another
+    order)."""
     return _program(dom, edges, order).run(unary, edge_costs)
 
 
@@ -200,7 +201,7 @@ def _program(dom: list[int], edges: list[tuple[int, int]], order: list[int]) -> 
     key = (tuple(dom), tuple(map(tuple, edges)), tuple(order))
     got = _PROGRAMS.get(key)
     if got is None:
-        if len(_PROGRAMS) >= _MAX_SCHEDULES:
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
             _PROGRAMS.clear()
         got = _PROGRAMS[key] = Program(dom, edges, _schedule(dom, edges, order))
     return got
@@ -209,7 +210,7 @@ def _program(dom: list[int], edges: list[tuple[int, int]], order: list[int]) -> 
 _PROGRAMS: dict[tuple, Program] = {}
 
 
-_MAX_SCHEDULES = 256  # programs kept (the sweep's steps share a few graphs and orders)
+_MAX_PROGRAMS = 256  # programs kept (the sweep's steps share a few graphs and orders)
 
 
 def _schedule(dom: list[int], edges: list[tuple[int, int]], order: list[int]) -> list:
@@ -449,8 +450,8 @@ def _without_dominated(
     edges is at most as large with ``a`` for every multiplier ``lam >= 0``, so some minimiser
     avoids ``b``: the minimum is the same, only which of equal minimisers is returned can
     change. Dropping is done one choice at a time against the choices still kept, so that
-    every node keeps one. On the planner's axis steps a third of the choices go and the
-    tables shrink 3 to 15 times (the encoder-decoder of ``benchmarks/solver.py``)."""
+    every node keeps one. On the planner's axis steps a quarter to a third of the choices go,
+    and the tables shrink 3 to 15 times (the encoder-decoder of ``benchmarks/solver.py``)."""
     full = order_size(edges, dom, order)[0]
     if full < _PRUNE_FROM:
         return None
