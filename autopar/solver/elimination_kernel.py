@@ -46,7 +46,7 @@ class Program:
     """A schedule lowered to flat arrays (see the module docstring), with the buffer's
     layout: where each node's unary costs and each edge's matrix start, and its length."""
 
-    __slots__ = ("n", "steps", "unary_off", "edge_off", "size", "n_args", "entries")
+    __slots__ = ("n", "steps", "unary_off", "edge_off", "size", "n_args")
 
     def __init__(self, dom: list[int], edges: list[tuple[int, int]], schedule: list) -> None:
         self.n = len(dom)
@@ -54,7 +54,6 @@ class Program:
         cursor = int(edge_off[-1])
         messages: dict[int, tuple[int, tuple[int, ...], tuple[int, ...]]] = {}
         arg_cursor = 0
-        self.entries = 0  # of every bucket's table: the work of one elimination
         st_x, st_dx, st_msg, st_arg = [], [], [], []
         st_rest_ptr, st_rest, st_rest_nodes, st_part_ptr = [0], [], [], [0]
         pt_base, pt_sx, pt_stride_ptr, pt_strides = [], [], [], []
@@ -96,7 +95,6 @@ class Program:
                 pt_strides.extend(stride_of.get(y, 0) for y in rest)
             st_part_ptr.append(len(pt_base))
             size = int(np.prod(shape[1:], dtype=_INT))
-            self.entries += size * shape[0]
             if rest:
                 messages[x] = (cursor, rest, _c_strides(shape[1:]))
                 st_msg.append(cursor)
