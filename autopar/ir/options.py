@@ -61,6 +61,12 @@ def check_offload(mode: str) -> str:
     return mode
 
 
+def fits_budget(mem_bytes: float, budget: float | None) -> bool:
+    """Whether ``mem_bytes`` fits ``budget`` (None: no limit), within a part in a billion
+    (sums of the same bytes in another order)."""
+    return budget is None or mem_bytes <= budget * (1 + 1e-9)
+
+
 def check_budget(budget: float | None) -> float | None:
     """Bytes per device: positive, ``math.inf`` for no limit, None for the device's own."""
     if budget is None:

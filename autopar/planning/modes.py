@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
-from autopar.ir.options import FIXED_RECOMPUTE_MODES, MemoryOptions
+from autopar.ir.options import FIXED_RECOMPUTE_MODES, MemoryOptions, fits_budget
 from autopar.passes.memory import recompute as recompute_mode
 from autopar.passes.memory import zero as zero_mod
 from autopar.passes.problem.sharding_problem import least_peak
@@ -151,14 +151,17 @@ def mode_graph(pg: PlanGraph, mode: Mode | str) -> PlanGraph:
     return replace(pg, gm=hit.gm, recomputed=hit.recomputed)
 
 
-def least_need(pg: PlanGraph, mesh: Mesh, memory: MemoryOptions, limit: float) -> float | None:
+def least_need(pg: PlanGraph, mesh: Mesh, memory: MemoryOptions, limit: float | None
+               ) -> float | None:
     """Where no plan the planner can make of ``pg`` on ``mesh`` fits ``limit``: the least
     peak of any of them (a lower bound, :func:`least_peak`, in each mode the planner may
     try under ``memory``, with the optimizer state on the host wherever it may offer that;
     a reference layout's mode counts only as one of these, as
-    :func:`autopar.planning.planner.make_plan` keeps it). None where some mode's bound fits:
-    then only planning tells. The modes are bounded leanest first, so a graph that may fit
+    :func:`autopar.planning.planner.make_plan` keeps it). None where some mode's bound fits,
+    or there is no limit: then only planning tells. The modes are bounded leanest first, so a graph that may fit
     costs one bound."""
+    if limit is None:
+        return None
     held = pg.proxy is not None and pg.proxy.microbatches > 1
     offload = "auto" if memory.offload == "auto" else memory.offload
     graphs: dict[tuple, PlanGraph] = {}  # modes with one graph are bounded once
@@ -169,7 +172,7 @@ def least_need(pg: PlanGraph, mesh: Mesh, memory: MemoryOptions, limit: float) -
     least = float("inf")
     for mpg in graphs.values():
         least = min(least, least_peak(mpg, mesh, offload, cache))
-        if least <= limit * (1 + 1e-9):  # planner.py's _fits: within a part in a billion
+        if fits_budget(least, limit):
             return None
     return least
 

@@ -183,7 +183,7 @@ def plan_pipeline(
         timings["trace_s"] += time.perf_counter() - t1
         # where no mode's leanest plan fits the stand-in, none of its plans can: nothing to
         # solve (a valid bound, modes.least_need; the retry below plans a subset of modes)
-        need = least_need(pg, sub, options.memory, limit) if limit is not None else None
+        need = least_need(pg, sub, options.memory, limit)
         if need is not None:
             failures.append(f"m={m}: no plan of the stand-in stage fits {fmt_bytes(limit)} per "
                             f"device on the stage submesh {sub.describe()}: any plan holds at "

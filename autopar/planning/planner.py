@@ -22,7 +22,7 @@ from autopar.ir.deadline import MIN_SOLVE_S, Deadline
 from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
-from autopar.ir.options import Options, SearchOptions
+from autopar.ir.options import Options, SearchOptions, fits_budget
 from autopar.ir.placements import Spec
 from autopar.ir.plan import (
     Decisions,
@@ -455,8 +455,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
     scored = bucket_fill.score(sp, choice).cost
     out.refs, out.sol, out.choice, out.method = refs, sol, choice, method
-    out.step_s, out.peak, out.fits = scored.step_s, scored.mem_bytes, _fits(scored.mem_bytes,
-                                                                             limit)
+    out.step_s, out.peak = scored.step_s, scored.mem_bytes
+    out.fits = fits_budget(scored.mem_bytes, limit)
     if out.fits and shown:
         dl.found(out.step_s)
     return out
@@ -546,7 +546,7 @@ class _References:
     @staticmethod
     def of(cost: dict[str, PlanCost], choices: dict[str, list[int]],
            assign: dict[str, tuple[int, ...] | None], budget: float | None) -> _References:
-        fitting = [n for n, c in cost.items() if _fits(c.mem_bytes, budget)]
+        fitting = [n for n, c in cost.items() if fits_budget(c.mem_bytes, budget)]
         seeds = [n for n in fitting if assign[n] is not None]
         best = min(seeds, key=lambda n: cost[n].step_s) if seeds else None
         fastest = min(fitting, key=lambda n: cost[n].step_s) if fitting else None
@@ -581,7 +581,7 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
     if carried is not None and candidates:
         candidates.append((carried, replace(candidates[0][1], method="carried from mode none")))
     scored = [bucket_fill.score(sp, c).cost for c, _ in candidates]
-    fit = [k for k, c in enumerate(scored) if _fits(c.mem_bytes, budget)]
+    fit = [k for k, c in enumerate(scored) if fits_budget(c.mem_bytes, budget)]
     k = min(fit, key=lambda k: scored[k].step_s) if fit else 0  # the first if none fits
     (choice, sol), own = candidates[k], scored[k].step_s
     method = sol.method
@@ -595,10 +595,6 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
                       f"{min_gain:.0%} margin" if gain >= 0 else
                       f"kept {best}: the solver's own plan was {-gain:.1%} slower")
     return choice, sol, method
-
-
-def _fits(mem_bytes: float, budget: float | None) -> bool:
-    return budget is None or mem_bytes <= budget * (1 + 1e-9)
 
 
 def planner_solve(
@@ -688,7 +684,7 @@ def _solve_within_budget(
         choice = sp.expand(sol.assignment)
         # the whole step's peak, as the plan reports it (reshard copies, gathers included)
         peak, instant = peak_memory(*step_usage(sp, choice))
-        if _fits(peak, budget):
+        if fits_budget(peak, budget):
             return sol
         if deadline is not None and deadline.expired() and not must_fit:
             deadline.cut("the memory fit's rounds")
@@ -727,11 +723,11 @@ def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solut
     fit's rounds can run out, or be cut by the time limit, on a plan that still overshoots,
     and "no plan found" must not be the answer where the leanest layouts fit."""
     assert sp.problem is not None
-    if sol.feasible and _fits(peak_memory(*step_usage(sp, sp.expand(sol.assignment)))[0],
+    if sol.feasible and fits_budget(peak_memory(*step_usage(sp, sp.expand(sol.assignment)))[0],
                               budget):
         return sol
     lean = tuple(int(np.argmin(u)) for u in sp.problem.usages)
-    if not _fits(peak_memory(*step_usage(sp, sp.expand(lean)))[0], budget):
+    if not fits_budget(peak_memory(*step_usage(sp, sp.expand(lean)))[0], budget):
         return sol
     cost, _, used = evaluate(sp.problem, lean)
     return Solution(lean, float(cost), True, "feasible", sol.time_s, "leanest layout", None,

@@ -157,8 +157,7 @@ def search_shapes(
             if s.pp == 1:
                 # where no mode's leanest plan fits, make_plan has nothing to find
                 limit, _ = memory_limit(opts.memory.budget, mesh.device)
-                need = least_need(cache["whole"], mesh, opts.memory, limit) \
-                    if limit is not None else None
+                need = least_need(cache["whole"], mesh, opts.memory, limit)
                 if need is not None:
                     return ShapeResult(s, math.inf, math.inf, None,
                                        f"no plan fits {fmt_bytes(limit)} per device: any plan "
