@@ -212,9 +212,24 @@ def read_layout(run: dict) -> Layout:
     sp = lay.get("sequence_parallel")
     if sp:
         notes.append("sequence parallel is not pinned: the solver places the activations")
+    if async_tp(run):
+        from autopar.ir.devices import ASYNC_TP_SUFFIX, get_profile
+
+        device = get_profile(device + ASYNC_TP_SUFFIX).name
+        notes.append("async TP: its share of sequence-parallel TP's collectives hidden "
+                     "(autopar.ir.devices.ASYNC_TP_HIDDEN)")
     return Layout(device, tp, pp, dp, batch, seq, micro, microbatches, sched,
                   virtual if sched == "Interleaved1F1B" else None, zero,
                   _recompute(lay.get("recompute")), _precision(lay.get("precision")), notes)
+
+
+def async_tp(run: dict) -> bool:
+    """Whether the run used torch's async tensor parallelism, from its words (the layout's
+    fields or the figure ``as_published``): the schema has no field of its own for it."""
+    words = " ".join(str(v) for v in run["layout"].values())
+    words += " " + str((run.get("measured") or {}).get("as_published", ""))
+    return run["layout"].get("tp", 1) > 1 and bool(
+        re.search(r"\basync(hronous)?[ -]?(tp|tensor[ -]parallel)", words.lower()))
 
 
 # Megatron-LM's default dropout (0.1) is not modelled: autopar draws a dropout mask whole on
@@ -317,17 +332,60 @@ def pinned_reference(model, layout: Layout, stage_shape, stage_axes, family: str
                         used_in_place=("tp",) if layout.tp > 1 and fused_attention else ())
 
 
+@dataclass
+class Pinned:
+    """A run's model (meta tensors), inputs and mesh, its published layout as a reference,
+    and the planner and options that price it."""
+
+    layout: Layout
+    model: Any
+    inputs: Any
+    mesh: Any
+    reference: PinnedLayout
+    common: dict
+    planner: Callable
+
+    @classmethod
+    def of(cls, layout: Layout, preset, time_limit_s: float) -> Pinned:
+        from autopar.ir.mesh import Mesh
+        from autopar.ir.pipeline_mesh import stage_mesh
+        from autopar.planning.parallel_map import default_workers
+        from autopar.planning.pipeline import plan_pipeline
+        from autopar.planning.planner import make_plan
+
+        model = preset.build("meta")
+        inputs = preset.example_inputs(layout.batch, layout.seq, "meta")
+        mesh = Mesh.parse(layout.mesh_text, layout.device)
+        pp = layout.pp > 1
+        sub = stage_mesh(mesh, mesh.axes.index("pp")) if pp else mesh
+        reference = pinned_reference(model, layout, sub.shape, sub.axes, preset.family,
+                                     getattr(preset.config, "fused_attention", True))
+        common = dict(precision=layout.precision, max_layers=4, time_limit_s=time_limit_s,
+                      workers=default_workers())
+        return cls(layout, model, inputs, mesh, reference, common,
+                   plan_pipeline if pp else make_plan)
+
+    def priced(self, model_name: str):
+        """The published layout planned as a reference (``Planned``; its price is
+        ``plan.provenance.references["published"]``). It carries its own recomputation and
+        ZeRO stage (``reference_mode``); no memory limit: the layout ran, so its time is what
+        is asked (its memory against the device's limit is reported beside it)."""
+        from autopar.ir.options import Options
+
+        lay = self.layout
+        opts = Options.of(memory_budget=math.inf, **self.common, **(
+            dict(schedule=lay.schedule, microbatches=lay.microbatches, virtual=lay.virtual)
+            if lay.pp > 1 else {}))
+        return self.planner(self.model, self.mesh, self.inputs, options=opts,
+                            references={"published": self.reference}, model_name=model_name)
+
+
 def plan_run(run: dict, search: bool, time_limit_s: float,
              priced: Callable[[dict], None] | None = None) -> dict:
     """One run's row. ``priced``: told the row once the published layout is priced, before
     autopar's own plan (a run too slow to plan keeps its published layout's price)."""
-    from autopar.ir.mesh import Mesh
     from autopar.ir.options import Options
-    from autopar.ir.pipeline_mesh import stage_mesh
     from autopar.passes.pipeline.cost import LOOPED_SEARCH_V
-    from autopar.planning.parallel_map import default_workers
-    from autopar.planning.pipeline import plan_pipeline
-    from autopar.planning.planner import make_plan
 
     out: dict[str, Any] = {
         "id": run.get("id", "?"), "expressible": False, "why": "",
@@ -350,32 +408,18 @@ def plan_run(run: dict, search: bool, time_limit_s: float,
         "attention: " + ("one fused kernel (SDPA)" if getattr(preset.config, "fused_attention",
                                                               True)
                          else "unfused (scores materialized, softmax and dropout apart)")]
-    model = preset.build("meta")
-    inputs = preset.example_inputs(layout.batch, layout.seq, "meta")
     tokens = layout.batch * layout.seq
 
     def per_gpu(step_s: float) -> float:
         return tokens / step_s / layout.gpus
 
-    mesh = Mesh.parse(layout.mesh_text, layout.device)
+    pin = Pinned.of(layout, preset, time_limit_s)
+    model, inputs, mesh, pinned, common, planner = (
+        pin.model, pin.inputs, pin.mesh, pin.reference, pin.common, pin.planner)
     pp = layout.pp > 1
-    sub = stage_mesh(mesh, mesh.axes.index("pp")) if pp else mesh
-    pinned = pinned_reference(model, layout, sub.shape, sub.axes, preset.family,
-                              getattr(preset.config, "fused_attention", True))
-    common = dict(precision=layout.precision, max_layers=4, time_limit_s=time_limit_s,
-                  workers=default_workers())
-    # the published layout carries its own recomputation and ZeRO stage (reference_mode);
-    # the solver's own plan beside it is left free, so that one failing to fit loses nothing
-    # no memory limit: the layout ran, so its time is what is asked; its memory against the
-    # device's limit is reported beside it (published_fits)
-    pin_opts = Options.of(memory_budget=math.inf, **common, **(dict(schedule=layout.schedule,
-                                            microbatches=layout.microbatches,
-                                            virtual=layout.virtual) if pp else {}))
-    planner = plan_pipeline if pp else make_plan
     t0 = time.perf_counter()
     try:
-        got = planner(model, mesh, inputs, options=pin_opts, references={"published": pinned},
-                      model_name=out["id"])
+        got = pin.priced(out["id"])
     except Exception as e:  # noqa: BLE001 - reported, never skipped
         out["expressible"] = False
         out["why"] = f"planning the published layout failed: {type(e).__name__}: {e}"

@@ -226,7 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --devices: how many shapes to list (default 6)")
     pl.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
     pl.add_argument("--seq", type=int, default=1024, help="sequence length (default 1024)")
-    pl.add_argument("--device", default="h100", help="device profile: h100, h200, a100, cpu")
+    pl.add_argument("--device", default="h100",
+                    help="device profile: h100, h100-96gb, h200, a100, a100-40gb, cpu; a GPU's "
+                         "name with +async-tp (h100+async-tp) prices sequence-parallel TP's "
+                         "collectives as torch's async TP hides them")
     pl.add_argument("--memory-budget",
                     help="per-device memory limit, e.g. 80GiB (default: the device's capacity "
                     "less a reserve; 'none' for no limit)")

@@ -8,7 +8,7 @@ differs between matmuls and memory-bound ops.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.ir.errors import MeshError
 
@@ -121,6 +121,12 @@ class DeviceProfile:
     # ring or tree), with the mesh axis's bandwidth as the link; None: the plain ring formula
     # with the axis's latency per step and ``collective_overhead`` (gloo on the CPU)
     nccl: NcclModel | None = None
+    # the share of the in-line all-gathers and reduce-scatters over a mesh axis inside one
+    # node (sequence-parallel tensor parallelism's) hidden behind the matmuls they feed or
+    # are fed by: torch's micro-pipelined async TP (0: vanilla TP, in line). Set by the
+    # ``+async-tp`` suffix of a device name (:func:`get_profile`), as
+    # :data:`ASYNC_TP_HIDDEN`
+    async_tp: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str) -> float:
@@ -311,9 +317,31 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+# What torch's async TP (micro-pipelined all-gather-matmul and matmul-reduce-scatter, on by
+# torchtitan's ``enable_async_tensor_parallel``) hides of the collectives it fuses. Nothing
+# public measures it per collective; this is fitted to the two published async/vanilla pairs
+# that differ in nothing else (torchtitan's June 2025 H100 runs: Llama 3 8B on 64 GPUs, 70B
+# on 256), with the leave-one-out error reported (benchmarks/async_tp.py, docs/
+# device_profiles.md): 0.34 from the 8B pair, 0.41 from the 70B, their mean taken. Hiding all
+# of it would predict two to three times the measured gains: the decomposed matmuls run
+# smaller GEMMs, and the copies share memory bandwidth with them.
+ASYNC_TP_HIDDEN = 0.37
+ASYNC_TP_SUFFIX = "+async-tp"
+
+
 def get_profile(name: str | DeviceProfile) -> DeviceProfile:
+    """The profile of a device's name (aliases taken); ``NAME+async-tp``: that profile with
+    sequence-parallel TP's collectives run as torch's async TP runs them
+    (:data:`ASYNC_TP_HIDDEN`)."""
     if isinstance(name, DeviceProfile):
         return name
+    if name.lower().endswith(ASYNC_TP_SUFFIX):
+        base = get_profile(name[: -len(ASYNC_TP_SUFFIX)])
+        if not base.comm_overlaps_compute:
+            raise MeshError(f"device {name!r}: async TP overlaps collectives with compute, "
+                            f"which {base.name!r} does not run beside each other; drop "
+                            f"{ASYNC_TP_SUFFIX!r}")
+        return replace(base, name=base.name + ASYNC_TP_SUFFIX, async_tp=ASYNC_TP_HIDDEN)
     key = name.lower().replace("-", "").replace("_", "")
     for alias, real in (("h100sxm", "h100"), ("a10080gb", "a100"), ("h200sxm", "h200"),
                         ("h10096gb", "h100-96gb"), ("a10040gb", "a100-40gb")):
@@ -321,7 +349,7 @@ def get_profile(name: str | DeviceProfile) -> DeviceProfile:
             key = real
     if key not in PROFILES:
         raise MeshError(
-            f"unknown device {name!r}: use one of {', '.join(sorted(PROFILES))}, "
-            "or pass an autopar.DeviceProfile"
+            f"unknown device {name!r}: use one of {', '.join(sorted(PROFILES))} (a GPU's "
+            f"with {ASYNC_TP_SUFFIX!r} for async TP), or pass an autopar.DeviceProfile"
         )
     return PROFILES[key]

@@ -84,6 +84,13 @@ class Mesh:
     def axis_size(self, axis: str | int) -> int:
         return self.shape[self.axis_index(axis)]
 
+    def in_node(self, label: str) -> bool:
+        """Whether a collective over the axes ``label`` names (``"tp"``, or ``"dp+tp"`` merged)
+        stays inside one node: those axes and every axis after them (the inner ones) fill at
+        most a node, as :func:`_default_links` lays them out."""
+        first = min(self.axis_index(a) for a in label.split("+"))
+        return math.prod(self.shape[first:]) <= self.device.devices_per_node
+
     def describe(self) -> str:
         return "x".join(f"{a}={n}" for a, n in zip(self.axes, self.shape)) + f" ({self.device.name})"
 

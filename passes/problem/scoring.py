@@ -188,6 +188,19 @@ def overlaps(sp: ShardingProblem) -> bool:
             and not sp.boundary)
 
 
+def hidden_by_async_tp(sp: ShardingProblem, colls: list[cm.Collective]) -> float:
+    """Of in-line collectives, the time a profile with async TP (``DeviceProfile.async_tp``)
+    hides behind the matmuls: its share of each all-gather and reduce-scatter inside one node
+    (sequence-parallel TP's, which torch's micro-pipelining decomposes into copies beside
+    the matmul they feed or come from). All-reduces (TP without sequence parallelism) and
+    collectives crossing nodes stay in line."""
+    share = sp.mesh.device.async_tp
+    if not share:
+        return 0.0
+    return share * sum(c.time_s for c in colls
+                       if c.kind in ("all_gather", "reduce_scatter") and sp.mesh.in_node(c.axis))
+
+
 def step_segments(sp: ShardingProblem, choice: list[int],
                   per_edge: dict[int, list[cm.Collective]]) -> list[Segment]:
     """The step as :class:`~autopar.passes.cost.overlap.Segment` s in program order: runs of
@@ -207,8 +220,8 @@ def step_segments(sp: ShardingProblem, choice: list[int],
             sync[e.src] += t  # ready when the gradient is made
         elif is_param_gather(sp, e):
             gather[e.dst] += t
-        else:
-            compute[e.dst] += t  # the consumer waits for it
+        else:  # the consumer waits for it, less what async TP hides
+            compute[e.dst] += t - hidden_by_async_tp(sp, colls) * float(weight[e.dst])
     ops = [i for i, nd in enumerate(sp.nodes) if nd.op == "call_function"]
     keys = [node_layer(sp.nodes[i]) for i in ops]
     after: list[int | None] = [None] * len(keys)  # the next op's layer that has one

@@ -58,3 +58,17 @@ def test_an_axis_across_nodes_gets_a_nic_per_member_in_a_node():
     assert outer.bandwidth[0] == prof.inter_node_bandwidth
     half = Mesh((32, 4), ("dp", "tp"), "a100")  # two dp members in a node
     assert half.bandwidth[0] == 2 * prof.inter_node_bandwidth
+
+
+def test_async_tp_is_a_suffix_of_a_gpu_device_name():
+    from autopar.ir.devices import ASYNC_TP_HIDDEN, get_profile
+    from autopar.ir.errors import MeshError
+
+    p = get_profile("H100-96GB+async-tp")
+    assert p.name == "h100-96gb+async-tp" and p.async_tp == ASYNC_TP_HIDDEN
+    assert get_profile("h100-96gb").async_tp == 0.0
+    assert p.peak_flops == get_profile("h100-96gb").peak_flops
+    with pytest.raises(MeshError, match="async TP"):
+        get_profile("cpu+async-tp")  # gloo's collectives take the compute's cores
+    with pytest.raises(MeshError, match="unknown device"):
+        get_profile("tpu+async-tp")

@@ -50,3 +50,10 @@ def test_builtin_profiles_have_the_roofline_numbers(name):
     assert p.mem_bandwidth > 0 and p.mem_capacity > 0
     if name != "cpu":
         assert p.peak_flops["bfloat16"] > p.peak_flops["float32"]
+
+
+def test_in_node_counts_the_axes_inside_an_axis():
+    m = Mesh((4, 8), ("dp", "tp"), "h100")  # 8 GPUs a node
+    assert m.in_node("tp") and not m.in_node("dp") and not m.in_node("dp+tp")
+    assert Mesh((2, 2), ("dp", "tp"), "h100").in_node("dp+tp")
+    assert not Mesh((2, 16), ("dp", "tp"), "h100").in_node("tp")
