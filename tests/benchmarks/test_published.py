@@ -80,6 +80,19 @@ def test_unknown_gpu_is_not_expressible():
     assert row["measured_tokens_per_s_per_gpu"] == 1000.0
 
 
+@pytest.mark.parametrize("words,tp,async_tp", [
+    ("async TP, None (bfloat16), torch.compile: Average TPS 652.4", 4, True),
+    ("Asynchronous tensor parallel, bf16", 4, True),
+    ("vanilla TP, None (bfloat16), torch.compile: Average TPS 597.3", 4, False),
+    ("async TP", 1, False),  # no tensor parallelism to run async
+])
+def test_async_tp_read_from_the_run_words(words, tp, async_tp):
+    run = run_with(tp=tp, dp=64 // (tp * 2))
+    run["measured"] = {"as_published": words}
+    assert published.async_tp(run) is async_tp
+    assert published.read_layout(run).device == ("a100+async-tp" if async_tp else "a100")
+
+
 def test_dp_derived_from_the_gpu_count():
     lay = published.read_layout(run_with(dp=None))
     assert lay.dp == 8
