@@ -150,13 +150,16 @@ def apply_recompute(pg: PlanGraph, names: list[str] | tuple[str, ...]) -> PlanGr
     by_layer: dict[int | None, list[fx.Node]] = {}
     for n in chosen:
         by_layer.setdefault(n.meta["autopar"].layer, []).append(n)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     copies: dict[str, str] = {}
     for members in by_layer.values():
         readers = [u for n in members for u in n.users
                    if u not in chosen_set and _phase(u) == "bwd"]
         if not readers:
             continue
+        # in the graph as it is now: a layer's copies made before may read this layer's
+        # members (a layer reading another's value: an MLP-Mixer's transposes), and then go
+        # first among the readers
+        order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(readers, key=order.__getitem__)
         made: dict[fx.Node, fx.Node] = {}
         with graph.inserting_before(first):

@@ -156,3 +156,44 @@ def test_auto_recomputes_only_when_the_limit_binds():
                       options=Options.of(time_limit_s=2.0, memory_budget=budget)).plan
     assert tight.decided.recompute.mode in ("selective", "full") and tight.decided.recompute.asked == "auto"
     assert tight.predicted.cost.mem_bytes <= budget and tight.decided.recompute.saved_bytes > 0
+
+
+class _Mixer(torch.nn.Module):
+    """An MLP-Mixer: token mixing through transposes and channel mixing, each in its own
+    ModuleList, so that one layer's recomputed copies read another's values
+    (apply_recompute once looked up such a copy's place in an order taken before it
+    existed)."""
+
+    def __init__(self, d: int = 8, t: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.inp = nn.Linear(6, d)
+        self.tok = nn.ModuleList(nn.Sequential(nn.Linear(t, 2 * t), nn.GELU(),
+                                               nn.Linear(2 * t, t)) for _ in range(layers))
+        self.ch = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(),
+                                              nn.Linear(2 * d, d)) for _ in range(layers))
+        self.n1 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.n2 = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x, y):
+        x = self.inp(x)
+        for tok, ch, n1, n2 in zip(self.tok, self.ch, self.n1, self.n2):
+            x = x + tok(n1(x).transpose(1, 2)).transpose(1, 2)
+            x = x + ch(n2(x))
+        return torch.nn.functional.cross_entropy(self.out(x.mean(1)), y)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_of_layers_reading_each_others_values(mode):
+    torch.manual_seed(0)
+    model = _Mixer()
+    inputs = (torch.randn(4, 4, 6), torch.randint(0, 3, (4,)))
+    graph = capture(model, inputs)
+    mesh = mesh_for((2,))
+    base = make_plan(model, mesh, graph=graph,
+                     options=Options.of(recompute="none", time_limit_s=2.0)).plan
+    plan = with_recompute(graph, base, mode, mesh)
+    assert plan.decided.recompute.nodes
+    _assert_bitwise(_train(model, plan, inputs, mesh), _train(model, base, inputs, mesh),
+                    f"mixer {mode}")
