@@ -168,6 +168,18 @@ def axes_label(names: tuple[str, ...], axes: tuple[int, ...]) -> str:
     return "+".join(names[k] for k in axes)
 
 
+def async_tp_share(kind: str, axis: str, mesh: Mesh) -> float:
+    """The share of an in-line collective (one an op waits for) that torch's async TP hides
+    behind the matmul beside it, on a profile that runs it (``DeviceProfile.async_tp``):
+    all-gathers and reduce-scatters inside one node, which its micro-pipelining decomposes
+    into copies; all-reduces (TP without sequence parallelism) and collectives crossing
+    nodes stay in line."""
+    share = mesh.device.async_tp
+    if share and kind in ("all_gather", "reduce_scatter") and mesh.in_node(axis):
+        return share
+    return 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class Move:
     """One collective of a reshard, for a tensor of any size: it works on the tensor's bytes

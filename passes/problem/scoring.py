@@ -189,16 +189,9 @@ def overlaps(sp: ShardingProblem) -> bool:
 
 
 def hidden_by_async_tp(sp: ShardingProblem, colls: list[cm.Collective]) -> float:
-    """Of in-line collectives, the time a profile with async TP (``DeviceProfile.async_tp``)
-    hides behind the matmuls: its share of each all-gather and reduce-scatter inside one node
-    (sequence-parallel TP's, which torch's micro-pipelining decomposes into copies beside
-    the matmul they feed or come from). All-reduces (TP without sequence parallelism) and
-    collectives crossing nodes stay in line."""
-    share = sp.mesh.device.async_tp
-    if not share:
-        return 0.0
-    return share * sum(c.time_s for c in colls
-                       if c.kind in ("all_gather", "reduce_scatter") and sp.mesh.in_node(c.axis))
+    """Of in-line collectives, the time a profile with async TP hides
+    (:func:`autopar.passes.cost.cost_model.async_tp_share`)."""
+    return sum(c.time_s * cm.async_tp_share(c.kind, c.axis, sp.mesh) for c in colls)
 
 
 def step_segments(sp: ShardingProblem, choice: list[int],
