@@ -55,4 +55,3 @@ def test_collectives_that_cross_nodes_are_not_hidden():
         a = plain.expand([int(rng.integers(len(c))) for c in plain.problem.costs])
         assert score_assignment(fast, a).cost.step_s == pytest.approx(
             score_assignment(plain, a).cost.step_s, rel=1e-12)
-
