@@ -9,6 +9,7 @@ score is the best that layout can do.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ from autopar.passes.problem.types import ShardingProblem
 from autopar.planning import used_in_place
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
+from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
 from autopar.planning.parallel_map import forked_map
 from autopar.solver import Problem, Solution, evaluate, solve
@@ -205,6 +207,60 @@ def make_plan(
                                 mpg=mpg, must_fit=not runs)
         return runs[mode]
 
+    def run_all(modes: list[Mode], later: int) -> None:
+        """Plan ``modes`` (each after the first mode, seeded by it), then ``later`` more
+        where none fits yet: one after another, or side by side on ``search.workers``
+        forked processes (:mod:`autopar.planning.mode_jobs`), each worker's modes sharing
+        its time left as one process's would."""
+        workers = min(search.workers, len(modes))
+        if workers <= 1:
+            for k, mode in enumerate(modes):
+                if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
+                    more = 0 if any(r.fits for r in runs.values()) else later
+                    run(mode, own=True, of=len(modes) - k + more)
+            return
+        jobs: list[tuple[Mode, PlanGraph]] = []
+        keys: set[tuple] = set()
+        for mode in modes:  # those whose problem no mode planned or to plan has (as run's)
+            mpg = mode_graph(pg, mode)
+            key = (frozenset(mpg.recomputed.items()), mode.whole_grads, mode.offload)
+            if key in keys or (key in graphs and graphs[key] in runs
+                               and runs[graphs[key]].sol is not None):
+                continue
+            graphs.setdefault(key, mode)
+            keys.add(key)
+            jobs.append((mode, mpg))
+        more = 0 if any(r.fits for r in runs.values()) else later
+        floor = MIN_SOLVE_S if any(r.fits for r in runs.values()) else MIN_MODE_S
+        prices_of = next(iter(runs.values())).sp
+        dl.phase(f"planning modes {', '.join(m.label for m, _ in jobs)}")
+
+        def job(k: int) -> tuple[_ModeRun | None, list[str], dict[str, float]]:
+            mode, mpg = jobs[k]
+            mine = copy.copy(dl)  # this mode's view: its cuts sent back, nothing drawn here
+            mine.progress, mine.cuts, mine.floor = None, [], floor
+            spent = dict.fromkeys(timings, 0.0)
+            if _out_of_time(mine, runs, f"mode {mode.label} not tried"):
+                return None, mine.cuts, spent
+            of = per_worker_share(k, len(jobs), more, workers)
+            share = replace(search, workers=1, deadline=mine, time_limit_s=min(
+                search.time_limit_s, max(MIN_MODE_S, mine.left() / of)))
+            got = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, True,
+                             spent, seed=seeds[0] if seeds else None, offload=stored,
+                             prices_of=prices_of, mpg=mpg, shown=False)
+            return portable(got), mine.cuts, spent
+
+        for (mode, mpg), (got, cuts, spent) in zip(jobs, forked_map(job, range(len(jobs)),
+                                                                     workers)):
+            for what in cuts:
+                dl.cut(what)
+            for name, s in spent.items():
+                timings[name] += s
+            if got is not None:
+                runs[mode] = restored(got, mpg, mesh, prices_of)
+                if runs[mode].fits:
+                    dl.found(runs[mode].step_s)
+
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
     candidates = candidate_modes(mem.recompute, mem.zero, held)
     first = run(candidates[0], own=True)  # also the start of the other modes' searches
@@ -237,18 +293,12 @@ def make_plan(
         # too: the modes before them took it all where none of them fit (MoE at 0.35 of its
         # peak, under load: no plan, where an offloading mode fits)
         offloading = len(candidates) if mem.offload == "auto" and limit is not None else 0
-        for k, mode in enumerate(candidates[1:]):
-            if unbound and (mode.recompute != "none" or mode.regather):
-                continue
-            if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
-                later = 0 if any(r.fits for r in runs.values()) else offloading
-                run(mode, own=True, of=len(candidates) - 1 - k + later)
+        run_all([m for m in candidates[1:]
+                 if not (unbound and (m.recompute != "none" or m.regather))], offloading)
     if mem.offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
-        for k, mode in enumerate(candidates):
-            if not _out_of_time(dl, runs, f"mode {mode.offloaded().label} not tried"):
-                run(mode.offloaded(), own=True, of=len(candidates) - k)
+        run_all([mode.offloaded() for mode in candidates], 0)
     for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
         # (an exact reference's never skipped for time: the plan is never slower than it)
         if mode not in runs and (mode in exact_refs or not _out_of_time(

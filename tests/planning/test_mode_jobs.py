@@ -1,0 +1,73 @@
+"""The modes after the first planned side by side (autopar.planning.mode_jobs): the same plan
+and the same per-mode plans as one process makes, and a mode's run that crossed a pipe scores
+and explains as the one made here."""
+
+import math
+import pickle
+
+import torch
+
+from autopar.ir.mesh import Mesh
+from autopar.ir.options import Options
+from autopar.models import MLP, MLPConfig
+from autopar.passes.problem import bucket_fill
+from autopar.planning import planner
+from autopar.planning.mode_jobs import per_worker_share, portable, restored
+
+MESH = Mesh((2, 2), ("dp", "tp"), "cpu")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    model = MLP(MLPConfig(in_dim=30, hidden=(70, 50), out_dim=6, activation="relu"))
+    return model, (torch.randn(16, 30), torch.randn(16, 6))
+
+
+def test_modes_planned_on_two_workers_equal_those_planned_in_one_process(monkeypatch):
+    model, inputs = _mlp()
+    free = planner.make_plan(model, MESH, inputs, options=Options.of(memory_budget=math.inf))
+    budget = 0.5 * free.plan.predicted.cost.mem_bytes
+    forked = []
+    real = planner.forked_map
+
+    def counted(fn, items, workers):
+        forked.append((len(items), workers))
+        return real(fn, items, workers)
+
+    monkeypatch.setattr(planner, "forked_map", counted)
+    # a long limit: every solve here ends by its work, so both runs do the same work
+    one, two = (planner.make_plan(model, MESH, inputs, options=Options.of(
+        memory_budget=budget, time_limit_s=120, workers=w)) for w in (1, 2))
+    assert any(n >= 2 and w == 2 for n, w in forked), forked  # the modes were forked
+    assert list(one.mode_problems) == list(two.mode_problems)
+    assert len(two.mode_problems) >= 3
+    assert one.plan.predicted.cost == two.plan.predicted.cost
+    assert one.plan.decided.nodes == two.plan.decided.nodes
+    assert one.plan.decided.recompute == two.plan.decided.recompute
+    for mode, sp in two.mode_problems.items():  # each forked mode's problem is whole here
+        assert [n.name for n in sp.nodes] == [n.name for n in one.mode_problems[mode].nodes]
+        assert all(n.graph is sp.nodes[0].graph for n in sp.nodes)
+
+
+def test_a_portable_run_crosses_a_pipe_and_scores_as_before():
+    model, inputs = _mlp()
+    planned = planner.make_plan(model, MESH, inputs, options=Options.of(
+        memory_budget=math.inf, time_limit_s=30))
+    run = planner._ModeRun(planner.Mode(), planned.graph, planned.problem, None,
+                           planned.solution, planned.node_choice)
+    before = bucket_fill.score(planned.problem, planned.node_choice).cost
+    back = pickle.loads(pickle.dumps(portable(run)))
+    assert back.pg is None and all(isinstance(n, str) for n in back.sp.nodes)
+    again = restored(back, planned.graph, MESH, planned.problem)
+    assert again.sp.nodes == planned.problem.nodes and again.sp.mesh is MESH
+    assert again.sp.spec_ids is planned.problem.spec_ids  # the price caches shared again
+    assert again.sp.matrix_cache == {}  # keyed by list identity: never carried over
+    assert bucket_fill.score(again.sp, again.choice).cost == before
+    assert run.sp.nodes == planned.problem.nodes  # the original is left whole
+
+
+def test_per_worker_share_counts_the_modes_left_on_one_worker():
+    # one process: the modes left, this one counted (make_plan's sequential share)
+    assert [per_worker_share(k, 5, 0, 1) for k in range(5)] == [5, 4, 3, 2, 1]
+    assert [per_worker_share(k, 5, 0, 2) for k in range(5)] == [3, 2, 2, 1, 1]
+    assert per_worker_share(0, 5, 6, 2) == 6  # with the offloading modes still to come
