@@ -47,6 +47,38 @@ def forked_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
         _JOB = None
 
 
+class Ahead:
+    """``fn()`` started now in a forked process, where forking is safe and ``workers`` > 1,
+    for a result that may not be wanted (the planner's plan without a memory limit, needed
+    only where the first mode's plan does not fit): :meth:`get` waits for it (or computes it
+    here, where nothing was forked), :meth:`cancel` stops it unread."""
+
+    def __init__(self, fn: Callable[[], Any], workers: int) -> None:
+        global _JOB
+        self._fn, self._pool, self._async = fn, None, None
+        if workers > 1 and _fork_is_safe():
+            _JOB = (lambda _: fn(), (None,))
+            try:
+                self._pool = multiprocessing.get_context("fork").Pool(1)
+                self._async = self._pool.apply_async(_run, (0,))
+            finally:
+                _JOB = None
+
+    def get(self) -> Any:
+        if self._pool is None:
+            return self._fn()
+        try:
+            return self._async.get()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
 def _run(k: int) -> Any:
     assert _JOB is not None
     fn, items = _JOB

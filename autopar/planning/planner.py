@@ -56,7 +56,7 @@ from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
-from autopar.planning.parallel_map import forked_map
+from autopar.planning.parallel_map import Ahead, forked_map
 from autopar.solver import Problem, Solution, evaluate, solve
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
@@ -237,9 +237,7 @@ def make_plan(
 
         def job(k: int) -> tuple[_ModeRun | None, list[str], dict[str, float]]:
             mode, mpg = jobs[k]
-            mine = copy.copy(dl)  # this mode's view: its cuts sent back, nothing drawn here
-            mine.progress, mine.cuts, mine.floor = None, [], floor
-            spent = dict.fromkeys(timings, 0.0)
+            mine, spent = _own_view(dl, floor), dict.fromkeys(timings, 0.0)
             if _out_of_time(mine, runs, f"mode {mode.label} not tried"):
                 return None, mine.cuts, spent
             of = per_worker_share(k, len(jobs), more, workers)
@@ -252,10 +250,7 @@ def make_plan(
 
         for (mode, mpg), (got, cuts, spent) in zip(jobs, forked_map(job, range(len(jobs)),
                                                                      workers)):
-            for what in cuts:
-                dl.cut(what)
-            for name, s in spent.items():
-                timings[name] += s
+            _merge(dl, timings, cuts, spent)
             if got is not None:
                 runs[mode] = restored(got, mpg, mesh, prices_of)
                 if runs[mode].fits:
@@ -263,17 +258,35 @@ def make_plan(
 
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
     candidates = candidate_modes(mem.recompute, mem.zero, held)
-    first = run(candidates[0], own=True)  # also the start of the other modes' searches
+    def free_plan() -> tuple[_ModeRun, list[str], dict[str, float]]:
+        """The first mode's plan with no limit, where its plan under the limit does not
+        fit: the other modes start from the layout that is fastest with no limit (the
+        solver alone, from the leanest start, can stall far from it under a tight limit:
+        llama3-70b dp=8,tp=8 b64 found a plan 4x slower)."""
+        mine, spent = _own_view(dl, MIN_MODE_S), dict.fromkeys(timings, 0.0)
+        got = _plan_mode(pg, mesh, candidates[0], None, {},
+                         replace(search, time_limit_s=search.time_limit_s / 2, workers=1,
+                                 deadline=mine), True, spent, shown=False)
+        return portable(got), mine.cuts, spent
+
+    # on a second core it is planned beside the first mode, and dropped where that one fits
+    ahead = Ahead(free_plan, search.workers) if limit is not None and len(candidates) > 1 \
+        else None
+    try:
+        first = run(candidates[0], own=True)  # also the start of the other modes' searches
+    except BaseException:
+        if ahead is not None:
+            ahead.cancel()
+        raise
     assert first is not None
     if first.choice is not None:
         seeds.append(first)
-    elif limit is not None and len(candidates) > 1:
-        # nothing fits without recomputing: the other modes start from the layout that is
-        # fastest with no limit (the solver alone, from the leanest start, can stall far
-        # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
-        free = _plan_mode(pg, mesh, candidates[0], None, {},
-                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1),
-                          True, timings, shown=False)
+        if ahead is not None:
+            ahead.cancel()
+    elif ahead is not None:
+        free, cuts, spent = ahead.get()
+        _merge(dl, timings, cuts, spent)
+        free = restored(free, first.pg, mesh, None)
         if free.choice is not None:
             seeds.append(free)
     # recomputation and re-gathering pay only where memory binds: a plan well inside the
@@ -357,6 +370,23 @@ def make_plan(
     return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices,
                    {name: (r.sp, r.refs.choices[name]) for name, r in ref_runs.items()},
                    as_reference, mode_problems)
+
+
+def _own_view(dl: Deadline, floor: float) -> Deadline:
+    """The call's deadline as a job planned apart sees it (a forked mode): the same end, its
+    own cuts (sent back, :func:`_merge`), nothing drawn on the terminal from there."""
+    mine = copy.copy(dl)
+    mine.progress, mine.cuts, mine.floor = None, [], floor
+    return mine
+
+
+def _merge(dl: Deadline, timings: dict[str, float], cuts: list[str],
+           spent: dict[str, float]) -> None:
+    """A job planned apart: its cuts noted on the call's deadline, its time in the call's."""
+    for what in cuts:
+        dl.cut(what)
+    for name, s in spent.items():
+        timings[name] += s
 
 
 def _out_of_time(dl: Deadline, runs: dict[Mode, _ModeRun], what: str) -> bool:

@@ -5,6 +5,7 @@ and explains as the one made here."""
 import math
 import pickle
 
+import pytest
 import torch
 
 from autopar.ir.mesh import Mesh
@@ -23,22 +24,32 @@ def _mlp():
     return model, (torch.randn(16, 30), torch.randn(16, 6))
 
 
-def test_modes_planned_on_two_workers_equal_those_planned_in_one_process(monkeypatch):
+@pytest.mark.parametrize("fraction,free_needed", [(0.5, False), (0.2, True)])
+def test_modes_planned_on_two_workers_equal_those_planned_in_one_process(
+        monkeypatch, fraction, free_needed):
+    """At 0.2 of its peak the MLP's first mode finds nothing that fits: the plan with no
+    limit, planned ahead beside it on the second worker, seeds the other modes."""
     model, inputs = _mlp()
     free = planner.make_plan(model, MESH, inputs, options=Options.of(memory_budget=math.inf))
-    budget = 0.5 * free.plan.predicted.cost.mem_bytes
-    forked = []
-    real = planner.forked_map
+    budget = fraction * free.plan.predicted.cost.mem_bytes
+    forked, waited = [], []
+    real, real_get = planner.forked_map, planner.Ahead.get
 
     def counted(fn, items, workers):
         forked.append((len(items), workers))
         return real(fn, items, workers)
 
+    def get(self):
+        waited.append(self._pool is not None)  # forked, not computed here
+        return real_get(self)
+
     monkeypatch.setattr(planner, "forked_map", counted)
+    monkeypatch.setattr(planner.Ahead, "get", get)
     # a long limit: every solve here ends by its work, so both runs do the same work
     one, two = (planner.make_plan(model, MESH, inputs, options=Options.of(
         memory_budget=budget, time_limit_s=120, workers=w)) for w in (1, 2))
     assert any(n >= 2 and w == 2 for n, w in forked), forked  # the modes were forked
+    assert waited == ([False, True] if free_needed else [])  # one process, then two
     assert list(one.mode_problems) == list(two.mode_problems)
     assert len(two.mode_problems) >= 3
     assert one.plan.predicted.cost == two.plan.predicted.cost
@@ -71,3 +82,16 @@ def test_per_worker_share_counts_the_modes_left_on_one_worker():
     assert [per_worker_share(k, 5, 0, 1) for k in range(5)] == [5, 4, 3, 2, 1]
     assert [per_worker_share(k, 5, 0, 2) for k in range(5)] == [3, 2, 2, 1, 1]
     assert per_worker_share(0, 5, 6, 2) == 6  # with the offloading modes still to come
+
+
+def test_work_planned_ahead_is_read_or_stopped_unread():
+    import os
+
+    from autopar.planning.parallel_map import Ahead
+
+    ahead = Ahead(os.getpid, 2)  # forked: another process computed it
+    assert ahead.get() != os.getpid() and ahead._pool is None
+    assert Ahead(os.getpid, 1).get() == os.getpid()  # one worker: computed here, when read
+    stopped = Ahead(lambda: __import__("time").sleep(60), 2)
+    stopped.cancel()  # returns at once, the child ended
+    assert stopped._pool is None
