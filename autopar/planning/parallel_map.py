@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,44 @@ def default_workers() -> int:
     env = os.environ.get("AUTOPAR_PLAN_WORKERS")
     if env:
         return max(1, int(env))
+    return _cores()
+
+
+def idle_cores(sample_s: float = 0.1) -> float | None:
+    """Cores idle now: the machine's idle share over ``sample_s`` seconds (``/proc/stat``)
+    times the cores this process may use; None where that cannot be read (not Linux). The
+    load average lags by a minute, and counts this process's own planning just before."""
+    try:
+        before = _cpu_times()
+        time.sleep(sample_s)
+        after = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(after) - sum(before)
+    if total <= 0:
+        return None
+    idle = (after[3] + after[4]) - (before[3] + before[4])  # idle and iowait
+    return idle / total * _cores()
+
+
+def usable_workers(workers: int) -> int:
+    """``workers``, at most the cores idle now (at least one). A job forked onto a busy core
+    only splits it with what runs there, and the planner's solves that stop by the clock
+    then do part of their work: MoE at 0.35 of its peak (benchmarks/solver.py) on two
+    workers, with the two cores busy with other work, found no plan that fits in its 30 s,
+    where one process found its plan."""
+    if workers <= 1:
+        return 1
+    idle = idle_cores()
+    return workers if idle is None else max(1, min(workers, int(idle + 0.5)))
+
+
+def _cpu_times() -> list[int]:
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def _cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux

@@ -56,7 +56,7 @@ from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
-from autopar.planning.parallel_map import Ahead, forked_map
+from autopar.planning.parallel_map import Ahead, forked_map, usable_workers
 from autopar.solver import Problem, Solution, evaluate, solve
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
@@ -212,7 +212,7 @@ def make_plan(
         where none fits yet: one after another, or side by side on ``search.workers``
         forked processes (:mod:`autopar.planning.mode_jobs`), each worker's modes sharing
         its time left as one process's would."""
-        workers = min(search.workers, len(modes))
+        workers = min(spread, len(modes))
         if workers <= 1:
             for k, mode in enumerate(modes):
                 if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
@@ -235,12 +235,20 @@ def make_plan(
         prices_of = next(iter(runs.values())).sp
         dl.phase(f"planning modes {', '.join(m.label for m, _ in jobs)}")
 
-        def job(k: int) -> tuple[_ModeRun | None, list[str], dict[str, float]]:
-            mode, mpg = jobs[k]
+        # while no plan fits, the leanest modes (the last: they recompute and re-gather the
+        # most) start first, with the largest shares: they are the likeliest to fit, and
+        # where only they fit, the search for a plan that does is theirs (the
+        # encoder-decoder at 0.35 of its peak: full+zero3+offload alone fits, 6 s of CPU)
+        order = list(range(len(jobs)))
+        if not any(r.fits for r in runs.values()):
+            order.reverse()
+
+        def job(p: int) -> tuple[_ModeRun | None, list[str], dict[str, float]]:
+            mode, mpg = jobs[order[p]]
             mine, spent = _own_view(dl, floor), dict.fromkeys(timings, 0.0)
             if _out_of_time(mine, runs, f"mode {mode.label} not tried"):
                 return None, mine.cuts, spent
-            of = per_worker_share(k, len(jobs), more, workers)
+            of = per_worker_share(p, len(jobs), more, workers)
             share = replace(search, workers=1, deadline=mine, time_limit_s=min(
                 search.time_limit_s, max(MIN_MODE_S, mine.left() / of)))
             got = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, True,
@@ -248,8 +256,9 @@ def make_plan(
                              prices_of=prices_of, mpg=mpg, shown=False)
             return portable(got), mine.cuts, spent
 
-        for (mode, mpg), (got, cuts, spent) in zip(jobs, forked_map(job, range(len(jobs)),
-                                                                     workers)):
+        done = dict(zip(order, forked_map(job, range(len(jobs)), workers)))
+        for k, (mode, mpg) in enumerate(jobs):  # in the modes' order, as one process's
+            got, cuts, spent = done[k]
             _merge(dl, timings, cuts, spent)
             if got is not None:
                 runs[mode] = restored(got, mpg, mesh, prices_of)
@@ -258,6 +267,7 @@ def make_plan(
 
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
     candidates = candidate_modes(mem.recompute, mem.zero, held)
+
     def free_plan() -> tuple[_ModeRun, list[str], dict[str, float]]:
         """The first mode's plan with no limit, where its plan under the limit does not
         fit: the other modes start from the layout that is fastest with no limit (the
@@ -269,9 +279,12 @@ def make_plan(
                                  deadline=mine), True, spent, shown=False)
         return portable(got), mine.cuts, spent
 
+    # the workers the modes are planned on: only cores idle now (one busy elsewhere would
+    # only be split, and the clock-bound solves do less)
+    spread = usable_workers(search.workers) if limit is not None and len(candidates) > 1 \
+        else 1
     # on a second core it is planned beside the first mode, and dropped where that one fits
-    ahead = Ahead(free_plan, search.workers) if limit is not None and len(candidates) > 1 \
-        else None
+    ahead = Ahead(free_plan, spread) if limit is not None and len(candidates) > 1 else None
     try:
         first = run(candidates[0], own=True)  # also the start of the other modes' searches
     except BaseException:

@@ -12,7 +12,7 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.models import MLP, MLPConfig
 from autopar.passes.problem import bucket_fill
-from autopar.planning import planner
+from autopar.planning import parallel_map, planner
 from autopar.planning.mode_jobs import per_worker_share, portable, restored
 
 MESH = Mesh((2, 2), ("dp", "tp"), "cpu")
@@ -45,6 +45,7 @@ def test_modes_planned_on_two_workers_equal_those_planned_in_one_process(
 
     monkeypatch.setattr(planner, "forked_map", counted)
     monkeypatch.setattr(planner.Ahead, "get", get)
+    monkeypatch.setattr(parallel_map, "idle_cores", lambda: 2.0)  # as on an idle machine
     # a long limit: every solve here ends by its work, so both runs do the same work
     one, two = (planner.make_plan(model, MESH, inputs, options=Options.of(
         memory_budget=budget, time_limit_s=120, workers=w)) for w in (1, 2))
@@ -95,3 +96,24 @@ def test_work_planned_ahead_is_read_or_stopped_unread():
     stopped = Ahead(lambda: __import__("time").sleep(60), 2)
     stopped.cancel()  # returns at once, the child ended
     assert stopped._pool is None
+
+
+def test_modes_are_planned_in_one_process_where_no_core_is_idle(monkeypatch):
+    forked = []
+    real = planner.forked_map
+    monkeypatch.setattr(planner, "forked_map",
+                        lambda fn, items, w: forked.append((len(items), w)) or real(fn, items, w))
+    monkeypatch.setattr(parallel_map, "idle_cores", lambda: 0.3)
+    assert parallel_map.usable_workers(2) == 1
+    model, inputs = _mlp()
+    free = planner.make_plan(model, MESH, inputs, options=Options.of(memory_budget=math.inf))
+    planned = planner.make_plan(model, MESH, inputs, options=Options.of(
+        memory_budget=0.5 * free.plan.predicted.cost.mem_bytes, workers=2))
+    assert len(planned.mode_problems) >= 3
+    assert not [n for n, w in forked if n >= 2 and w >= 2], forked
+
+
+def test_idle_cores_reads_the_machine():
+    idle = parallel_map.idle_cores(0.02)
+    assert idle is None or 0.0 <= idle <= parallel_map._cores() + 1e-9
+    assert parallel_map.usable_workers(1) == 1  # one worker asked: no sample taken
