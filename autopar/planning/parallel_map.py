@@ -127,6 +127,8 @@ def _run(k: int) -> Any:
 def _fork_is_safe() -> bool:
     if "fork" not in multiprocessing.get_all_start_methods():
         return False
+    if multiprocessing.current_process().daemon:
+        return False  # a pool's worker (a forked mode, a shape) may not fork a pool of its own
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized())

@@ -117,3 +117,10 @@ def test_idle_cores_reads_the_machine():
     idle = parallel_map.idle_cores(0.02)
     assert idle is None or 0.0 <= idle <= parallel_map._cores() + 1e-9
     assert parallel_map.usable_workers(1) == 1  # one worker asked: no sample taken
+
+
+def test_a_forked_job_maps_in_its_own_process():
+    """A pool's worker may not fork one of its own: a job that maps again (a mode planned
+    on a worker completing its reference layouts) maps in its own process."""
+    inner = parallel_map.forked_map
+    assert inner(lambda x: inner(lambda y: y + 1, [x, x], 2), [1, 2], 2) == [[2, 2], [3, 3]]
