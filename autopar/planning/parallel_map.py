@@ -103,11 +103,16 @@ class Ahead:
             finally:
                 _JOB = None
 
-    def get(self) -> Any:
+    def get(self, timeout_s: float | None = None) -> Any:
+        """The result; computed here where the child has not sent it within ``timeout_s``
+        (a child killed, by the memory limit say, never sends it: a pool would wait on)."""
         if self._pool is None:
             return self._fn()
         try:
-            return self._async.get()
+            return self._async.get(timeout_s)
+        except multiprocessing.TimeoutError:
+            self.cancel()
+            return self._fn()
         finally:
             self.cancel()
 

@@ -297,7 +297,8 @@ def make_plan(
         if ahead is not None:
             ahead.cancel()
     elif ahead is not None:
-        free, cuts, spent = ahead.get()
+        # (its limit is half the call's; past the whole call's and a minute it is lost)
+        free, cuts, spent = ahead.get(search.time_limit_s + 60)
         _merge(dl, timings, cuts, spent)
         free = restored(free, first.pg, mesh, None)
         if free.choice is not None:

@@ -39,9 +39,9 @@ def test_modes_planned_on_two_workers_equal_those_planned_in_one_process(
         forked.append((len(items), workers))
         return real(fn, items, workers)
 
-    def get(self):
+    def get(self, timeout_s=None):
         waited.append(self._pool is not None)  # forked, not computed here
-        return real_get(self)
+        return real_get(self, timeout_s)
 
     monkeypatch.setattr(planner, "forked_map", counted)
     monkeypatch.setattr(planner.Ahead, "get", get)
@@ -96,6 +96,10 @@ def test_work_planned_ahead_is_read_or_stopped_unread():
     stopped = Ahead(lambda: __import__("time").sleep(60), 2)
     stopped.cancel()  # returns at once, the child ended
     assert stopped._pool is None
+    box: list[int | None] = [None]
+    lost = Ahead(lambda: __import__("time").sleep(60) if box[0] is None else box[0], 2)
+    box[0] = os.getpid()  # the child forked before this was set: it sleeps, this process not
+    assert lost.get(timeout_s=0.5) == os.getpid()  # not sent in time: computed here
 
 
 def test_modes_are_planned_in_one_process_where_no_core_is_idle(monkeypatch):
