@@ -52,9 +52,11 @@ def usable_workers(workers: int) -> int:
     only splits it with what runs there, and the planner's solves that stop by the clock
     then do part of their work: MoE at 0.35 of its peak (benchmarks/solver.py) on two
     workers, with the two cores busy with other work, found no plan that fits in its 30 s,
-    where one process found its plan."""
+    where one process found its plan. ``AUTOPAR_PLAN_WORKERS`` set: ``workers`` as given."""
     if workers <= 1:
         return 1
+    if os.environ.get("AUTOPAR_PLAN_WORKERS"):
+        return workers  # the user's own count: taken as given, busy cores or not
     idle = idle_cores()
     return workers if idle is None else max(1, min(workers, int(idle + 0.5)))
 

@@ -108,7 +108,11 @@ def test_modes_are_planned_in_one_process_where_no_core_is_idle(monkeypatch):
     monkeypatch.setattr(planner, "forked_map",
                         lambda fn, items, w: forked.append((len(items), w)) or real(fn, items, w))
     monkeypatch.setattr(parallel_map, "idle_cores", lambda: 0.3)
+    monkeypatch.delenv("AUTOPAR_PLAN_WORKERS", raising=False)
     assert parallel_map.usable_workers(2) == 1
+    monkeypatch.setenv("AUTOPAR_PLAN_WORKERS", "2")  # a count the user set is taken as given
+    assert parallel_map.usable_workers(2) == 2
+    monkeypatch.delenv("AUTOPAR_PLAN_WORKERS")
     model, inputs = _mlp()
     free = planner.make_plan(model, MESH, inputs, options=Options.of(memory_budget=math.inf))
     planned = planner.make_plan(model, MESH, inputs, options=Options.of(
