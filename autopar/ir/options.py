@@ -143,9 +143,10 @@ class SearchOptions:
     layout, memory fit, pipeline and mesh-shape search; tracing included); at the limit the
     best plan found so far is returned and its provenance says the limit cut the search.
     ``min_gain``: the solver's own plan replaces the best reference layout only when
-    predicted at least this fraction faster. ``workers``: forked processes reference layouts
-    (and mesh shapes) are planned on. ``max_layers``: trace a deeper model as a proxy of that
-    many layers (None: every one). ``deadline``: the running call's
+    predicted at least this fraction faster. ``workers``: forked processes reference
+    layouts, mesh shapes and the planner's modes after the first are planned on.
+    ``max_layers``: trace a deeper model as a proxy of that many layers (None: every one).
+    ``deadline``: the running call's
     :class:`~autopar.ir.deadline.Deadline` (set by the planner where the call starts; not an
     option a user gives, and not compared)."""
 

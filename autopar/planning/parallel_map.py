@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,46 @@ def default_workers() -> int:
     env = os.environ.get("AUTOPAR_PLAN_WORKERS")
     if env:
         return max(1, int(env))
+    return _cores()
+
+
+def idle_cores(sample_s: float = 0.1) -> float | None:
+    """Cores idle now: the machine's idle share over ``sample_s`` seconds (``/proc/stat``)
+    times the cores this process may use; None where that cannot be read (not Linux). The
+    load average lags by a minute, and counts this process's own planning just before."""
+    try:
+        before = _cpu_times()
+        time.sleep(sample_s)
+        after = _cpu_times()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(after) - sum(before)
+    if total <= 0:
+        return None
+    idle = (after[3] + after[4]) - (before[3] + before[4])  # idle and iowait
+    return idle / total * _cores()
+
+
+def usable_workers(workers: int) -> int:
+    """``workers``, at most the cores idle now (at least one). A job forked onto a busy core
+    only splits it with what runs there, and the planner's solves that stop by the clock
+    then do part of their work: MoE at 0.35 of its peak (benchmarks/solver.py) on two
+    workers, with the two cores busy with other work, found no plan that fits in its 30 s,
+    where one process found its plan. ``AUTOPAR_PLAN_WORKERS`` set: ``workers`` as given."""
+    if workers <= 1:
+        return 1
+    if os.environ.get("AUTOPAR_PLAN_WORKERS"):
+        return workers  # the user's own count: taken as given, busy cores or not
+    idle = idle_cores()
+    return workers if idle is None else max(1, min(workers, int(idle + 0.5)))
+
+
+def _cpu_times() -> list[int]:
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def _cores() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux
@@ -47,6 +88,43 @@ def forked_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
         _JOB = None
 
 
+class Ahead:
+    """``fn()`` started now in a forked process, where forking is safe and ``workers`` > 1,
+    for a result that may not be wanted (the planner's plan without a memory limit, needed
+    only where the first mode's plan does not fit): :meth:`get` waits for it (or computes it
+    here, where nothing was forked), :meth:`cancel` stops it unread."""
+
+    def __init__(self, fn: Callable[[], Any], workers: int) -> None:
+        global _JOB
+        self._fn, self._pool, self._async = fn, None, None
+        if workers > 1 and _fork_is_safe():
+            _JOB = (lambda _: fn(), (None,))
+            try:
+                self._pool = multiprocessing.get_context("fork").Pool(1)
+                self._async = self._pool.apply_async(_run, (0,))
+            finally:
+                _JOB = None
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """The result; computed here where the child has not sent it within ``timeout_s``
+        (a child killed, by the memory limit say, never sends it: a pool would wait on)."""
+        if self._pool is None:
+            return self._fn()
+        try:
+            return self._async.get(timeout_s)
+        except multiprocessing.TimeoutError:
+            self.cancel()
+            return self._fn()
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
 def _run(k: int) -> Any:
     assert _JOB is not None
     fn, items = _JOB
@@ -56,6 +134,8 @@ def _run(k: int) -> Any:
 def _fork_is_safe() -> bool:
     if "fork" not in multiprocessing.get_all_start_methods():
         return False
+    if multiprocessing.current_process().daemon:
+        return False  # a pool's worker (a forked mode, a shape) may not fork a pool of its own
     import torch.distributed as dist
 
     return not (dist.is_available() and dist.is_initialized())

@@ -9,6 +9,7 @@ score is the best that layout can do.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -53,8 +54,9 @@ from autopar.passes.problem.types import ShardingProblem
 from autopar.planning import used_in_place
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
+from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
-from autopar.planning.parallel_map import forked_map
+from autopar.planning.parallel_map import Ahead, forked_map, usable_workers
 from autopar.solver import Problem, Solution, evaluate, solve
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
@@ -205,19 +207,100 @@ def make_plan(
                                 mpg=mpg, must_fit=not runs)
         return runs[mode]
 
+    def run_all(modes: list[Mode], later: int) -> None:
+        """Plan ``modes`` (each after the first mode, seeded by it), then ``later`` more
+        where none fits yet: one after another, or side by side on ``search.workers``
+        forked processes (:mod:`autopar.planning.mode_jobs`), each worker's modes sharing
+        its time left as one process's would."""
+        workers = min(spread, len(modes))
+        if workers <= 1:
+            for k, mode in enumerate(modes):
+                if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
+                    more = 0 if any(r.fits for r in runs.values()) else later
+                    run(mode, own=True, of=len(modes) - k + more)
+            return
+        jobs: list[tuple[Mode, PlanGraph]] = []
+        keys: set[tuple] = set()
+        for mode in modes:  # those whose problem no mode planned or to plan has (as run's)
+            mpg = mode_graph(pg, mode)
+            key = (frozenset(mpg.recomputed.items()), mode.whole_grads, mode.offload)
+            if key in keys or (key in graphs and graphs[key] in runs
+                               and runs[graphs[key]].sol is not None):
+                continue
+            graphs.setdefault(key, mode)
+            keys.add(key)
+            jobs.append((mode, mpg))
+        more = 0 if any(r.fits for r in runs.values()) else later
+        floor = MIN_SOLVE_S if any(r.fits for r in runs.values()) else MIN_MODE_S
+        prices_of = next(iter(runs.values())).sp
+        dl.phase(f"planning modes {', '.join(m.label for m, _ in jobs)}")
+
+        # while no plan fits, the leanest modes (the last: they recompute and re-gather the
+        # most) start first, with the largest shares: they are the likeliest to fit, and
+        # where only they fit, the search for a plan that does is theirs (the
+        # encoder-decoder at 0.35 of its peak: full+zero3+offload alone fits, 6 s of CPU)
+        order = list(range(len(jobs)))
+        if not any(r.fits for r in runs.values()):
+            order.reverse()
+
+        def job(p: int) -> tuple[_ModeRun | None, list[str], dict[str, float]]:
+            mode, mpg = jobs[order[p]]
+            mine, spent = _own_view(dl, floor), dict.fromkeys(timings, 0.0)
+            if _out_of_time(mine, runs, f"mode {mode.label} not tried"):
+                return None, mine.cuts, spent
+            of = per_worker_share(p, len(jobs), more, workers)
+            share = replace(search, workers=1, deadline=mine, time_limit_s=min(
+                search.time_limit_s, max(MIN_MODE_S, mine.left() / of)))
+            got = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, True,
+                             spent, seed=seeds[0] if seeds else None, offload=stored,
+                             prices_of=prices_of, mpg=mpg, shown=False)
+            return portable(got), mine.cuts, spent
+
+        done = dict(zip(order, forked_map(job, range(len(jobs)), workers)))
+        for k, (mode, mpg) in enumerate(jobs):  # in the modes' order, as one process's
+            got, cuts, spent = done[k]
+            _merge(dl, timings, cuts, spent)
+            if got is not None:
+                runs[mode] = restored(got, mpg, mesh, prices_of)
+                if runs[mode].fits:
+                    dl.found(runs[mode].step_s)
+
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
     candidates = candidate_modes(mem.recompute, mem.zero, held)
-    first = run(candidates[0], own=True)  # also the start of the other modes' searches
+
+    def free_plan() -> tuple[_ModeRun, list[str], dict[str, float]]:
+        """The first mode's plan with no limit, where its plan under the limit does not
+        fit: the other modes start from the layout that is fastest with no limit (the
+        solver alone, from the leanest start, can stall far from it under a tight limit:
+        llama3-70b dp=8,tp=8 b64 found a plan 4x slower)."""
+        mine, spent = _own_view(dl, MIN_MODE_S), dict.fromkeys(timings, 0.0)
+        got = _plan_mode(pg, mesh, candidates[0], None, {},
+                         replace(search, time_limit_s=search.time_limit_s / 2, workers=1,
+                                 deadline=mine), True, spent, shown=False)
+        return portable(got), mine.cuts, spent
+
+    # the workers the modes are planned on: only cores idle now (one busy elsewhere would
+    # only be split, and the clock-bound solves do less)
+    spread = usable_workers(search.workers) if limit is not None and len(candidates) > 1 \
+        else 1
+    # on a second core it is planned beside the first mode, and dropped where that one fits
+    ahead = Ahead(free_plan, spread) if limit is not None and len(candidates) > 1 else None
+    try:
+        first = run(candidates[0], own=True)  # also the start of the other modes' searches
+    except BaseException:
+        if ahead is not None:
+            ahead.cancel()
+        raise
     assert first is not None
     if first.choice is not None:
         seeds.append(first)
-    elif limit is not None and len(candidates) > 1:
-        # nothing fits without recomputing: the other modes start from the layout that is
-        # fastest with no limit (the solver alone, from the leanest start, can stall far
-        # from it under a tight limit: llama3-70b dp=8,tp=8 b64 found a plan 4x slower)
-        free = _plan_mode(pg, mesh, candidates[0], None, {},
-                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1),
-                          True, timings, shown=False)
+        if ahead is not None:
+            ahead.cancel()
+    elif ahead is not None:
+        # (its limit is half the call's; past the whole call's and a minute it is lost)
+        free, cuts, spent = ahead.get(search.time_limit_s + 60)
+        _merge(dl, timings, cuts, spent)
+        free = restored(free, first.pg, mesh, None)
         if free.choice is not None:
             seeds.append(free)
     # recomputation and re-gathering pay only where memory binds: a plan well inside the
@@ -237,18 +320,12 @@ def make_plan(
         # too: the modes before them took it all where none of them fit (MoE at 0.35 of its
         # peak, under load: no plan, where an offloading mode fits)
         offloading = len(candidates) if mem.offload == "auto" and limit is not None else 0
-        for k, mode in enumerate(candidates[1:]):
-            if unbound and (mode.recompute != "none" or mode.regather):
-                continue
-            if not _out_of_time(dl, runs, f"mode {mode.label} not tried"):
-                later = 0 if any(r.fits for r in runs.values()) else offloading
-                run(mode, own=True, of=len(candidates) - 1 - k + later)
+        run_all([m for m in candidates[1:]
+                 if not (unbound and (m.recompute != "none" or m.regather))], offloading)
     if mem.offload == "auto" and limit is not None and not any(r.fits for r in runs.values()):
         # nothing fits with the state on the device: offer the solver the host for it
         stored = "auto"
-        for k, mode in enumerate(candidates):
-            if not _out_of_time(dl, runs, f"mode {mode.offloaded().label} not tried"):
-                run(mode.offloaded(), own=True, of=len(candidates) - k)
+        run_all([mode.offloaded() for mode in candidates], 0)
     for mode in refs_by_mode:  # fixed policies in other modes, completed for the comparison
         # (an exact reference's never skipped for time: the plan is never slower than it)
         if mode not in runs and (mode in exact_refs or not _out_of_time(
@@ -307,6 +384,23 @@ def make_plan(
     return Planned(plan, best.pg, sp, sol, best.choice, best.refs.choices,
                    {name: (r.sp, r.refs.choices[name]) for name, r in ref_runs.items()},
                    as_reference, mode_problems)
+
+
+def _own_view(dl: Deadline, floor: float) -> Deadline:
+    """The call's deadline as a job planned apart sees it (a forked mode): the same end, its
+    own cuts (sent back, :func:`_merge`), nothing drawn on the terminal from there."""
+    mine = copy.copy(dl)
+    mine.progress, mine.cuts, mine.floor = None, [], floor
+    return mine
+
+
+def _merge(dl: Deadline, timings: dict[str, float], cuts: list[str],
+           spent: dict[str, float]) -> None:
+    """A job planned apart: its cuts noted on the call's deadline, its time in the call's."""
+    for what in cuts:
+        dl.cut(what)
+    for name, s in spent.items():
+        timings[name] += s
 
 
 def _out_of_time(dl: Deadline, runs: dict[Mode, _ModeRun], what: str) -> bool:
