@@ -313,10 +313,9 @@ class Search:
         span = deadline - time.monotonic()
         oracle_s = min(_ORACLE_MAX_S, max(_ORACLE_MIN_S, _ORACLE_PART * span))
         oracle_until = -math.inf  # the oracle's phase, once the local rounds are stuck
-        top_rel = -math.inf  # the best relaxed value so far (``best_rel`` never leaves -inf)
         while time.monotonic() < deadline:
             if (self.oracle and self.oracle_calls == 0 and self.rounds >= _ORACLE_AFTER
-                    and top_rel >= (1.0 - _STUCK) * self.best_c
+                    and best_rel >= (1.0 - _STUCK) * self.best_c
                     and deadline - time.monotonic() >= 2 * _ORACLE_MIN_S):
                 # the relaxed plans stay at the incumbent (M: within 0.02%; S, where the
                 # rounds still move, 12% below): their moves cannot leave its basin. The
@@ -344,9 +343,9 @@ class Search:
             # the fixed nodes' usage is priced too: sum_t lam_t (base_t - limit)
             off = float(lam @ up.base) - self.lim * float(lam.sum())
             rel = kernels.total_cost(D, rch, pc) + off
-            top_rel = max(top_rel, rel)
             self.bound = max(self.bound, kernels.lower_bound(D, pc) + off)
-            if rel > best_rel + 1e-9 * abs(best_rel):
+            # the first round's value is the first best (-inf + anything is nan: no test)
+            if not math.isfinite(best_rel) or rel > best_rel + 1e-9 * abs(best_rel):
                 best_rel, stall = rel, 0
             else:
                 stall += 1
