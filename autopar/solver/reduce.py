@@ -13,7 +13,8 @@ nothing changes:
 - strategies that can never fit in memory (their extra usage over the node's smallest
   exceeds the headroom left by every other node at its smallest) are dropped;
 - dominated strategies are dropped: s' dominates s when its node cost, its usage (if the node
-  is ever live under a limit) and its rows of every incident edge matrix are all <= those of s;
+  is ever live under a limit) and its rows of every incident edge matrix are all <= those of s
+  (tested again only at nodes whose own data or incident matrices changed since their test);
 - edges touching a single-strategy node, and edges whose matrix is ``r[s_u] + c[s_v]``, are
   folded into the node costs.
 """
