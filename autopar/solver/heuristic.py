@@ -297,14 +297,16 @@ class LocalSearch:
         return after < before, st == ilp.cp_model.OPTIMAL, len(free)
 
 
-def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool) -> float:
-    """Run ``unitsearch`` from ``ls``'s plan until ``until``; ``ls`` takes its plan when
-    that fits and costs less. Returns the Lagrangian lower bound on ``ls.q`` (or -inf)."""
+def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool,
+                 settle_until: float = -math.inf) -> float:
+    """Run ``unitsearch`` from ``ls``'s plan until ``until`` (and past it until
+    ``settle_until`` while a search has not settled: ``Search.run``); ``ls`` takes its plan
+    when that fits and costs less. Returns the Lagrangian lower bound on ``ls.q`` (or -inf)."""
     up = unitsearch.UnitProblem(ls.q, ls.forbid)
 
     def one(k: int) -> unitsearch.Search:
-        s = unitsearch.Search(up, ls.a, seed + k, until, oracle=k == 0)
-        s.run(until, log=log and k == 0)
+        s = unitsearch.Search(up, ls.a, seed + k, max(until, settle_until), oracle=k == 0)
+        s.run(until, log=log and k == 0, settle_until=settle_until)
         return s
 
     n = max(1, min(workers, 2))
@@ -352,7 +354,9 @@ def run_heuristic(
     (``lagrange.py``) before the feasible local search and LNS. ``unit_min`` =
     (seconds, until): the unit search runs that many seconds after the greedy start at least,
     even past ``deadline`` but not past ``until``: a loaded machine can spend a short window
-    on the greedy start alone, and the caller knows how much later it can afford."""
+    on the greedy start alone, and the caller knows how much later it can afford; and it goes
+    on (to ``until`` at the latest) while its plan still improves or pays a forbidden pair
+    (``unitsearch.Search.run``), so what it hands on does not depend on the CPU it got."""
     ls = LocalSearch(q, seed, forbid)
     if hint is not None:
         h = np.asarray(hint, dtype=np.int64)
@@ -371,10 +375,11 @@ def run_heuristic(
                 min(now + unit_min[0], unit_min[1]))
     # building the units and the first polish take a second or two of their own: a search
     # with less than that left would only overrun its deadline
-    if unit_share > 0 and not whole and until - now >= _UNIT_MIN_RUN_S:
+    settle_until = unit_min[1] if unit_min[0] > 0 else -math.inf
+    if unit_share > 0 and not whole and max(until, settle_until) - now >= _UNIT_MIN_RUN_S:
         # the compiled search over rigid units (Lagrangian rounds under a limit, exact
         # forest moves either way) first; the Python moves and CP-SAT LNS polish after it
-        bound = _unit_search(ls, until, seed, workers, log)
+        bound = _unit_search(ls, until, seed, workers, log, settle_until)
     for _ in range(3):
         if time.monotonic() > deadline or ls.sweep(deadline) == 0:
             break

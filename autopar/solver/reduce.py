@@ -13,7 +13,8 @@ nothing changes:
 - strategies that can never fit in memory (their extra usage over the node's smallest
   exceeds the headroom left by every other node at its smallest) are dropped;
 - dominated strategies are dropped: s' dominates s when its node cost, its usage (if the node
-  is ever live under a limit) and its rows of every incident edge matrix are all <= those of s;
+  is ever live under a limit) and its rows of every incident edge matrix are all <= those of s
+  (tested again only at nodes whose own data or incident matrices changed since their test);
 - edges touching a single-strategy node, and edges whose matrix is ``r[s_u] + c[s_v]``, are
   folded into the node costs.
 """
@@ -70,11 +71,22 @@ class _Work:
                 self.adj[u].add((u, v))
                 self.adj[v].add((u, v))
         self.changed = True
+        # nodes whose strategies, usages or incident matrices changed since their last
+        # dominance test: only they can have a newly dominated strategy (on contest
+        # instance A the second pass over every node was a third of the presolve)
+        self.dirty = np.ones(len(p.costs), dtype=bool)
+
+    def touch(self, i: int) -> None:
+        """Node i changed: its dominance test and its neighbours' (their matrices) are due."""
+        self.dirty[i] = True
+        for u, v in self.adj[i]:
+            self.dirty[u] = self.dirty[v] = True
 
     def restrict(self, i: int, mask: np.ndarray) -> None:
         if mask.all():
             return
         self.changed = True
+        self.touch(i)
         self.costs[i] = self.costs[i][mask]
         self.usages[i] = self.usages[i][mask]
         self.keep[i] = self.keep[i][mask]
@@ -84,6 +96,7 @@ class _Work:
 
     def drop_edge(self, key: tuple[int, int]) -> None:
         self.changed = True
+        self.dirty[key[0]] = self.dirty[key[1]] = True
         del self.mats[key]
         self.adj[key[0]].discard(key)
         self.adj[key[1]].discard(key)
@@ -154,7 +167,8 @@ class _Work:
 
     def dominance(self) -> None:
         limit = self.p.usage_limit
-        for i in range(len(self.costs)):
+        for i in np.nonzero(self.dirty)[0].tolist():
+            self.dirty[i] = False
             k = len(self.costs[i])
             if k == 1:
                 continue

@@ -13,11 +13,13 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 from harness.brute import brute_optimum
+from harness.limited_problems import random_problem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.solver import Problem, evaluate, make_problem
+from autopar.solver import Problem, evaluate, make_problem, reduce
 from autopar.solver.contract import contract
 from autopar.solver.problem import usage_profile
 from autopar.solver.reduce import FORBIDDEN, presolve
@@ -99,3 +101,35 @@ def test_a_unit_costs_what_its_members_do(p: Problem) -> None:
             assert want >= FORBIDDEN
         else:
             assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-9)
+
+
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dominance_on_changed_nodes_only_reduces_as_a_full_pass(seed: int, monkeypatch) -> None:
+    """Dominance re-tests only the nodes whose data changed since their last test
+    (``_Work.dirty``); the reduction is the one of testing every node every pass."""
+    p = random_problem(seed, 60)
+    red, soft = presolve(p)
+    full_pass = reduce._Work.dominance
+
+    def every_node(self) -> None:
+        self.dirty[:] = True
+        full_pass(self)
+
+    monkeypatch.setattr(reduce._Work, "dominance", every_node)
+    ref, ref_soft = presolve(p)
+    assert (soft, red.infeasible) == (ref_soft, ref.infeasible)
+    assert [k.tolist() for k in red.keep] == [k.tolist() for k in ref.keep]
+    assert sorted(red.problem.edges) == sorted(ref.problem.edges)
+
+
+def test_a_neighbour_losing_a_strategy_brings_a_node_back_to_its_dominance_test() -> None:
+    """u's rows [0, 5, 2] and [1, 1, 4] dominate neither way until v loses its strategy 1
+    (dominated at v by strategy 0), after u's test in the first pass; then u's second
+    strategy is dominated, which only a second test of u finds (and then v's first)."""
+    m = [[0.0, 5.0, 2.0], [1.0, 1.0, 4.0]]  # not r[su] + c[sv] once v has lost 1: no fold
+    p = make_problem([[0.0, 0.0], [10.0, 100.0, 0.0]], [[1.0, 1.0], [1.0, 1.0, 1.0]],
+                     [(0, 1), (0, 1)], [(0, 1)], [m], None)
+    red, _ = presolve(p)
+    assert [k.tolist() for k in red.keep] == [[0], [2]]  # then v: 0 + 10 against 2 + 0

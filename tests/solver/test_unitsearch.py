@@ -156,3 +156,31 @@ def test_unit_min_runs_the_search_past_a_spent_window_but_not_past_its_end() -> 
         if cost < greedy - 1e-6 * abs(greedy):
             return  # the search past the window improved the plan
     pytest.fail("the unit search past a spent window never improved a greedy plan")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_settling_runs_past_the_deadline_until_the_plan_settles(seed: int) -> None:
+    """``run(deadline, settle_until=T)`` with its deadline spent: rounds go on until the
+    incumbent has no forbidden pair and has not improved for ``_SETTLE`` rounds (or T);
+    without ``settle_until`` a spent deadline runs no round."""
+    from autopar.solver.unitsearch import _SETTLE
+    q, forbid = _reduced(900 + seed, 80)
+    if q is None or q.usage_limit is None:
+        return
+    ls = LocalSearch(q, seed, forbid)
+    ls.greedy()
+    if not ls.fits():
+        return
+    up = UnitProblem(ls.q, ls.forbid)
+    s = Search(up, ls.a, seed)
+    s.run(time.monotonic())
+    assert s.rounds == 0
+    s = Search(up, ls.a, seed)
+    now = time.monotonic()
+    s.run(now, settle_until=now + 30.0)
+    took = time.monotonic() - now
+    assert s.rounds >= _SETTLE or took >= 30.0
+    if took < 30.0:
+        assert s.best_c < 1e15  # settled: no forbidden pair left in the plan
+    cost, ok, _ = evaluate(ls.q, s.assignment(ls.a))
+    assert ok
