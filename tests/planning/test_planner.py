@@ -449,3 +449,28 @@ def test_while_nothing_fits_the_offloading_modes_share_the_time_left(monkeypatch
         # the device modes from this one on, and as many offloading ones
         waiting = len(labels) - labels.index(label) + len(labels)
         assert share <= max(planner.MIN_MODE_S, left / waiting) + 0.01, (label, share, left)
+
+
+def test_a_solve_no_assignment_can_fit_is_answered_at_once():
+    """A problem whose limit lies below its least peak (every node at its smallest usage at
+    some instant; a memory fit's tightened limit) is answered "infeasible" without spending
+    the time limit, and so is a reference completed under it; one just above is solved."""
+    from autopar.capture.joint import capture
+    from autopar.passes.problem import sharding_problem
+    from autopar.planning.planner import _with_limit, planner_solve
+    from autopar.solver import evaluate
+    from autopar.solver.problem import cannot_fit, least_peak_usage
+
+    preset = get_preset("gpt2-tiny")
+    sp = sharding_problem.build(capture(preset.build("meta"), preset.example_inputs(4, 32)),
+                                Mesh((2, 2), ("dp", "tp")), 1e12)
+    least = least_peak_usage(sp.problem)
+    under = _with_limit(sp.problem, least * 0.99)
+    assert cannot_fit(under)
+    sol = planner_solve(sp, under, 30.0)
+    assert not sol.feasible and sol.status == "infeasible" and sol.time_s < 1.0
+    lean = tuple(int(u.argmin()) for u in sp.problem.usages)
+    over = _with_limit(sp.problem, max(least, evaluate(sp.problem, lean)[2]))
+    assert not cannot_fit(over)
+    got = planner_solve(sp, over, 5.0)
+    assert got.feasible and evaluate(over, got.assignment)[1]

@@ -99,3 +99,20 @@ def test_a_unit_costs_what_its_members_do(p: Problem) -> None:
             assert want >= FORBIDDEN
         else:
             assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-9)
+
+
+@SETTINGS
+@given(limited_problems())
+def test_cannot_fit_only_where_no_assignment_fits_and_as_presolve_proves_it(p):
+    """The memory bound the planner's solves check first (``problem.cannot_fit``): never
+    where some assignment fits (brute force over all of them), always where the smallest
+    usages already overflow at some instant, and the same answer as presolve's proof."""
+    from autopar.solver.problem import cannot_fit, least_peak_usage
+
+    peaks = [evaluate(p, a)[2] for a in itertools.product(*(range(len(c)) for c in p.costs))]
+    assert least_peak_usage(p) <= min(peaks) + 1e-9
+    if cannot_fit(p):
+        assert not any(evaluate(p, a)[1]
+                       for a in itertools.product(*(range(len(c)) for c in p.costs)))
+    red, _ = presolve(p)
+    assert cannot_fit(p) == (red.infeasible and p.usage_limit is not None)

@@ -112,3 +112,26 @@ def test_a_problem_solved_again_at_another_limit_gives_what_a_fresh_solve_does(m
         assert got.assignment == fresh.assignment and got.cost == fresh.cost
         assert got.feasible and evaluate(p, got.assignment)[2] <= lim * (1 + 1e-9)
     assert kept_calls < calls[0]  # the later limits' solves reused the first's eliminations
+
+
+def test_kept_axis_classes_and_programs_change_no_answer():
+    """The components and classes kept per strategy list, and the elimination programs and
+    table sizes kept per graph, give the same solves as made afresh; the kept arrays are
+    read-only."""
+    from autopar.passes.problem import axis_search
+    from autopar.solver import elimination
+
+    sp = _sp(Mesh((2, 2), ("dp", "tp")))
+    p = sp.problem
+    warm = solve_axiswise(sp, p, 60, restarts=3)
+    again = solve_axiswise(sp, p, 60, restarts=3)
+    comps = axis_search._axis_components(sp)
+    assert all(not c.flags.writeable for c in comps)
+    for cache in (axis_search._COMPONENTS, axis_search._CLASSES, axis_search._HULLS,
+                  elimination._PROGRAMS, elimination._SIZES, elimination._ORDERS):
+        cache.clear()
+    cold = solve_axiswise(sp, p, 60, restarts=3)
+    fresh = axis_search._axis_components(sp)
+    assert [c.tolist() for c in comps] == [c.tolist() for c in fresh]
+    for got in (warm, again):
+        assert got.assignment == cold.assignment and got.cost == cold.cost
