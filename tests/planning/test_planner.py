@@ -240,6 +240,7 @@ def test_a_sweep_answer_the_exact_solve_cannot_beat_is_reported_optimal(monkeypa
     sweep = Solution((0, 1), 2.0, True, "feasible", 0.1, "axis-sweep")
     for exact_status, want in (("optimal", "optimal"), ("feasible", "feasible")):
         exact = Solution((1, 1), 2.0, True, exact_status, 0.2, "auto/ilp")
+        monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
         monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: sweep)
         monkeypatch.setattr(planner, "solve", lambda *a, _e=exact, **k: _e)
         got = planner.planner_solve(None, None, time_limit_s=10.0)
@@ -266,12 +267,14 @@ def test_a_reference_completion_is_polished_by_local_moves_where_the_sweep_was_e
             _c.append((method, hint))
             return Solution((1, 1), 1.5, True, "feasible", 0.1, method)
 
+        monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
         monkeypatch.setattr(planner, "solve_axiswise", lambda *a, _s=sweep, **k: _s)
         monkeypatch.setattr(planner, "solve", fake_solve)
         got = planner.planner_solve(None, None, time_limit_s=10.0, local_polish=True)
         assert calls == [(want, sweep.assignment)] and got.cost == 1.5
     monkeypatch.setattr(planner, "solve", lambda *a, **k: Solution((1, 0), 2.0, True, "feasible",
                                                                      0.1, "heuristic"))
+    monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
     monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: Solution(
         (0, 1), 2.0, True, "feasible", 0.1, SWEEP))
     assert planner.planner_solve(None, None, 10.0, local_polish=True).assignment == (0, 1)
