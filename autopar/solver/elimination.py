@@ -214,11 +214,12 @@ _PROGRAMS: OrderedDict[tuple, Program] = OrderedDict()
 
 
 # programs kept, least recently used dropped first. A program is a few flat index arrays (its
-# schedule, not its tables: kilobytes). A planning call's sweeps run a few hundred graphs and
-# domain sizes, and a mesh-shape search plans many such calls in one process: with 256 kept
-# and the whole cache cleared when full, llama3-405b's 25 shapes lowered 3064 programs for
-# 9248 eliminations (31 s of 530 s under cProfile)
-_MAX_PROGRAMS = 4096
+# schedule, not its tables: kilobytes), its key the graph's edges (tens of kilobytes). A
+# planning call's sweeps run a few hundred graphs and domain sizes, and a mesh-shape search
+# plans many such calls in one process: with 256 kept and the whole cache cleared when full,
+# llama3-405b's 25 shapes lowered 3064 programs for 9248 eliminations (31 s of 530 s under
+# cProfile); 4096 kept grew the search's largest process by about 100 MB
+_MAX_PROGRAMS = 1024
 
 
 def _schedule(dom: list[int], edges: list[tuple[int, int]], order: list[int]) -> list:
