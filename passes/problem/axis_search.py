@@ -52,7 +52,7 @@ def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
 # strategy list id -> (the list, mesh dims, its components); a list is never changed once
 # made (sharding_problem.strategy_lists shares one list among the nodes of one op and shape)
 _COMPONENTS: dict[int, tuple[list, int, np.ndarray]] = {}
-_MAX_COMPONENTS = 4096  # a shape's planning makes a few hundred lists; kept lists hold memory
+_MAX_COMPONENTS = 1024  # a shape's planning makes a few hundred lists; kept lists hold memory
 
 
 class _Steps:
