@@ -10,6 +10,7 @@ score is the best that layout can do.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -58,6 +59,7 @@ from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
 from autopar.planning.parallel_map import Ahead, forked_map, usable_workers
 from autopar.solver import Problem, Solution, evaluate, solve
+from autopar.solver.problem import cannot_fit
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
@@ -708,8 +710,14 @@ def planner_solve(
     reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s.
     ``local_polish="always"``: the local moves alone polish, exact sweep or not, unless a
     step was too wide to solve (then the sweep may not have moved: CP-SAT searches).
-    ``restarts``: the sweeps' random starts besides the hints."""
+    ``restarts``: the sweeps' random starts besides the hints. A problem whose limit no
+    assignment fits (:func:`autopar.solver.problem.cannot_fit`: a memory fit's tightened
+    limit, a reference that cannot fit) is answered at once: the sweeps would spend their
+    whole time finding nothing (llama3-405b pp=16 x dp=64 x tp=8: 3 of the stand-in's 6
+    solves, each its full half of the limit)."""
     t0 = time.perf_counter()
+    if cannot_fit(problem):
+        return _cannot_fit(t0)
     best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains,
                           restarts=restarts)
     if best is not None and best.status == "optimal":
@@ -732,6 +740,12 @@ def planner_solve(
             return replace(best, status="optimal", lower_bound=best.cost,
                            method=f"{best.method}, proven optimal by {other.method}")
     return best
+
+
+def _cannot_fit(t0: float) -> Solution:
+    """The answer to a problem no assignment fits (:func:`cannot_fit`)."""
+    return Solution((), math.inf, False, "infeasible", time.perf_counter() - t0,
+                    "memory bound: no assignment fits the limit")
 
 
 def _solve_within_budget(
@@ -839,7 +853,7 @@ def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
     sol = planner_solve(sp, problem, time_limit_s, hints or None,
                         local_polish="always" if local_polish else False, restarts=restarts)
     left = time_limit_s - (time.perf_counter() - t0)
-    if sol.feasible or problem.usage_limit is None or left < 1.0:
+    if sol.feasible or problem.usage_limit is None or left < 1.0 or sol.status == "infeasible":
         return sol
     lean = hints[-1] if hints else None
     other = solve(problem, timeout_s=left, hint=lean)
@@ -919,6 +933,8 @@ def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
     exact = getattr(ref, "exact", False)
 
     def complete(q: Problem, limit_s: float) -> Solution:
+        if cannot_fit(q):  # what either completion would end with, at once
+            return _cannot_fit(time.perf_counter())
         return exact_completion(sp, q, maps) if exact else \
             planner_solve(sp, q, limit_s, domains=maps, local_polish=True)
 

@@ -26,7 +26,12 @@ What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
 - a shape that no plan can fit is not planned: where every mode's least peak (each node at its
   smallest layout, :func:`autopar.planning.modes.least_need`) is over the memory limit, it
   fails at once, as planning it would (the bound is below every plan's peak);
-- the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`).
+- the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`);
+- inside each shape's planning, a solve whose memory limit no assignment can fit is answered
+  at once (:func:`autopar.solver.problem.cannot_fit`). No shape is skipped by a lower bound on
+  its step: the valid ones (each op's cheapest compute, spread evenly, a microbatch's chain
+  through the stages) lie far below the best plans, whose communication and bubbles decide
+  (``benchmarks/RESULTS.md``, "The mesh-shape search and plan time").
 """
 
 from __future__ import annotations

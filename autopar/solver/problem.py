@@ -184,6 +184,30 @@ def fits(peak: float, limit: float | None) -> bool:
     return limit is None or peak <= limit + _USAGE_RTOL * max(1.0, abs(limit))
 
 
+def least_peak_usage(problem: Problem) -> float:
+    """The least peak usage of any assignment: at every time step, each node live then at
+    its smallest usage (no assignment uses less at that step, so none peaks lower)."""
+    idx = problem.index
+    live = idx.end > idx.start
+    if not live.any():
+        return 0.0
+    umin = np.array([float(u.min()) if len(u) else 0.0 for u in problem.usages])
+    h = idx.horizon
+    delta = np.bincount(idx.start[live], weights=umin[live], minlength=h + 1)
+    delta -= np.bincount(idx.end[live], weights=umin[live], minlength=h + 1)
+    return float(np.cumsum(delta[:h]).max())
+
+
+def cannot_fit(problem: Problem) -> bool:
+    """Whether no assignment fits the usage limit (:func:`least_peak_usage` over it), as
+    the presolve proves it (:mod:`autopar.solver.reduce`): a search that can only return
+    "no solution" then need not run. A planner's memory fit tightens a problem's limit round
+    after round, and a search of an over-tight one spent its whole time limit finding
+    nothing."""
+    return problem.usage_limit is not None and not fits(least_peak_usage(problem),
+                                                        problem.usage_limit)
+
+
 def evaluate(problem: Problem, assignment: object) -> tuple[float, bool, float]:
     """``(cost, feasible, peak_usage)`` of an assignment, vectorised over all nodes/edges."""
     idx = problem.index

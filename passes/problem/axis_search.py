@@ -21,10 +21,18 @@ from autopar.solver.problem import Problem, Solution, evaluate
 
 def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
     """For each solver variable, an int array [strategies, axes]: which 1-D rule (as an id
-    local to that axis) each strategy uses on each mesh axis."""
+    local to that axis) each strategy uses on each mesh axis. A function of the variables'
+    strategy lists only, so kept per list (:data:`_COMPONENTS`): a planner solves each
+    problem many times (memory fits, repricings, references), and its modes' problems share
+    their lists (llama3-405b's shape search spent 21 s of 530 under cProfile making these
+    again)."""
     out = []
     for r in sp.var_root:
         strategies = sp.strategies[r]
+        hit = _COMPONENTS.get(id(strategies))
+        if hit is not None and hit[0] is strategies and hit[1] == sp.mesh.ndim:
+            out.append(hit[2])
+            continue
         ndim = sp.mesh.ndim
         comp = np.zeros((len(strategies), ndim), dtype=np.int64)
         for k in range(ndim):
@@ -32,8 +40,19 @@ def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
             for s, st in enumerate(strategies):
                 key = (tuple(x[k] for x in st.ins), tuple(x[k] for x in st.outs))
                 comp[s, k] = ids.setdefault(key, len(ids))
+        comp.setflags(write=False)
+        if len(_COMPONENTS) >= _MAX_COMPONENTS:
+            _COMPONENTS.clear()
+        # the list is held with its arrays, so its id is not reused while the entry lives
+        _COMPONENTS[id(strategies)] = (strategies, ndim, comp)
         out.append(comp)
     return out
+
+
+# strategy list id -> (the list, mesh dims, its components); a list is never changed once
+# made (sharding_problem.strategy_lists shares one list among the nodes of one op and shape)
+_COMPONENTS: dict[int, tuple[list, int, np.ndarray]] = {}
+_MAX_COMPONENTS = 1024  # a shape's planning makes a few hundred lists; kept lists hold memory
 
 
 class _Steps:
@@ -58,11 +77,9 @@ class _Steps:
         for k in range(self.ndim):
             codes, groups = [], []
             for comp in comps:
-                others = np.delete(comp, k, axis=1)
-                _, code = np.unique(others, axis=0, return_inverse=True)
-                code = code.reshape(-1)
+                code, group = _classes(comp, k)
                 codes.append(code)
-                groups.append({int(c): np.nonzero(code == c)[0] for c in np.unique(code)})
+                groups.append(group)
             self.codes.append(codes)
             self.groups.append(groups)
         self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
@@ -169,6 +186,31 @@ class _Steps:
         if a is None:
             return None, False
         return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"
+
+
+def _classes(comp: np.ndarray, k: int) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """A variable's strategies by the class they fall in on every axis but ``k`` (its
+    ``codes``), and each class's strategies. Kept for the components :func:`_axis_components`
+    keeps (read-only arrays, one per strategy list): the same for every solve of them."""
+    kept = not comp.flags.writeable
+    hit = _CLASSES.get((id(comp), k)) if kept else None
+    if hit is not None and hit[0] is comp:
+        return hit[1], hit[2]
+    others = np.delete(comp, k, axis=1)
+    _, code = np.unique(others, axis=0, return_inverse=True)
+    code = code.reshape(-1)
+    group = {int(c): np.nonzero(code == c)[0] for c in np.unique(code)}
+    if kept:
+        for a in (code, *group.values()):
+            a.setflags(write=False)
+        if len(_CLASSES) >= 4 * _MAX_COMPONENTS:
+            _CLASSES.clear()
+        _CLASSES[(id(comp), k)] = (comp, code, group)
+    return code, group
+
+
+# (components' id, axis) -> (the components, codes, classes); the arrays are never written
+_CLASSES: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]] = {}
 
 
 # sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)

@@ -240,6 +240,7 @@ def test_a_sweep_answer_the_exact_solve_cannot_beat_is_reported_optimal(monkeypa
     sweep = Solution((0, 1), 2.0, True, "feasible", 0.1, "axis-sweep")
     for exact_status, want in (("optimal", "optimal"), ("feasible", "feasible")):
         exact = Solution((1, 1), 2.0, True, exact_status, 0.2, "auto/ilp")
+        monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
         monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: sweep)
         monkeypatch.setattr(planner, "solve", lambda *a, _e=exact, **k: _e)
         got = planner.planner_solve(None, None, time_limit_s=10.0)
@@ -266,12 +267,14 @@ def test_a_reference_completion_is_polished_by_local_moves_where_the_sweep_was_e
             _c.append((method, hint))
             return Solution((1, 1), 1.5, True, "feasible", 0.1, method)
 
+        monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
         monkeypatch.setattr(planner, "solve_axiswise", lambda *a, _s=sweep, **k: _s)
         monkeypatch.setattr(planner, "solve", fake_solve)
         got = planner.planner_solve(None, None, time_limit_s=10.0, local_polish=True)
         assert calls == [(want, sweep.assignment)] and got.cost == 1.5
     monkeypatch.setattr(planner, "solve", lambda *a, **k: Solution((1, 0), 2.0, True, "feasible",
                                                                      0.1, "heuristic"))
+    monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
     monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: Solution(
         (0, 1), 2.0, True, "feasible", 0.1, SWEEP))
     assert planner.planner_solve(None, None, 10.0, local_polish=True).assignment == (0, 1)
@@ -449,3 +452,28 @@ def test_while_nothing_fits_the_offloading_modes_share_the_time_left(monkeypatch
         # the device modes from this one on, and as many offloading ones
         waiting = len(labels) - labels.index(label) + len(labels)
         assert share <= max(planner.MIN_MODE_S, left / waiting) + 0.01, (label, share, left)
+
+
+def test_a_solve_no_assignment_can_fit_is_answered_at_once():
+    """A problem whose limit lies below its least peak (every node at its smallest usage at
+    some instant; a memory fit's tightened limit) is answered "infeasible" without spending
+    the time limit, and so is a reference completed under it; one just above is solved."""
+    from autopar.capture.joint import capture
+    from autopar.passes.problem import sharding_problem
+    from autopar.planning.planner import _with_limit, planner_solve
+    from autopar.solver import evaluate
+    from autopar.solver.problem import cannot_fit, least_peak_usage
+
+    preset = get_preset("gpt2-tiny")
+    sp = sharding_problem.build(capture(preset.build("meta"), preset.example_inputs(4, 32)),
+                                Mesh((2, 2), ("dp", "tp")), 1e12)
+    least = least_peak_usage(sp.problem)
+    under = _with_limit(sp.problem, least * 0.99)
+    assert cannot_fit(under)
+    sol = planner_solve(sp, under, 30.0)
+    assert not sol.feasible and sol.status == "infeasible" and sol.time_s < 1.0
+    lean = tuple(int(u.argmin()) for u in sp.problem.usages)
+    over = _with_limit(sp.problem, max(least, evaluate(sp.problem, lean)[2]))
+    assert not cannot_fit(over)
+    got = planner_solve(sp, over, 5.0)
+    assert got.feasible and evaluate(over, got.assignment)[1]

@@ -103,8 +103,6 @@ def test_a_unit_costs_what_its_members_do(p: Problem) -> None:
             assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-9)
 
 
-
-
 @pytest.mark.parametrize("seed", range(30))
 def test_dominance_on_changed_nodes_only_reduces_as_a_full_pass(seed: int, monkeypatch) -> None:
     """Dominance re-tests only the nodes whose data changed since their last test
@@ -133,3 +131,20 @@ def test_a_neighbour_losing_a_strategy_brings_a_node_back_to_its_dominance_test(
                      [(0, 1), (0, 1)], [(0, 1)], [m], None)
     red, _ = presolve(p)
     assert [k.tolist() for k in red.keep] == [[0], [2]]  # then v: 0 + 10 against 2 + 0
+
+
+@SETTINGS
+@given(limited_problems())
+def test_cannot_fit_only_where_no_assignment_fits_and_as_presolve_proves_it(p):
+    """The memory bound the planner's solves check first (``problem.cannot_fit``): never
+    where some assignment fits (brute force over all of them), always where the smallest
+    usages already overflow at some instant, and the same answer as presolve's proof."""
+    from autopar.solver.problem import cannot_fit, least_peak_usage
+
+    peaks = [evaluate(p, a)[2] for a in itertools.product(*(range(len(c)) for c in p.costs))]
+    assert least_peak_usage(p) <= min(peaks) + 1e-9
+    if cannot_fit(p):
+        assert not any(evaluate(p, a)[1]
+                       for a in itertools.product(*(range(len(c)) for c in p.costs)))
+    red, _ = presolve(p)
+    assert cannot_fit(p) == (red.infeasible and p.usage_limit is not None)

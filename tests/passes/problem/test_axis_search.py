@@ -155,3 +155,26 @@ def test_a_step_too_wide_is_taken_in_two_exact_halves(monkeypatch):
             assert evaluate(p, got)[0] == pytest.approx(best.cost, rel=1e-9)
     assert moved
     assert steps.declined
+
+
+def test_kept_axis_classes_and_programs_change_no_answer():
+    """The components and classes kept per strategy list, and the elimination programs and
+    table sizes kept per graph, give the same solves as made afresh; the kept arrays are
+    read-only."""
+    from autopar.passes.problem import axis_search
+    from autopar.solver import elimination
+
+    sp = _sp(Mesh((2, 2), ("dp", "tp")))
+    p = sp.problem
+    warm = solve_axiswise(sp, p, 60, restarts=3)
+    again = solve_axiswise(sp, p, 60, restarts=3)
+    comps = axis_search._axis_components(sp)
+    assert all(not c.flags.writeable for c in comps)
+    for cache in (axis_search._COMPONENTS, axis_search._CLASSES, axis_search._HULLS,
+                  elimination._PROGRAMS, elimination._SIZES, elimination._ORDERS):
+        cache.clear()
+    cold = solve_axiswise(sp, p, 60, restarts=3)
+    fresh = axis_search._axis_components(sp)
+    assert [c.tolist() for c in comps] == [c.tolist() for c in fresh]
+    for got in (warm, again):
+        assert got.assignment == cold.assignment and got.cost == cold.cost
