@@ -350,12 +350,12 @@ def solve_axiswise(
 
 
 SWEEP = "axis-sweep"
-# some step of the best sweep was not solved exactly: a memory limit made it a Lagrangian step
+# some step of the best sweep was not solved exactly: too wide to eliminate (it was skipped),
+# or a memory limit made it a Lagrangian step
 SWEEP_INEXACT = "axis-sweep (inexact steps)"
-# some step was too wide to eliminate whole: taken in two exact halves (_Steps._conditioned),
-# or, under a limit at several instants, skipped; the sweep may have moved little (moe-tiny on
-# 2 x 2: every step is too wide), and the general solver searches from it
-SWEEP_DECLINED = "axis-sweep (steps too wide, taken in halves)"
+# some step was too wide to eliminate and was skipped: the sweep may have moved little or not
+# at all (moe-tiny on 2 x 2: every step), and only the general solver searches
+SWEEP_DECLINED = "axis-sweep (steps too wide skipped)"
 
 
 def sweep_was_exact(sol: Solution) -> bool:
