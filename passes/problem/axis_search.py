@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from autopar.passes.problem.types import ShardingProblem
-from autopar.solver.elimination import cached_order, greedy_order, minimise
+from autopar.solver.elimination import cached_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
 
 
@@ -86,91 +86,30 @@ class _Steps:
         self.orders: dict[tuple[int, ...], list[int] | None] = {}
         self.live = [e > s for s, e in p.intervals]
         self.declined = 0  # steps too wide to eliminate (or not of the one-instant form)
-        self.cutsets: dict[tuple[int, ...], list[int] | None] = {}  # by domain sizes
-        self.conditioned: dict[tuple, tuple[np.ndarray | None, bool]] = {}
 
     def step(self, k: int, cur: np.ndarray, deadline: float) -> tuple[np.ndarray | None, bool]:
         """The best point reachable from ``cur`` by changing axis ``k`` only (None when the
-        step finds nothing that fits), and whether it was solved exactly. A step too wide to
-        eliminate is taken in two exact halves instead (:meth:`_conditioned`)."""
+        step finds nothing that fits), and whether it was solved exactly."""
         codes = self.codes[k]
         key = (k, *(int(codes[v][s]) for v, s in enumerate(cur.tolist())))
         got = self.memo.get(key)
         if got is None:
             got = self.memo[key] = self._solve(k, key[1:], deadline)
-        if got is _TOO_WIDE:
-            return self._conditioned(k, key[1:], cur, deadline)
         return got
 
-    def _allowed(self, k: int, key: tuple[int, ...]) -> list[np.ndarray]:
-        """Each variable's strategies that agree with the step's point off axis ``k``."""
-        return [g[c] for g, c in zip(self.groups[k], key)]
-
-    def _solve(self, k: int, key: tuple[int, ...], deadline: float):
+    def _solve(self, k: int, key: tuple[int, ...], deadline: float
+               ) -> tuple[np.ndarray | None, bool]:
         p = self.p
-        allowed = self._allowed(k, key)
+        allowed = [g[c] for g, c in zip(self.groups[k], key)]
         dom = [len(a) for a in allowed]
         order = self.orders.get(tuple(dom), ())
         if order == ():
             order = self.orders[tuple(dom)] = _order(p.edges, dom)
-        if p.usage_limit is not None and len(set(map(tuple, p.intervals))) > 1:
-            self.declined += 1  # not the one-instant form elimination handles
-            return None, False
-        if order is None:
+        if order is None or (p.usage_limit is not None
+                             and len(set(map(tuple, p.intervals))) > 1):
+            # too wide, or not the one-instant form elimination handles
             self.declined += 1
-            return _TOO_WIDE
-        memo = self.hulls.get((k, key))
-        if memo is None:
-            if len(self.hulls) > _MAX_HULL_STEPS:
-                self.hulls.clear()
-            memo = self.hulls[(k, key)] = {}
-        return self._eliminate(allowed, order, deadline, memo)
-
-    def _conditioned(self, k: int, key: tuple[int, ...], cur: np.ndarray, deadline: float
-                     ) -> tuple[np.ndarray | None, bool]:
-        """A step too wide to eliminate, as two exact ones (block coordinate descent): the
-        variables whose fixing makes the step narrow enough (:func:`_cutset`: the most
-        connected first, a layer's shared weights read by every layer) held at ``cur``'s
-        choice and the others chosen, then the others held and those chosen. It never
-        worsens ``cur``; it is not exact (the step's optimum may change both at once)."""
-        allowed = self._allowed(k, key)
-        dom = tuple(len(a) for a in allowed)
-        if dom not in self.cutsets:
-            # the steps of one problem share their wide parts: the last cut found, where it
-            # still narrows this step enough, saves looking again
-            last = next(reversed(self.cutsets.values()), None) if self.cutsets else None
-            self.cutsets[dom] = (last if last is not None and _narrow(self.p.edges, dom, last)
-                                 else _cutset(self.p.edges, list(dom)))
-        cut = self.cutsets[dom]
-        if cut is None:
             return None, False
-        # what it returns depends on the point only through the held variables' choices
-        memo_key = (k, key, tuple(int(cur[v]) for v in cut))
-        got = self.conditioned.get(memo_key)
-        if got is not None:
-            return got
-        point = cur
-        for held in (cut, [v for v in range(len(dom)) if v not in set(cut)]):
-            if time.monotonic() > deadline:
-                return (None if point is cur else point), False  # not kept: cut short
-            narrow = list(allowed)
-            for v in held:
-                narrow[v] = np.array([point[v]])
-            # the smallest-factor order: min-fill's search costs more than it saves here
-            order = greedy_order(self.p.edges, [len(a) for a in narrow], _MAX_ENTRIES)
-            if order is None:
-                continue
-            got, _ = self._eliminate(narrow, order, deadline, {})
-            if got is not None:
-                point = got
-        got = self.conditioned[memo_key] = (None if point is cur else point), False
-        return got
-
-    def _eliminate(self, allowed: list[np.ndarray], order: list[int], deadline: float,
-                   memo: dict) -> tuple[np.ndarray | None, bool]:
-        """The exact minimum over each variable's ``allowed`` strategies."""
-        p = self.p
-        dom = [len(a) for a in allowed]
         costs = [c[a] for c, a in zip(p.costs, allowed)]
         usages = [u[a] for u, a in zip(p.usages, allowed)]
         ecosts = [m.take(allowed[u], 0).take(allowed[v], 1)  # as m[np.ix_(...)], faster
@@ -181,6 +120,11 @@ class _Steps:
                 return True
             return evaluate(p, [al[s] for al, s in zip(allowed, a.tolist())])[1]
 
+        memo = self.hulls.get((k, key))
+        if memo is None:
+            if len(self.hulls) > _MAX_HULL_STEPS:
+                self.hulls.clear()
+            memo = self.hulls[(k, key)] = {}
         a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
                              max(0.1, deadline - time.monotonic()), memo)
         if a is None:
@@ -215,45 +159,6 @@ _CLASSES: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, dict[int, np.ndarr
 
 # sub-problems whose elimination needs a larger table are declined (as solve_by_elimination)
 _MAX_ENTRIES = 4e6
-_TOO_WIDE = object()  # a step's memo: too wide to eliminate, taken in halves from each point
-
-
-def _cutset(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
-    """Variables whose fixing (one choice each) lets the rest be eliminated within
-    ``_MAX_ENTRIES`` by :func:`greedy_order`: the fewest of a ranking, most neighbours first
-    (ties: the larger domain), found by doubling then halving the count (each try is an
-    ordering, 10-60 ms on a 140-variable step; one per fixed variable took seconds). None
-    where even all but one would not do."""
-    nbrs: list[set[int]] = [set() for _ in dom]
-    for u, v in edges:
-        nbrs[u].add(v)
-        nbrs[v].add(u)
-    rank = sorted((v for v, d in enumerate(dom) if d > 1),
-                  key=lambda v: (-sum(dom[u] > 1 for u in nbrs[v]), -dom[v], v))
-
-    def fits(count: int) -> bool:
-        return _narrow(edges, dom, rank[:count])
-
-    if len(rank) <= 1 or not fits(len(rank) - 1):
-        return None
-    hi = 1
-    while hi < len(rank) - 1 and not fits(hi):
-        hi *= 2
-    hi = min(hi, len(rank) - 1)
-    lo = hi // 2  # fits(lo) is false (or lo is 0, tried as hi = 1 first)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return rank[:hi]
-
-
-def _narrow(edges: list[tuple[int, int]], dom: tuple[int, ...] | list[int],
-            fixed: list[int]) -> bool:
-    """Whether with ``fixed`` held the rest eliminates within ``_MAX_ENTRIES``."""
-    held = list(dom)
-    for v in fixed:
-        held[v] = 1
-    return greedy_order(edges, held, _MAX_ENTRIES) is not None
 
 
 def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:

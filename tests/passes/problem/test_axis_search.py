@@ -114,49 +114,6 @@ def test_a_problem_solved_again_at_another_limit_gives_what_a_fresh_solve_does(m
     assert kept_calls < calls[0]  # the later limits' solves reused the first's eliminations
 
 
-def test_a_step_too_wide_is_taken_in_two_exact_halves(monkeypatch):
-    """Where a step is too wide to eliminate (here: a small cap), it holds a cut set at the
-    point's choices and takes the rest exactly, then holds the rest and takes the cut set:
-    each half the exact optimum of its restriction, never worse than the point."""
-    from autopar.passes.problem import axis_search as A
-
-    monkeypatch.setattr(A, "_MAX_ENTRIES", 3e3)
-    sp = _sp(Mesh((2, 2), ("dp", "tp")))
-    p = sp.problem
-    comps = A._axis_components(sp)
-    steps = A._Steps(p, comps)
-    rng = np.random.default_rng(5)
-    moved = 0
-    for _ in range(4):
-        cur = np.array([int(rng.integers(len(c))) for c in p.costs])
-        for k in range(2):
-            codes = steps.codes[k]
-            key = tuple(int(codes[v][s]) for v, s in enumerate(cur.tolist()))
-            allowed = steps._allowed(k, key)
-            got, exact = steps.step(k, cur, deadline=time.monotonic() + 30)
-            if A._order(p.edges, [len(a) for a in allowed]) is not None:
-                continue  # narrow enough: the plain step
-            assert not exact
-            cut = steps.cutsets[tuple(len(a) for a in allowed)]
-            assert cut and A._narrow(p.edges, [len(a) for a in allowed], cut)
-            if got is None:
-                continue
-            moved += 1
-            assert all(g in a for g, a in zip(got.tolist(), allowed))
-            assert evaluate(p, got)[0] <= evaluate(p, cur)[0] * (1 + 1e-12)
-            # the second half: the cut set's best with every other variable held at got's
-            held = [np.array([g]) if v not in set(cut) else a
-                    for v, (g, a) in enumerate(zip(got.tolist(), allowed))]
-            sub = Problem([c[a] for c, a in zip(p.costs, held)],
-                          [u[a] for u, a in zip(p.usages, held)], p.intervals, p.edges,
-                          [m[np.ix_(held[u], held[v])] for (u, v), m in zip(p.edges, p.edge_costs)],
-                          p.usage_limit)
-            best = solve_by_elimination(sub, max_entries=5e7)
-            assert evaluate(p, got)[0] == pytest.approx(best.cost, rel=1e-9)
-    assert moved
-    assert steps.declined
-
-
 def test_kept_axis_classes_and_programs_change_no_answer():
     """The components and classes kept per strategy list, and the elimination programs and
     table sizes kept per graph, give the same solves as made afresh; the kept arrays are
