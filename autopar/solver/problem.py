@@ -184,18 +184,23 @@ def fits(peak: float, limit: float | None) -> bool:
     return limit is None or peak <= limit + _USAGE_RTOL * max(1.0, abs(limit))
 
 
-def least_peak_usage(problem: Problem) -> float:
-    """The least peak usage of any assignment: at every time step, each node live then at
-    its smallest usage (no assignment uses less at that step, so none peaks lower)."""
+def least_load(problem: Problem, usages: list[np.ndarray] | None = None) -> np.ndarray:
+    """At every time step, the sum of the live nodes' smallest usages (``usages``: the
+    problem's, or the presolve's narrowed ones): no assignment uses less at that step."""
+    usages = problem.usages if usages is None else usages
     idx = problem.index
     live = idx.end > idx.start
-    if not live.any():
-        return 0.0
-    umin = np.array([float(u.min()) if len(u) else 0.0 for u in problem.usages])
+    umin = np.array([float(u.min()) if len(u) else 0.0 for u in usages])
     h = idx.horizon
     delta = np.bincount(idx.start[live], weights=umin[live], minlength=h + 1)
     delta -= np.bincount(idx.end[live], weights=umin[live], minlength=h + 1)
-    return float(np.cumsum(delta[:h]).max())
+    return np.cumsum(delta[:h])
+
+
+def least_peak_usage(problem: Problem) -> float:
+    """The least peak usage of any assignment (:func:`least_load`'s highest step)."""
+    load = least_load(problem)
+    return float(load.max()) if len(load) else 0.0
 
 
 def cannot_fit(problem: Problem) -> bool:

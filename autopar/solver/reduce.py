@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.solver.problem import Problem, fits
+from autopar.solver.problem import Problem, fits, least_load
 
 FORBIDDEN = 1e17
 _DOMINANCE_BUDGET = 4e7  # element comparisons per node; bigger nodes keep their strategies
@@ -120,14 +120,10 @@ class _Work:
             return True
         idx = self.p.index
         umin = np.array([u.min() for u in self.usages])
-        h = idx.horizon
-        live = self.live
-        delta = np.bincount(idx.start[live], weights=umin[live], minlength=h + 1)
-        delta -= np.bincount(idx.end[live], weights=umin[live], minlength=h + 1)
-        load = np.cumsum(delta[:h])
+        load = least_load(self.p, self.usages)
         if len(load) and not fits(float(load.max()), limit):
             return False
-        for i in np.nonzero(live)[0]:
+        for i in np.nonzero(self.live)[0]:
             if len(self.usages[i]) == 1:
                 continue
             head = limit - float(load[idx.start[i] : idx.end[i]].max())
