@@ -123,15 +123,24 @@ def region_search(D, ch: np.ndarray, cost: np.ndarray, base: np.ndarray, lim: fl
     if len(D[9]) == 0:
         return 0.0
     size, saved = _SIZE0, 0.0
-    while time.monotonic() < deadline:
+    # units of whole components solved exactly with no gain since the plan last changed: a
+    # small problem is soon all settled, and moving it again would repeat the same solves
+    settled: set[int] = set()
+    n_linked = len(np.unique(np.concatenate([D[9], D[10]])))
+    while time.monotonic() < deadline and len(settled) < n_linked:
         ec = kernels.edge_costs_now(D, ch)
         w = np.minimum(ec, np.median(ec[ec > 0]) * 1e3 if (ec > 0).any() else 1.0) + 1e-12
         for e in rng.choice(len(ec), size=32, p=w / w.sum()).tolist():
             if time.monotonic() >= deadline:
                 break
             seed = int(D[9][e] if rng.random() < 0.5 else D[10][e])
-            ok, gain = region_move(D, grow(D, seed, size, rng), ch, cost, base, lim)
+            units = grow(D, seed, size, rng)
+            ok, gain = region_move(D, units, ch, cost, base, lim)
             saved += gain
+            if gain > 0:
+                settled.clear()
+            elif ok and len(units) < size:  # the seed's whole component, nothing to gain
+                settled.update(units)
             size = min(_SIZE_MAX, int(size * 1.1) + 1) if ok else max(_SIZE_MIN,
                                                                        int(size * 0.8))
     return saved

@@ -174,9 +174,11 @@ class Search:
     """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
 
     def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0,
-                 deadline: float = math.inf, oracle: bool = False) -> None:
+                 deadline: float = math.inf, oracle: bool = False,
+                 oracle_min_s: float = _ORACLE_MIN_S) -> None:
         self.up, self.D = up, up.D
         self.oracle = oracle and wcsp.available()
+        self.oracle_min_s = oracle_min_s  # the shortest oracle solve worth its start
         self.oracle_wins = 0  # rounds whose relaxed plan came from the oracle
         self.oracle_calls = 0
         limit = up.q.usage_limit
@@ -326,7 +328,7 @@ class Search:
         inf = math.inf
         since_best = 0
         span = deadline - time.monotonic()
-        oracle_s = min(_ORACLE_MAX_S, max(_ORACLE_MIN_S, _ORACLE_PART * span))
+        oracle_s = min(_ORACLE_MAX_S, max(self.oracle_min_s, _ORACLE_PART * span))
         oracle_until = -math.inf  # the oracle's phase, once the local rounds are stuck
         while True:
             now = time.monotonic()
@@ -336,7 +338,7 @@ class Search:
             until = deadline if now < deadline else settle_until
             if (self.oracle and self.oracle_calls == 0 and self.rounds >= _ORACLE_AFTER
                     and best_rel >= (1.0 - _STUCK) * self.best_c
-                    and deadline - time.monotonic() >= 2 * _ORACLE_MIN_S):
+                    and deadline - time.monotonic() >= 2 * self.oracle_min_s):
                 # the relaxed plans stay at the incumbent (M: within 0.02%; S, where the
                 # rounds still move, 12% below): their moves cannot leave its basin. The
                 # oracle's rounds start afresh from unpriced costs: the unconstrained
@@ -354,7 +356,7 @@ class Search:
             pc = kernels.priced(D, up.ucost, lam)
             self.polish(rch, pc, up.base, inf, until)  # the limit relaxed: load unused
             left = min(oracle_until, deadline) - time.monotonic()
-            if self.oracle and left >= min(oracle_s, _ORACLE_MIN_S):
+            if self.oracle and left >= min(oracle_s, self.oracle_min_s):
                 # the first solve (no prices) sets the multipliers' first step: it gets longer
                 cpu = oracle_s * (_ORACLE_FIRST if self.oracle_calls == 0 else 1.0)
                 rch = self.oracle_round(rch, pc, lam, min(_ORACLE_WALL * cpu, left), cpu,

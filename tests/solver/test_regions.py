@@ -92,3 +92,29 @@ def test_region_search_never_worsens_nor_overflows(seed: int) -> None:
             assert kernels.total_cost(D, ch, up.ucost) <= c0 + 1e-9 * abs(c0)
             assert kernels.profile(D, ch, up.base).max() <= lim
     assert kernels.total_cost(D, ch, up.ucost) <= before + 1e-9 * abs(before)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_region_search_stops_once_every_component_is_settled(seed: int) -> None:
+    """On a problem whose components each fit in one region, the search ends long before
+    its deadline: the same exact solves would only repeat (it used to spin to the end)."""
+    import time
+
+    p = random_problem(800 + seed, 9)
+    red, up = _units(p)
+    if up is None or len(up.D[9]) == 0:
+        return
+    from autopar.solver.heuristic import LocalSearch
+    ls = LocalSearch(red.problem, seed, FORBIDDEN)
+    ls.greedy()
+    ch = up.choice(ls.a)
+    lim = _lim(red.problem)
+    if kernels.profile(up.D, ch, up.base).max() > lim:
+        return
+    before = kernels.total_cost(up.D, ch, up.ucost)
+    t = time.monotonic()
+    saved = regions.region_search(up.D, ch, up.ucost, up.base, lim, t + 30.0,
+                                  np.random.default_rng(seed))
+    assert time.monotonic() - t < 5.0
+    assert kernels.total_cost(up.D, ch, up.ucost) == pytest.approx(before - saved, abs=1e-6)
+    assert kernels.profile(up.D, ch, up.base).max() <= lim
