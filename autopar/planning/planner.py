@@ -50,6 +50,7 @@ from autopar.passes.problem.axis_search import (
 from autopar.passes.problem.edge_costs import edge_collectives
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
+from autopar.passes.problem.starts import data_parallel_start
 from autopar.passes.problem.step_memory import step_usage
 from autopar.passes.problem.types import ShardingProblem
 from autopar.planning import used_in_place
@@ -59,7 +60,7 @@ from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
 from autopar.planning.parallel_map import Ahead, forked_map, usable_workers
 from autopar.solver import Problem, Solution, evaluate, solve
-from autopar.solver.problem import cannot_fit
+from autopar.solver.problem import cannot_fit, restrict
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
@@ -770,7 +771,10 @@ def _solve_within_budget(
     t0 = time.perf_counter()
     problem = sp.problem
     hints = ([hint] if hint is not None else []) + (more_hints or [])
-    if budget is not None:
+    dp = data_parallel_start(sp)  # a layout every model admits (passes/problem/starts.py)
+    if dp is not None:
+        hints.append(dp)
+    if budget is not None:  # last: _solve_or_search falls back on it
         hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
     # under a memory limit every solve is polished by local moves, not CP-SAT: the reduced
     # problem counts one instant of the step, so CP-SAT's proof is of a problem the memory
@@ -1018,16 +1022,6 @@ def exact_completion(sp: ShardingProblem, problem: Problem,
     return Solution(tuple(int(x) for x in a), cost, not infeasible,
                     "timeout-no-solution" if infeasible else "feasible",
                     time.perf_counter() - t0, method, None, peak)
-
-
-def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[np.ndarray]]:
-    """The problem with some variables limited to given strategies; ``maps[v][k]`` is the
-    original index of the restricted problem's strategy ``k``."""
-    maps = [np.asarray(allowed.get(v, range(len(c)))) for v, c in enumerate(p.costs)]
-    costs = [c[m] for c, m in zip(p.costs, maps)]
-    usages = [u[m] for u, m in zip(p.usages, maps)]
-    ecosts = [m_[np.ix_(maps[u], maps[v])] for (u, v), m_ in zip(p.edges, p.edge_costs)]
-    return Problem(costs, usages, p.intervals, p.edges, ecosts, p.usage_limit, p.names, p.name), maps
 
 
 # --- assembling the plan --------------------------------------------------------------------

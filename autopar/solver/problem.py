@@ -213,6 +213,16 @@ def cannot_fit(problem: Problem) -> bool:
                                                         problem.usage_limit)
 
 
+def restrict(p: Problem, allowed: dict[int, list[int]]) -> tuple[Problem, list[np.ndarray]]:
+    """The problem with some variables limited to given strategies; ``maps[v][k]`` is the
+    original index of the restricted problem's strategy ``k``."""
+    maps = [np.asarray(allowed.get(v, range(len(c)))) for v, c in enumerate(p.costs)]
+    costs = [c[m] for c, m in zip(p.costs, maps)]
+    usages = [u[m] for u, m in zip(p.usages, maps)]
+    ecosts = [m_[np.ix_(maps[u], maps[v])] for (u, v), m_ in zip(p.edges, p.edge_costs)]
+    return Problem(costs, usages, p.intervals, p.edges, ecosts, p.usage_limit, p.names, p.name), maps
+
+
 def evaluate(problem: Problem, assignment: object) -> tuple[float, bool, float]:
     """``(cost, feasible, peak_usage)`` of an assignment, vectorised over all nodes/edges."""
     idx = problem.index
