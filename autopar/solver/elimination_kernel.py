@@ -129,6 +129,17 @@ class Program:
         pack(buf, self.unary_off, self.edge_off, unary, edge_costs)
         return _run(buf, np.empty(self.n_args, dtype=_INT), self.n, *self.steps)
 
+    def run_flat(self, unary: np.ndarray, edges: np.ndarray) -> np.ndarray:
+        """:meth:`run` on the unary costs and the edge matrices each laid out flat, in
+        :func:`layout`'s order (as :func:`pack` writes them): a Lagrangian walk solves one
+        graph at several multipliers, its edge matrices the same at each, so they are
+        flattened once, not per call."""
+        buf = np.empty(self.size)
+        split = int(self.unary_off[-1])
+        buf[:split] = unary
+        buf[split:split + len(edges)] = edges
+        return _run(buf, np.empty(self.n_args, dtype=_INT), self.n, *self.steps)
+
 
 def layout(dom: list[int], edges: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
     """Where each node's unary costs and each edge's matrix (C order) start in a buffer
