@@ -387,13 +387,23 @@ def minimise(
         s_base = [c[k] for c, k in zip(base, keep)]
         s_usage = [w[k] for w, k in zip(usage, keep)]
 
+    # what every multiplier's elimination shares, made once: the program, the edge matrices
+    # and the costs and usages laid out flat (c + lam * u per entry, as per node), and where
+    # each node's kept choices start (a kept choice's original index by one gather)
+    prog = _program(s_dom, edges, s_order)
+    flat_edges = _flat(s_edge_costs)
+    flat_base, flat_usage = _flat(s_base), _flat(s_usage)
+    if kept is not None:
+        kept_flat = np.concatenate(kept[2]).astype(np.int64)
+        kept_start = np.cumsum([0, *s_dom[:-1]], dtype=np.int64)
+
     def at(lam: float) -> np.ndarray:
         got = memo.get(lam) if memo is not None else None
         if got is None:
-            unary = s_base if lam == 0.0 else [c + lam * u for c, u in zip(s_base, s_usage)]
-            got = eliminate(s_dom, edges, s_edge_costs, s_order, unary)
+            unary = flat_base if lam == 0.0 else flat_base + lam * flat_usage
+            got = prog.run_flat(unary, flat_edges)
             if kept is not None:
-                got = np.array([k[a] for k, a in zip(kept[2], got.tolist())], dtype=np.int64)
+                got = kept_flat[kept_start + got]
             if memo is not None:
                 memo[lam] = got
         return got
@@ -445,6 +455,13 @@ def minimise(
         else:
             lo, c_lo, u_lo = mid, c_a, u_a
     return best, "feasible"
+
+
+def _flat(arrays: list[np.ndarray]) -> np.ndarray:
+    """The arrays' entries one after another (C order), as float."""
+    if not arrays:
+        return np.empty(0)
+    return np.concatenate([np.asarray(a, dtype=float).reshape(-1) for a in arrays])
 
 
 def _without_dominated(

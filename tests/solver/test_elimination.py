@@ -129,6 +129,20 @@ def test_scheduled_elimination_equals_the_plain_one_ties_included():
                                   _eliminate_plain(dom, edges, ec, order, unary))
 
 
+def test_a_program_run_on_flat_tables_gives_what_it_gives_on_the_lists():
+    """``Program.run_flat`` (the Lagrangian walk's call: the edge matrices flattened once)
+    reads the same numbers as ``run``, so it returns the same assignment, ties included."""
+    from autopar.solver.elimination import _flat, _program, greedy_order
+
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        dom, edges = _random_graph(rng, int(rng.integers(1, 12)), 1.5)
+        ec = [rng.integers(0, 3, (dom[u], dom[v])).astype(float) for u, v in edges]
+        unary = [rng.integers(0, 3, d).astype(float) for d in dom]
+        prog = _program(dom, edges, greedy_order(edges, dom, 1e9))
+        assert np.array_equal(prog.run_flat(_flat(unary), _flat(ec)), prog.run(unary, ec))
+
+
 def test_cheap_order_is_never_larger_than_greedy_and_declines_wide_problems():
     from autopar.solver.elimination import cheap_order, greedy_order, order_size
 

@@ -93,16 +93,16 @@ def test_a_problem_solved_again_at_another_limit_gives_what_a_fresh_solve_does(m
     lean = evaluate(p, [int(np.argmin(u)) for u in p.usages])[2]
     top = evaluate(p, [0] * p.num_nodes)[2]
     limits = [lean + f * (top - lean) for f in (0.5, 0.3, 0.2)]
-    from autopar.solver import elimination
+    from autopar.solver import elimination_kernel
 
     calls = [0]
-    real = elimination.eliminate
+    real = elimination_kernel._run  # every elimination's compiled call
 
     def counting(*a, **k):
         calls[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(elimination, "eliminate", counting)
+    monkeypatch.setattr(elimination_kernel, "_run", counting)
     axis_search._HULLS.clear()
     kept = [solve_axiswise(sp, _with_limit(p, lim), 60, restarts=2) for lim in limits]
     kept_calls, calls[0] = calls[0], 0
