@@ -697,11 +697,10 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
 def planner_solve(
     sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
     domains: list[np.ndarray] | None = None, local_polish: bool | str = False,
-    restarts: int = 16, last: list | None = None,
+    restarts: int = 16,
 ) -> Solution:
-    """Axis-by-axis exact sweeps from several starts (``last``: swept after the random ones,
-    :func:`solve_axiswise`), then the general solver from the best point for what is left of
-    a short polishing budget; the better answer wins.
+    """Axis-by-axis exact sweeps from several starts, then the general solver from the best
+    point for what is left of a short polishing budget; the better answer wins.
 
     ``local_polish`` (reference completions): where every step of the best sweep was solved
     exactly, the polish is the solver's local moves alone (every node, every rigid group
@@ -721,7 +720,7 @@ def planner_solve(
     if cannot_fit(problem):
         return _cannot_fit(t0)
     best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains,
-                          restarts=restarts, last=last)
+                          restarts=restarts)
     if best is not None and best.status == "optimal":
         return best
     if (local_polish and best is not None and best.feasible
@@ -772,17 +771,16 @@ def _solve_within_budget(
     t0 = time.perf_counter()
     problem = sp.problem
     hints = ([hint] if hint is not None else []) + (more_hints or [])
-    if budget is not None:
+    dp = data_parallel_start(sp)  # a layout every model admits (passes/problem/starts.py)
+    if dp is not None:
+        hints.append(dp)
+    if budget is not None:  # last: _solve_or_search falls back on it
         hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
-    # a layout every model admits (passes/problem/starts.py), where it fits (one that does
-    # not would only take the sweeps' time)
-    dp = data_parallel_start(sp)
-    last = [dp] if dp is not None and (budget is None or evaluate(problem, dp)[1]) else None
     # under a memory limit every solve is polished by local moves, not CP-SAT: the reduced
     # problem counts one instant of the step, so CP-SAT's proof is of a problem the memory
     # fit may then tighten, and it spent its whole polish (2 s) without one (on the 3-layer
     # MLP at 0.7 of its peak, 6 modes x 1.7 s of 20 s, to improve one plan by 0.04%)
-    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0, last=last,
+    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
                            local_polish=budget is not None,
                            restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS))
     if budget is None or not sol.feasible:
@@ -850,15 +848,14 @@ def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solut
 
 def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
                      hints: list, t0: float, local_polish: bool = False,
-                     restarts: int = 16, last: list | None = None) -> Solution:
+                     restarts: int = 16) -> Solution:
     """:func:`planner_solve`, then, where it found nothing that fits a memory limit, the
     general solver for the time left. ``local_polish``: a memory fit's retry, which starts
     from a solution that nearly fits, is polished by local moves, not CP-SAT (under a memory
     limit CP-SAT rarely proves anything on the planner's problems and spends its whole polish
     budget, round after round: 2 s a round on a 20-variable MLP)."""
     sol = planner_solve(sp, problem, time_limit_s, hints or None,
-                        local_polish="always" if local_polish else False, restarts=restarts,
-                        last=last)
+                        local_polish="always" if local_polish else False, restarts=restarts)
     left = time_limit_s - (time.perf_counter() - t0)
     if sol.feasible or problem.usage_limit is None or left < 1.0 or sol.status == "infeasible":
         return sol

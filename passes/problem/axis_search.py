@@ -218,17 +218,11 @@ def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarra
 def solve_axiswise(
     sp: ShardingProblem, p: Problem, timeout_s: float, hints: list | None = None,
     restarts: int = 16, seed: int = 0, domains: list[np.ndarray] | None = None,
-    last: list | None = None,
 ) -> Solution | None:
     """Best of the axis sweeps from each start, or None when a step is too wide to eliminate.
 
     ``p`` is ``sp.problem`` or a restriction of it; ``domains[v]`` then lists which of the
-    variable's original strategies ``p`` keeps, in order. ``last``: starts swept after the
-    others, each taken only where it ends :data:`LAST_MARGIN` cheaper than their best (a
-    fallback such as data parallelism, for models the other starts serve badly: where the
-    problem prices two points within a hair, the plan's full score, with overlap and bucket
-    fill, can differ by a third: llama3-70b on 16 x 8 scored 1395 ms from the point the
-    other starts reach, 1818 from data parallelism's, 0.003% cheaper in the problem)."""
+    variable's original strategies ``p`` keeps, in order."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     comps = _axis_components(sp)
@@ -241,16 +235,14 @@ def solve_axiswise(
     # random starts: single-axis moves cannot leave some basins, other starts find others
     rng = np.random.default_rng(seed)
     starts += [np.array([int(rng.integers(len(c))) for c in p.costs]) for _ in range(restarts)]
-    first = len(starts)
-    starts += [np.asarray(h, dtype=np.int64) for h in last or []]
     steps = _Steps(p, comps, _hulls_of(p, domains))
     best, best_key, best_exact = None, None, False
-    for i, start in enumerate(starts):
+    for start in starts:
         if time.monotonic() > deadline:
             break
         a, exact = _sweep(steps, start, deadline)
         cost, ok, _ = evaluate(p, a)
-        key = (not ok, cost * (1 + LAST_MARGIN) if i >= first else cost)
+        key = (not ok, cost)
         if best_key is None or key < best_key:
             best, best_key, best_exact = a, key, exact
     if best is None:
@@ -262,9 +254,6 @@ def solve_axiswise(
     return Solution(tuple(int(x) for x in best), cost, ok, status if ok else "timeout-no-solution",
                     time.monotonic() - t0, method, None, peak)
 
-
-# how much cheaper than the other starts' best a ``last`` start's sweep must end to be taken
-LAST_MARGIN = 0.01
 
 SWEEP = "axis-sweep"
 # some step of the best sweep was not solved exactly: too wide to eliminate (it was skipped),
