@@ -163,7 +163,9 @@ def plan_pipeline(
     references = {**megatron_pipeline_layouts(model, sub.shape, sub.axes), **(references or {})}
 
     best: _Best | None = None
-    bounded = True  # every microbatch count ruled out by the memory bound alone
+    # whether the retry in full recomputation below could weigh a layout this pass did not:
+    # only where some microbatch count's stand-in plan is in a mode that recomputes less
+    leaner_untried = False
     weighed_all: list[Option] = []  # the solver's layout's, for the table
     ref_costs: dict[str, PlanCost] = {}  # fixed layouts as pipelines, each at its best
     failures: list[str] = []
@@ -190,13 +192,15 @@ def plan_pipeline(
                             f"least {fmt_bytes(need)} (every tensor at its leanest, in every "
                             "recomputation mode)")
             continue
-        bounded = False
         try:
             planned = make_plan(model, sub, options=options, graph=pg,
                                 model_name=model_name, references=references)
         except PlanError as e:
+            # nothing fit the stand-in, though every mode was planned (make_plan goes on
+            # through its modes while none fits), the retry's full recomputation among them
             failures.append(f"m={m}: {e}")
             continue
+        leaner_untried |= planned.plan.decided.recompute.mode != "full"
         for k in ("build_s", "solve_s", "references_s"):
             timings[k] += planned.plan.provenance.timings.get(k, 0.0)
         t2 = time.perf_counter()
@@ -243,9 +247,13 @@ def plan_pipeline(
                 if best is None or key < best.key:
                     best = _Best(key, planned, name, opt, prof, over)
         timings["pipeline_s"] += time.perf_counter() - t2
-    if best is None and options.memory.recompute == "auto" and not bounded:
+    if best is None and options.memory.recompute == "auto" and leaner_untried:
         # the stand-in chose its recomputation for one microbatch in flight; where that
-        # mode fits no split with the schedules' microbatches in flight, plan the leanest
+        # mode fits no split with the schedules' microbatches in flight, plan the leanest.
+        # Not where every stand-in plan already recomputes fully, or nothing fit it: the
+        # retry would plan the modes this pass planned (full recomputation, with and without
+        # re-gathering, is among auto's) and weigh the same layouts again (llama3-405b on
+        # 8192 H100s: 30 s of the search's 150 s of CPU, seven shapes that fail either way)
         return plan_pipeline(model, mesh, example_inputs, example_kwargs, loss_fn,
                              options.replace(recompute="full"),
                              references={k: v for k, v in references.items() if k in asked_refs},

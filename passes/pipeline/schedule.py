@@ -386,29 +386,15 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
             grad_end[(a.stage, a.microbatch)] = end
         free[r], pos[r] = end, pos[r] + 1
 
-    def deadlock() -> PlanError:
-        stuck = {r: orders[r][pos[r]] for r in range(n_ranks) if pos[r] < len(orders[r])}
+    def deadlock(at: Sequence[int] | None = None) -> PlanError:  # at: each rank's position
+        at = pos if at is None else at
+        stuck = {r: orders[r][at[r]] for r in range(n_ranks) if at[r] < len(orders[r])}
         return PlanError(f"{schedule} deadlocks (each rank waits: {stuck}); choose another "
                          "schedule or microbatch count")
 
     remaining = sum(len(o) for o in orders)
     if speed is None:
-        # every action's length is known up front: run each rank ahead as far as it can
-        while remaining:
-            progressed = False
-            for r, order in enumerate(orders):
-                while pos[r] < len(order):
-                    a = order[pos[r]]
-                    at = ready(r, a)
-                    if at is None:
-                        break
-                    start = max(free[r], at)
-                    finish(r, a, start, start + duration(a))
-                    remaining -= 1
-                    progressed = True
-            if not progressed:
-                raise deadlock()
-        return runs
+        return _run_ahead(schedule, times, duration, deadlock)
     # ranks share cores: a running action's pace changes whenever another starts or ends,
     # so time advances event by event
     now = 0.0
@@ -444,6 +430,97 @@ def _replay(schedule: PipelineSchedule, times: tuple[StageTime, ...],
             finish(r, a, start, now)
             remaining -= 1
     return runs
+
+
+def _run_ahead(schedule: PipelineSchedule, times: tuple[StageTime, ...], duration, deadlock):
+    """:func:`_replay` where every action's length is known up front: each rank run ahead as
+    far as it can, round after round. The same sums in the same order as ``ready`` and
+    ``finish`` there, on what :func:`_program` read off the order once per schedule (the
+    pipeline planner replays each schedule for every split it weighs: 83 replays of 16k
+    actions were 14 s of 405B's pp=32 plan)."""
+    program = _program(schedule)
+    m, n = schedule.m, schedule.num_stages
+    fwd_end: list[list[float | None]] = [[None] * m for _ in range(n)]
+    grad_end: list[list[float | None]] = [[None] * m for _ in range(n)]
+    runs: list[list[tuple[Action, float, float]]] = [[] for _ in program]
+    ends: list[list[float]] = [[] for _ in program]  # each run's end, by position
+    free = [0.0] * len(program)
+    remaining = sum(len(acts) for acts in program)
+    while remaining:
+        progressed = False
+        for r, acts in enumerate(program):
+            mine, k = ends[r], len(ends[r])
+            while k < len(acts):
+                a, code, s, mb, cross, j = acts[k]
+                if code == _FIRST:  # a forward of the first stage
+                    at: float | None = 0.0
+                elif code == _FWD:  # the previous stage's forward, sent here
+                    at = fwd_end[s - 1][mb]
+                    h = times[s - 1].send_s if cross else 0.0
+                    if at is not None and h != 0.0:
+                        at = max(at, mine[j] if j >= 0 else 0.0) + h
+                elif code == _WEIGHT:
+                    at = grad_end[s][mb]
+                else:  # a backward: its own forward, and the next stage's input gradient
+                    at = fwd_end[s][mb]
+                    if at is not None and code == _BWD:
+                        nxt = grad_end[s + 1][mb]
+                        h = times[s].send_s if cross else 0.0
+                        if nxt is not None and h != 0.0:
+                            nxt = max(nxt, mine[j] if j >= 0 else 0.0) + h
+                        at = None if nxt is None else max(at, nxt)
+                if at is None:
+                    break
+                start = max(free[r], at)
+                end = start + duration(a)
+                runs[r].append((a, start, end))
+                mine.append(end)
+                if a.kind == FORWARD:
+                    fwd_end[s][mb] = end
+                elif a.kind != BACKWARD_WEIGHT:
+                    grad_end[s][mb] = end
+                free[r] = end
+                k += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise deadlock([len(e) for e in ends])
+    return runs
+
+
+# what an action waits for (:func:`_program`)
+_FIRST, _FWD, _WEIGHT, _LAST_BWD, _BWD = range(5)
+
+
+@lru_cache(maxsize=64)
+def _program(schedule: PipelineSchedule) -> tuple[tuple[tuple, ...], ...]:
+    """Each rank's actions as :func:`_run_ahead` reads them: (action, what it waits for,
+    stage, microbatch, whether its input crosses to another rank, the position after which
+    the rank posts that receive: :func:`_replay`'s ``posted``, -1 before the first)."""
+    orders = rank_orders(schedule)
+    posts = receive_posts(schedule.name, schedule.p, schedule.v, schedule.m)
+    last = schedule.num_stages - 1
+    rank_of = [schedule.stage_rank(s) for s in range(schedule.num_stages)]
+    out = []
+    for r, order in enumerate(orders):
+        acts = []
+        for k, a in enumerate(order):
+            s, cross, j = a.stage, False, -1
+            if a.kind == FORWARD:
+                code = _FIRST if s == 0 else _FWD
+                if s > 0:
+                    cross = rank_of[s - 1] != rank_of[s]
+                    j = posts[r].get((s, a.microbatch, "F"), k - 1)
+            elif a.kind == BACKWARD_WEIGHT:
+                code = _WEIGHT
+            else:
+                code = _LAST_BWD if s == last else _BWD
+                if s < last:
+                    cross = rank_of[s + 1] != rank_of[s]
+                    j = posts[r].get((s, a.microbatch, "B"), k - 1)
+            acts.append((a, code, s, a.microbatch, cross, j))
+        out.append(tuple(acts))
+    return tuple(out)
 
 
 def core_speed(p: int, processes_per_rank: int, cores: int) -> tuple[float, ...] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -14,7 +15,7 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
-from autopar.passes.pipeline.cost import overheads
+from autopar.passes.pipeline.cost import overheads, weigh
 from autopar.passes.pipeline.stage_profile import stage_profile
 from autopar.planning.mesh_shapes import MeshShape
 from autopar.planning.pipeline import (
@@ -340,3 +341,70 @@ def test_stages_that_hold_fewer_microbatches_recompute_less(tmp_path):
     path.write_text(json.dumps(doc))
     old = Plan.load(path).decided.pipeline
     assert old.stage_recompute("full") == ("full",) * len(old.stages)
+
+
+def _make_plan_calls(monkeypatch) -> list[tuple[str, str]]:
+    """Every make_plan call plan_pipeline makes: (the recompute mode asked, the plan's mode or
+    "raised")."""
+    import autopar.planning.pipeline as pipeline_mod
+
+    calls: list[tuple[str, str]] = []
+    real = pipeline_mod.make_plan
+
+    def counted(*args, **kwargs):
+        asked = kwargs["options"].memory.recompute
+        try:
+            planned = real(*args, **kwargs)
+        except PlanError:
+            calls.append((asked, "raised"))
+            raise
+        calls.append((asked, planned.plan.decided.recompute.mode))
+        return planned
+
+    monkeypatch.setattr(pipeline_mod, "make_plan", counted)
+    return calls
+
+
+def test_the_full_recomputation_retry_is_skipped_where_it_would_plan_the_same_modes(
+        monkeypatch):
+    # at 18 MiB no plan of the stand-in fits in any mode (the memory bound does not rule it
+    # out: make_plan plans every mode, full recomputation among them); the retry in full
+    # recomputation would plan those modes again, so it is not run, and it would not have
+    # found a plan either
+    preset = get_preset("llama3-tiny").replace(n_layers=8, max_seq_len=256)
+    model, inputs = preset.build("meta"), preset.example_inputs(64, 256, "meta")
+    mesh = Mesh((2, 2), ("pp", "dp"), "h100")
+    fixed = dict(time_limit_s=2.0, schedule="1F1B", microbatches=4, memory_budget=18 * 2**20)
+    calls = _make_plan_calls(monkeypatch)
+    with pytest.raises(PlanError, match="no pipeline plan"):
+        plan_pipeline(model, mesh, inputs, options=Options.of(**fixed))
+    assert calls == [("auto", "raised")]
+    with pytest.raises(PlanError, match="no pipeline plan"):
+        plan_pipeline(model, mesh, inputs, options=Options.of(**fixed, recompute="full"))
+    # the stand-in's plan already recomputes fully and no split of it fits: no retry
+    calls.clear()
+    monkeypatch.setattr("autopar.planning.pipeline._weigh_modes", _no_split)
+    with pytest.raises(PlanError, match="no pipeline plan"):
+        plan_pipeline(model, mesh, inputs,
+                      options=Options.of(**{**fixed, "memory_budget": 22 * 2**20}))
+    assert calls == [("auto", "full")]
+
+
+def _no_split(sched, profs, n_blocks, limit, over):
+    """No split fits (a stand-in for a memory limit that only the whole pipeline misses)."""
+    none = replace(weigh(sched, profs[0], n_blocks, None, over), split=None)
+    return none, none
+
+
+def test_the_full_recomputation_retry_runs_where_the_stand_in_recomputes_less(monkeypatch):
+    # with room to spare the stand-in recomputes nothing; where no split of it fits (forced
+    # here), the retry plans the stand-in in full recomputation
+    model, inputs = gpt(n_layer=8)
+    mesh = Mesh((2, 2), ("pp", "dp"), "cpu")
+    calls = _make_plan_calls(monkeypatch)
+    monkeypatch.setattr("autopar.planning.pipeline._weigh_modes", _no_split)
+    with pytest.raises(PlanError, match="no pipeline plan"):
+        plan_pipeline(model, mesh, inputs, microbatch_choices=1,
+                      options=Options.of(time_limit_s=2.0, memory_budget=2**40))
+    assert [asked for asked, _ in calls] == ["auto", "full"]
+    assert calls[0][1] != "full"
