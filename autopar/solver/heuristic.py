@@ -303,9 +303,11 @@ def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bo
     ``settle_until`` while a search has not settled: ``Search.run``); ``ls`` takes its plan
     when that fits and costs less. Returns the Lagrangian lower bound on ``ls.q`` (or -inf)."""
     up = unitsearch.UnitProblem(ls.q, ls.forbid)
+    elite = unitsearch.Elite()
 
     def one(k: int) -> unitsearch.Search:
-        s = unitsearch.Search(up, ls.a, seed + k, max(until, settle_until), oracle=k == 0)
+        s = unitsearch.Search(up, ls.a, seed + k, max(until, settle_until), oracle=k == 0,
+                              elite=elite)
         s.run(until, log=log and k == 0, settle_until=settle_until)
         return s
 

@@ -26,6 +26,7 @@ steps the multipliers to priced plans 1.6 times over that tighten to 4.99e10.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from typing import NamedTuple
 
@@ -170,13 +171,44 @@ class UnitProblem:
         return out
 
 
+class Elite:
+    """The best plan of the searches that run side by side on one problem (one per
+    thread). A search's result depends much on its start: on contest instance S, four seeds
+    of one 90 s search ended 1.597e9 to 1.655e9, one of them at its polished greedy start
+    for its first 9 rounds, and most of what a search gains later comes from the kicks that
+    restart its relaxed plan from its incumbent. So every search publishes each better plan
+    here, and at each kick restarts from the best of all (``Search.share``), its own
+    multipliers and random stream kept: the searches then differ in their prices, not in
+    the basin they refine."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.best: np.ndarray | None = None
+        self.best_c = math.inf
+
+    def offer(self, ch: np.ndarray, c: float) -> None:
+        """Keep a copy of plan ``ch`` of cost ``c`` when it is the cheapest offered."""
+        with self.lock:
+            if c < self.best_c:
+                self.best, self.best_c = ch.copy(), c
+
+    def cheaper(self, c: float) -> tuple[np.ndarray, float] | None:
+        """A copy of the shared plan and its cost when it costs less than ``c``, else None."""
+        with self.lock:
+            if self.best is not None and self.best_c < c:
+                return self.best.copy(), self.best_c
+            return None
+
+
 class Search:
     """The incumbent (best feasible unit choice) and the Lagrangian rounds around it."""
 
     def __init__(self, up: UnitProblem, a0: np.ndarray, seed: int = 0,
                  deadline: float = math.inf, oracle: bool = False,
-                 oracle_min_s: float = _ORACLE_MIN_S) -> None:
+                 oracle_min_s: float = _ORACLE_MIN_S, elite: Elite | None = None) -> None:
         self.up, self.D = up, up.D
+        self.elite = elite
+        self.adopted = 0  # kicks that restarted from another search's better plan
         self.oracle = oracle and wcsp.available()
         self.oracle_min_s = oracle_min_s  # the shortest oracle solve worth its start
         self.oracle_wins = 0  # rounds whose relaxed plan came from the oracle
@@ -228,6 +260,8 @@ class Search:
         c = kernels.total_cost(self.D, ch, self.up.ucost)
         if c < self.best_c:
             self.best, self.best_c = ch.copy(), c
+            if self.elite is not None:
+                self.elite.offer(ch, c)
             return True
         return False
 
@@ -237,6 +271,8 @@ class Search:
         if regions.region_search(self.D, self.best, self.up.ucost, self.up.base, self.lim,
                                  until, self.rng) > 0:
             self.best_c = kernels.total_cost(self.D, self.best, self.up.ucost)
+            if self.elite is not None:
+                self.elite.offer(self.best, self.best_c)
 
     def fit(self, ch: np.ndarray, load: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """A copy of ``ch`` (and its profile) greedily repaired to fit; None if it cannot."""
@@ -305,6 +341,13 @@ class Search:
             return got
         return rch
 
+    def share(self) -> None:
+        """Take the ``Elite``'s plan when it is cheaper than the incumbent."""
+        got = self.elite.cheaper(self.best_c) if self.elite is not None else None
+        if got is not None:
+            self.best, self.best_c = got
+            self.adopted += 1
+
     def settled(self, since_gain: int) -> bool:
         """Whether the incumbent is worth handing on: no forbidden pair in it, and no better
         plan in the last ``_SETTLE`` rounds."""
@@ -350,6 +393,7 @@ class Search:
                 theta, best_rel, stall = _THETA0, -math.inf, 0
             if _KICK_AFTER and since_best >= _KICK_AFTER:
                 self.improve_regions(min(until, time.monotonic() + _REGION_S))
+                self.share()
                 rch = self.best.copy()
                 lam = lam * self.rng.lognormal(0.0, _KICK_SIGMA, len(lam))
                 theta, best_rel, stall, since_best = _THETA0, -math.inf, 0, 0

@@ -17,7 +17,7 @@ from autopar.solver import evaluate, kernels
 from autopar.solver.heuristic import LocalSearch, _unit_search
 from autopar.solver.problem import usage_profile
 from autopar.solver.reduce import FORBIDDEN, presolve
-from autopar.solver.unitsearch import Search, UnitProblem
+from autopar.solver.unitsearch import Elite, Search, UnitProblem
 
 
 def _reduced(seed: int, n: int):
@@ -184,3 +184,47 @@ def test_settling_runs_past_the_deadline_until_the_plan_settles(seed: int) -> No
         assert s.best_c < 1e15  # settled: no forbidden pair left in the plan
     cost, ok, _ = evaluate(ls.q, s.assignment(ls.a))
     assert ok
+
+
+def test_elite_keeps_a_copy_of_the_cheapest_plan_offered() -> None:
+    e = Elite()
+    assert e.cheaper(math.inf) is None
+    a = np.array([1, 2, 3])
+    e.offer(a, 10.0)
+    a[0] = 9  # the searches go on changing their arrays in place
+    e.offer(np.array([4, 4, 4]), 12.0)  # dearer: not kept
+    got = e.cheaper(11.0)
+    assert got is not None and got[1] == 10.0
+    np.testing.assert_array_equal(got[0], [1, 2, 3])
+    got[0][1] = 7
+    np.testing.assert_array_equal(e.cheaper(11.0)[0], [1, 2, 3])
+    assert e.cheaper(10.0) is None  # only a strictly cheaper plan is handed out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_search_takes_the_shared_plan_at_a_kick_and_still_fits(seed: int) -> None:
+    """A search whose start is dearer than another's published plan restarts from that plan
+    (``share``), and what it returns fits and costs no more than the shared plan."""
+    q, forbid = _reduced(1000 + seed, 80)
+    if q is None or q.usage_limit is None:
+        return
+    ls = LocalSearch(q, seed, forbid)
+    ls.greedy()
+    if not ls.fits():
+        return
+    up = UnitProblem(ls.q, ls.forbid)
+    elite = Elite()
+    first = Search(up, ls.a, seed, elite=elite)
+    first.run(time.monotonic() + 0.3)
+    assert elite.best_c <= first.best_c  # every better plan was published
+    # a second search offered a dearer start than the shared plan
+    second = Search(up, ls.a, seed + 1, elite=elite)
+    if second.best_c > elite.best_c:
+        second.share()
+        assert second.adopted == 1 and second.best_c == elite.best_c
+    shared = elite.best_c
+    second.run(time.monotonic() + 0.3)
+    assert second.best_c <= shared + 1e-9 * abs(shared)
+    cost, ok, _ = evaluate(ls.q, second.assignment(ls.a))
+    assert ok
+    assert kernels.profile(up.D, second.best, up.base).max() <= second.lim
