@@ -5,8 +5,7 @@ one, what is left is a problem with a handful of strategies per node (the op's 1
 small enough for exact variable elimination (:mod:`autopar.solver.elimination`) however the
 graph is wired. Sweeping the axes until no sweep improves reaches a point that no change on a
 single axis can better; on a 1-D mesh that single step is the global optimum. Several starts
-(all replicated, leanest memory, the best reference layout, data parallelism: the planner's
-hints) are swept and the best kept.
+(all replicated, leanest memory, the best reference layout) are swept and the best kept.
 """
 
 from __future__ import annotations
