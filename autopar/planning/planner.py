@@ -551,19 +551,17 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         timings["references_s"] += time.perf_counter() - t4
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
     scored = bucket_fill.score(sp, choice).cost
-    for dp in _data_parallel(sp):  # never slower than data parallelism
-        # where it is faster, the search missed its basin: a short solve from it polishes it
-        # (the shared-block model of test_data_parallel.py: 12.3 -> 8.6 ms)
-        tries = [dp]
-        if _scored_faster(sp, dp, scored, limit) and not dl.expired():
-            tries.append(_solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
-                                              dp.assignment, deadline=dl,
-                                              restarts=RETRY_RESTARTS))
-        for cand in tries:
-            better = _scored_faster(sp, cand, scored, limit)
-            if better is not None:
-                choice, sol, method, scored = sp.expand(cand.assignment), cand, cand.method, \
-                    better
+    # never slower than data parallelism (weighed as the solver's own plan is, against the
+    # references' margin); where it is faster, the search missed its basin, and a short solve
+    # from it polishes it (the shared-block model of test_data_parallel.py: 12.3 -> 8.6 ms)
+    dps = _data_parallel(sp)
+    if dps and _scored_faster(sp, dps[0], scored, limit) and not dl.expired():
+        dps.append(_solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
+                                        dps[0].assignment, deadline=dl,
+                                        restarts=RETRY_RESTARTS))
+    if dps:
+        choice, sol, method = _select(sp, [sol, *dps], refs, min_gain, limit, carried)
+        scored = bucket_fill.score(sp, choice).cost
     out.refs, out.sol, out.choice, out.method = refs, sol, choice, method
     out.step_s, out.peak = scored.step_s, scored.mem_bytes
     out.fits = fits_budget(scored.mem_bytes, limit)
@@ -589,12 +587,12 @@ def _data_parallel(sp: ShardingProblem) -> list[Solution]:
 
 
 def _scored_faster(sp: ShardingProblem, sol: Solution, than: PlanCost, limit: float | None
-                   ) -> PlanCost | None:
-    """``sol``'s full score where it fits ``limit`` and is faster than ``than``, else None."""
+                   ) -> bool:
+    """Whether ``sol`` fits ``limit`` and its full score is faster than ``than``."""
     if not sol.feasible:
-        return None
+        return False
     cost = bucket_fill.score(sp, sp.expand(sol.assignment)).cost
-    return cost if fits_budget(cost.mem_bytes, limit) and cost.step_s < than.step_s else None
+    return fits_budget(cost.mem_bytes, limit) and cost.step_s < than.step_s
 
 
 def carried_choice(sp: ShardingProblem, other: ShardingProblem, choice: list[int]) -> list[int]:
