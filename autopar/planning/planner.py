@@ -569,9 +569,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     # from it polishes it (the shared-block model of test_data_parallel.py: 12.3 -> 8.6 ms)
     dps = _data_parallel(sp)
     if dps and _scored_faster(sp, dps[0], scored, limit) and not dl.expired():
-        dps.append(_solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
-                                        dps[0].assignment, deadline=dl,
-                                        restarts=RETRY_RESTARTS))
+        dps.append(solve(sp.problem, timeout_s=dl.cap(LOCAL_POLISH_S), hint=dps[0].assignment,
+                         method="heuristic"))
     if dps:
         choice, sol, method = _select(sp, [sol, *dps], refs, min_gain, limit, carried)
         scored = bucket_fill.score(sp, choice).cost
