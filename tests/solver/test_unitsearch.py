@@ -25,6 +25,19 @@ def _reduced(seed: int, n: int):
     return (None, None) if red.infeasible else (red.problem, math.inf if soft else FORBIDDEN)
 
 
+def _limited_start(problem_seed: int, seed: int) -> tuple[LocalSearch, UnitProblem] | None:
+    """A random problem of 80 nodes with a usage limit, its greedy start that fits and its
+    units; None where it has no limit or the start does not fit."""
+    q, forbid = _reduced(problem_seed, 80)
+    if q is None or q.usage_limit is None:
+        return None
+    ls = LocalSearch(q, seed, forbid)
+    ls.greedy()
+    if not ls.fits():
+        return None
+    return ls, UnitProblem(ls.q, ls.forbid)
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_unit_arrays_score_and_load_like_the_problem(seed: int) -> None:
     q, forbid = _reduced(seed, 40)
@@ -164,14 +177,10 @@ def test_settling_runs_past_the_deadline_until_the_plan_settles(seed: int) -> No
     incumbent has no forbidden pair and has not improved for ``_SETTLE`` rounds (or T);
     without ``settle_until`` a spent deadline runs no round."""
     from autopar.solver.unitsearch import _SETTLE
-    q, forbid = _reduced(900 + seed, 80)
-    if q is None or q.usage_limit is None:
+    got = _limited_start(900 + seed, seed)
+    if got is None:
         return
-    ls = LocalSearch(q, seed, forbid)
-    ls.greedy()
-    if not ls.fits():
-        return
-    up = UnitProblem(ls.q, ls.forbid)
+    ls, up = got
     s = Search(up, ls.a, seed)
     s.run(time.monotonic())
     assert s.rounds == 0
@@ -205,14 +214,10 @@ def test_elite_keeps_a_copy_of_the_cheapest_plan_offered() -> None:
 def test_a_search_takes_the_shared_plan_at_a_kick_and_still_fits(seed: int) -> None:
     """A search whose start is dearer than another's published plan restarts from that plan
     (``share``), and what it returns fits and costs no more than the shared plan."""
-    q, forbid = _reduced(1000 + seed, 80)
-    if q is None or q.usage_limit is None:
+    got = _limited_start(1000 + seed, seed)
+    if got is None:
         return
-    ls = LocalSearch(q, seed, forbid)
-    ls.greedy()
-    if not ls.fits():
-        return
-    up = UnitProblem(ls.q, ls.forbid)
+    ls, up = got
     elite = Elite()
     first = Search(up, ls.a, seed, elite=elite)
     first.run(time.monotonic() + 0.3)
