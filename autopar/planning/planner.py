@@ -565,14 +565,15 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         choice, sol, method = _select(sp, [sol, again], refs, min_gain, limit, carried)
     scored = bucket_fill.score(sp, choice).cost
     # never slower than data parallelism (weighed as the solver's own plan is, against the
-    # references' margin); where it is faster, the search missed its basin, and a short solve
-    # from it polishes it (the shared-block model of test_data_parallel.py: 12.3 -> 8.6 ms)
-    dps = _data_parallel(sp)
-    if dps and _scored_faster(sp, dps[0], scored, limit) and not dl.expired():
-        dps.append(solve(sp.problem, timeout_s=dl.cap(LOCAL_POLISH_S), hint=dps[0].assignment,
-                         method="heuristic"))
-    if dps:
-        choice, sol, method = _select(sp, [sol, *dps], refs, min_gain, limit, carried)
+    # references' margin); where it is faster, the search missed its basin, and the local
+    # moves polish it (the shared-block model of test_data_parallel.py: 12.3 -> 8.6 ms)
+    dp = _data_parallel(sp)
+    if dp is not None:
+        candidates = [sol, dp]
+        if _scored_faster(sp, dp, scored, limit) and not dl.expired():
+            candidates.append(solve(sp.problem, timeout_s=dl.cap(LOCAL_POLISH_S),
+                                    hint=dp.assignment, method="heuristic"))
+        choice, sol, method = _select(sp, candidates, refs, min_gain, limit, carried)
         scored = bucket_fill.score(sp, choice).cost
     out.refs, out.sol, out.choice, out.method = refs, sol, choice, method
     out.step_s, out.peak = scored.step_s, scored.mem_bytes
@@ -582,7 +583,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     return out
 
 
-def _data_parallel(sp: ShardingProblem) -> list[Solution]:
+def _data_parallel(sp: ShardingProblem) -> Solution | None:
     """Data parallelism (:mod:`autopar.passes.problem.data_parallel`) as a candidate plan,
     where the model admits it, weighed by its full score against the mode's plan once that
     is final: so no plan is slower than data parallelism. (As a start of the sweeps, or a
@@ -591,11 +592,11 @@ def _data_parallel(sp: ShardingProblem) -> list[Solution]:
     llama3-1b on 8 x 8.)"""
     start = data_parallel_assignment(sp)
     if start is None:
-        return []
+        return None
     assert sp.problem is not None
     cost, ok, peak = evaluate(sp.problem, start)
-    return [Solution(start, cost, ok, "feasible" if ok else "timeout-no-solution", 0.0,
-                     DATA_PARALLEL, None, peak)]
+    return Solution(start, cost, ok, "feasible" if ok else "timeout-no-solution", 0.0,
+                    DATA_PARALLEL, None, peak)
 
 
 DATA_PARALLEL = "data parallelism"  # the method of _data_parallel's plan

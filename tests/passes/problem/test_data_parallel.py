@@ -1,6 +1,6 @@
-"""The planner's data-parallel start (``passes/problem/data_parallel.py``): it is data parallelism,
-and a model whose steps the axis sweeps cannot take (one block applied at every layer) plans
-no slower than it (the planner weighs it as a candidate plan)."""
+"""Data parallelism as an assignment (``passes/problem/data_parallel.py``): it is data
+parallelism, and a model whose steps the axis sweeps cannot take (one block applied at every
+layer) plans no slower than it (the planner weighs it as a candidate plan)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def shared_block():
     return model, inputs, sharding_problem.build(pg, MESH, None)
 
 
-def test_the_start_is_data_parallelism(shared_block) -> None:
+def test_the_assignment_is_data_parallelism(shared_block) -> None:
     _, _, sp = shared_block
     start = data_parallel_assignment(sp)
     assert start is not None
