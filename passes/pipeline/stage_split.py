@@ -25,9 +25,13 @@ once ``least_sum / v + (m*v-1) * t`` cannot beat the best found. Each DP is ``O(
 Memory: chunk ``k`` needs ``memory_bytes + in_flight(k, n) * activation_bytes`` (weights,
 gradients and optimizer state, plus the activations of the microbatches it holds; in 1F1B
 stage ``k`` holds up to ``p - k``). The in-flight counts default to the schedule's own, read
-off its order (:func:`schedule_in_flight`). Each chunk must fit ``memory_limit / v``: with
-several chunks per rank this is sufficient, not necessary (it keeps the DP per chunk); the
-split reports each rank's exact total.
+off its order (:func:`schedule_in_flight`). The DP asks each chunk to fit ``memory_limit / v``:
+with several chunks per rank this is sufficient, not necessary (it keeps the DP per chunk).
+What a rank's chunks leave of the limit is then spent (:func:`_spend_rank_memory`): with the
+ranges kept, each rank's chunks move to faster submeshes (less recomputation) wherever the
+rank's sum still fits, so a rank holding one chunk with many microbatches in flight and three
+with few is limited by what it holds at once, not by a quarter of the device each. The split
+reports each rank's exact total.
 """
 
 from __future__ import annotations
@@ -176,7 +180,12 @@ def split_stages(
             "recomputation of activations, or sharding the stages wider would help"
         )
     ranked = _sweep(best, n, L, m, v, keep=max(1, refine), lower_sum=least[0])
-    splits = [_split(sched, best, submeshes, ranges, value) for value, ranges in ranked]
+    splits = []
+    for _, ranges in ranked:
+        subs = [int(best[k].sub[r]) for k, r in enumerate(ranges)]
+        if v > 1 and len(submeshes) > 1 and math.isfinite(memory_limit):
+            subs = _spend_rank_memory(sched, table, held, ranges, subs, memory_limit)
+        splits.append(_split(sched, table, held, submeshes, ranges, subs, m))
     if refine > 1:
         # the formula ranks; the schedule's replay decides among the few best
         steps = [step_and_bubble(sched, sp.stage_times(forward_share))[0] for sp in splits]
@@ -215,22 +224,55 @@ def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
     return found
 
 
-def _split(sched: PipelineSchedule, best: list[_Fit], submeshes: Sequence[Any],
-           ranges: list[tuple[int, int]], value: float) -> StageSplit:
-    chosen = [(float(best[k].time[r]), int(best[k].sub[r]), float(best[k].mem[r]))
-              for k, r in enumerate(ranges)]
+def _split(sched: PipelineSchedule, table: _CostTable, held: Sequence[float],
+           submeshes: Sequence[Any], ranges: list[tuple[int, int]], subs: Sequence[int],
+           m: int) -> StageSplit:
+    times = [float(table.time[s, i, j]) for (i, j), s in zip(ranges, subs)]
+    mems = [table.chunk_memory(s, i, j, held[k]) for k, ((i, j), s) in
+            enumerate(zip(ranges, subs))]
     per_rank = [0.0] * sched.p
-    for k, entry in enumerate(chosen):
-        per_rank[sched.stage_rank(k)] += entry[2]
+    for k, mem in enumerate(mems):
+        per_rank[sched.stage_rank(k)] += mem
     return StageSplit(
         ranges=tuple(ranges),
-        submeshes=tuple(submeshes[e[1]] for e in chosen),
-        time_s=tuple(e[0] for e in chosen),
-        memory_bytes=tuple(e[2] for e in chosen),
+        submeshes=tuple(submeshes[s] for s in subs),
+        time_s=tuple(times),
+        memory_bytes=tuple(mems),
         rank_memory_bytes=tuple(per_rank),
-        objective_s=value,
+        objective_s=objective(times, m, sched.v),
         schedule=sched,
     )
+
+
+def _spend_rank_memory(sched: PipelineSchedule, table: _CostTable, held: Sequence[float],
+                       ranges: Sequence[tuple[int, int]], subs: Sequence[int],
+                       limit: float) -> list[int]:
+    """``subs`` (each chunk's submesh, each chunk within ``limit / v``) with every rank's
+    chunks moved to the submeshes of least total time whose memory sums within ``limit``;
+    a chunk only ever moves to a submesh at least as fast as its own, so no chunk slows and
+    the replayed step cannot grow. Ranks are independent (each has its own memory); per rank
+    the choice is a small knapsack, solved exactly over its Pareto front (memory, time)."""
+    out = list(subs)
+    for r in range(sched.p):
+        mine = sched.rank_stages(r)
+        front: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]
+        for k in mine:
+            (i, j), own = ranges[k], subs[k]
+            t_own = table.time[own, i, j]
+            opts = [(table.chunk_memory(s, i, j, held[k]), float(table.time[s, i, j]), s)
+                    for s in range(table.time.shape[0]) if table.time[s, i, j] <= t_own]
+            grown = sorted((mem + om, t + ot, picks + (s,)) for mem, t, picks in front
+                           for om, ot, s in opts if mem + om <= limit)
+            front = []
+            for cand in grown:  # ascending memory: keep each that is faster than all before
+                if not front or cand[1] < front[-1][1]:
+                    front.append(cand)
+        own_time = sum(float(table.time[subs[k], ranges[k][0], ranges[k][1]]) for k in mine)
+        fastest = front[-1]  # the front's last is its fastest
+        if fastest[1] < own_time * (1 - 1e-12):
+            for k, s in zip(mine, fastest[2]):
+                out[k] = s
+    return out
 
 
 def _size(nbytes: float) -> str:
@@ -301,6 +343,10 @@ class _CostTable:
         sub = np.argmin(time, axis=0)  # ties: the first submesh
         pick = np.take_along_axis
         return _Fit(pick(time, sub[None], 0)[0], sub, pick(mem, sub[None], 0)[0])
+
+    def chunk_memory(self, s: int, i: int, j: int, held: float) -> float:
+        """Layers ``[i, j)`` on submesh ``s`` holding ``held`` microbatches: their memory."""
+        return float(self.memory[s, i, j] + held * self.act[s, i, j])
 
     def leanest(self, held: float, k: int, n: int) -> np.ndarray:
         """Least memory of each range on any submesh (inf where not allowed)."""

@@ -16,8 +16,9 @@ from autopar.passes.pipeline.stage_split import (
 )
 
 
-def brute_force(L, cost, n, m, v, cap, held, submeshes):
-    """Every contiguous split and every submesh per chunk: the least objective, or None."""
+def brute_force(L, cost, n, m, v, cap, held, submeshes, rank_limit=None):
+    """Every contiguous split and every submesh per chunk: the least objective, or None.
+    With ``rank_limit`` = (schedule, limit), each rank's chunks must also sum within it."""
     best = None
     for cuts in itertools.combinations(range(1, L), n - 1):
         bounds = (0, *cuts, L)
@@ -29,12 +30,19 @@ def brute_force(L, cost, n, m, v, cap, held, submeshes):
                 c = cost(i, j, s)
                 c = c if isinstance(c, StageCost) else StageCost(*c)
                 if c.memory_bytes + held[k] * c.activation_bytes <= cap:
-                    opts.append(c.time_s)
+                    opts.append((c.time_s, c.memory_bytes + held[k] * c.activation_bytes))
             per_chunk.append(opts)
         if not all(per_chunk):
             continue
-        for times in itertools.product(*per_chunk):
-            value = objective(times, m, v)
+        for picks in itertools.product(*per_chunk):
+            if rank_limit is not None:
+                sched, limit = rank_limit
+                ranks = [0.0] * sched.p
+                for k, (_, mem) in enumerate(picks):
+                    ranks[sched.stage_rank(k)] += mem
+                if max(ranks) > limit:
+                    continue
+            value = objective([t for t, _ in picks], m, v)
             best = value if best is None else min(best, value)
     return best
 
@@ -82,7 +90,14 @@ def test_dp_objective_equals_brute_force(problem):
             split_stages(L, cost, p, m, limit, v=v, submeshes=submeshes)
         return
     got = split_stages(L, cost, p, m, limit, v=v, submeshes=submeshes)
-    assert math.isclose(got.objective_s, expected, rel_tol=1e-9)
+    # each chunk within limit / v is the DP's optimum; what a rank's chunks leave of the
+    # limit is then spent on faster submeshes: never worse, never beyond a split whose
+    # ranks (not chunks) fit the limit
+    ranks_fit = brute_force(L, cost, n, m, v, limit, held, submeshes, (sched, limit))
+    assert got.objective_s <= expected * (1 + 1e-9)
+    assert got.objective_s >= ranks_fit * (1 - 1e-9)
+    if v == 1 or len(submeshes) == 1:
+        assert math.isclose(got.objective_s, expected, rel_tol=1e-9)
     # replaying candidates may trade the formula for the replayed step, never beat the optimum
     top = split_stages(L, cost, p, m, limit, v=v, submeshes=submeshes, refine=3)
     assert top.objective_s >= got.objective_s - 1e-9
@@ -94,7 +109,7 @@ def test_dp_objective_equals_brute_force(problem):
         t, mem, act = table[(i, j, s)]
         assert got.time_s[k] == t
         assert math.isclose(got.memory_bytes[k], mem + held[k] * act)
-        assert got.memory_bytes[k] <= limit / v
+    assert max(got.rank_memory_bytes) <= limit
     assert math.isclose(sum(got.rank_memory_bytes), sum(got.memory_bytes))
 
 
@@ -160,6 +175,28 @@ def test_refine_replays_the_best_few_in_the_schedule():
     assert math.isclose(refined.step_s, simulate(refined.schedule,
                                                  refined.stage_times()).step_s)
     assert refined.objective_s >= plain.objective_s
+
+
+def test_a_rank_spends_the_memory_its_chunks_leave_on_less_recomputation():
+    # two submeshes per chunk, as the planner's recomputation modes: "keep" (fast, saves its
+    # activations) and "recompute" (slower, saves none). Interleaved p=2, v=2, m=4 holds
+    # 3.33, 2.25, 1.67 and 0.75 microbatches in chunks 0-3 (chunks 0 and 2 on rank 0). A
+    # chunk alone may use limit / v = 3.5: only chunk 3 keeps; a rank may hold 7, so rank 0
+    # can keep chunk 2 (2 + 3.67) and rank 1 both of its chunks (4.25 + 2.75).
+    keep = (1.0, 2.0, 1.0)  # (time, memory, activations per microbatch)
+    recompute = (1.3, 2.0, 0.0)
+    cost = lambda i, j, s: keep if s == "keep" else recompute  # noqa: E731
+    sched = PipelineSchedule("Interleaved1F1B", 2, 2, 4)
+    held = [schedule_in_flight(sched)(k, 4) for k in range(4)]
+    subs = ("recompute", "keep")
+    split = split_stages(4, cost, p=2, m=4, memory_limit=7.0, v=2, submeshes=subs)
+    assert split.submeshes == ("recompute", "keep", "keep", "keep")
+    assert max(split.rank_memory_bytes) <= 7.0
+    assert split.objective_s == objective([1.3, 1.0, 1.0, 1.0], 4, 2)
+    # a chunk-by-chunk cap of limit / v keeps chunk 3 only
+    assert brute_force(4, cost, 4, 4, 2, 3.5, held, subs) == objective([1.3] * 3 + [1.0], 4, 2)
+    # the best any split can do with the ranks' sums within the limit
+    assert brute_force(4, cost, 4, 4, 2, 7.0, held, subs, (sched, 7.0)) == split.objective_s
 
 
 def test_in_flight_is_a_callable_input():
