@@ -270,10 +270,10 @@ class LocalSearch:
             self._free = np.nonzero(self.q.index.n_strat > 1)[0]
         return self._free
 
-    def model_vars(self, free: np.ndarray) -> int:
+    def model_vars(self, free: np.ndarray, lex: bool = False) -> int:
         """Variables of the CP-SAT model of neighbourhood ``free`` (rigid groups not
         contracted, so at most): a choice per strategy, a pair per allowed pair of an edge
-        inside it."""
+        inside it (with ``lex``, as ``ilp.build`` takes it, every pair)."""
         idx = self.q.index
         if not hasattr(self, "_edge_pairs"):
             ok = (idx.edge_flat < self.forbid).astype(np.int64)
@@ -283,7 +283,8 @@ class LocalSearch:
         inside = np.zeros(self.q.num_nodes, dtype=bool)
         inside[free] = True
         inner = inside[idx.edge_u] & inside[idx.edge_v]
-        return int(idx.n_strat[free].sum() + self._edge_pairs[inner].sum())
+        pairs = idx.edge_nv * idx.n_strat[idx.edge_u] if lex else self._edge_pairs
+        return int(idx.n_strat[free].sum() + pairs[inner].sum())
 
     def lns_step(
         self, size: int, time_limit: float, workers: int, seed: int
@@ -306,13 +307,13 @@ class LocalSearch:
             free = self.neighbourhood(size)
         if len(free) == 0:
             return False, True, 0
-        n_vars = self.model_vars(free)
+        before = self.cost()
+        lex = before >= self.forbid
+        n_vars = self.model_vars(free, lex)
         if n_vars * _build_s_per_var > time_limit:
             fit = int(len(free) * time_limit / (n_vars * _build_s_per_var))
             return False, False, -max(1, min(fit, len(free) - 1))
         cap = ilp.capacity_profile(q, free, self.a)
-        before = self.cost()
-        lex = before >= self.forbid
         t0 = time.monotonic()
         sm = ilp.build(q, free, self.a, cap, edges_of=self.inc, forbid=self.forbid, lex=lex)
         _learn_build_rate(time.monotonic() - t0, n_vars)

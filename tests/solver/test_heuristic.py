@@ -124,6 +124,9 @@ def test_model_vars_counts_choices_and_allowed_pairs_inside() -> None:
         want += sum(int((m < forbid).sum()) for (u, v), m in zip(p.edges, p.edge_costs)
                     if u in inside and v in inside)
         assert ls.model_vars(free) == want
+        every = sum(len(p.costs[i]) for i in free) + sum(
+            m.size for (u, v), m in zip(p.edges, p.edge_costs) if u in inside and v in inside)
+        assert ls.model_vars(free, lex=True) == every  # forbidden pairs kept at a weight
 
 
 def test_lns_step_declines_a_model_it_could_not_build_in_time(monkeypatch) -> None:
