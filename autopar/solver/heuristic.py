@@ -39,6 +39,11 @@ from autopar.solver.treedp import TREE_SIZE, tree_move
 _PENALTY = 1e15
 _UNIT_MIN_RUN_S = 2.0  # the unit search is not started with less than this left
 _GROUP_CAP = 3_000  # a neighbourhood may exceed its size by this much to take a whole group
+_MIN_LNS_SIZE = 20  # neighbourhoods shrink to no fewer free nodes than this
+# Seconds to build one variable of an LNS step's CP-SAT model (``ilp.build``, in Python): a
+# first guess, then what this process's builds took (``_learn_build_rate``). Measured on the
+# 2-core machine: 0.9-2.7e-5 under load (models of 8-70 thousand variables).
+_build_s_per_var = 1.5e-5
 
 
 def _capped(q: Problem, forbid: float) -> Problem:
@@ -265,10 +270,33 @@ class LocalSearch:
             self._free = np.nonzero(self.q.index.n_strat > 1)[0]
         return self._free
 
+    def model_vars(self, free: np.ndarray, lex: bool = False) -> int:
+        """Variables of the CP-SAT model of neighbourhood ``free`` (rigid groups not
+        contracted, so at most): a choice per strategy, a pair per allowed pair of an edge
+        inside it (with ``lex``, as ``ilp.build`` takes it, every pair)."""
+        idx = self.q.index
+        if not hasattr(self, "_edge_pairs"):
+            ok = (idx.edge_flat < self.forbid).astype(np.int64)
+            # every edge has a pair at least (a node has a strategy), so no slice is empty
+            self._edge_pairs = (np.add.reduceat(ok, idx.edge_off) if len(idx.edge_u)
+                                else np.zeros(0, np.int64))
+        inside = np.zeros(self.q.num_nodes, dtype=bool)
+        inside[free] = True
+        inner = inside[idx.edge_u] & inside[idx.edge_v]
+        pairs = idx.edge_nv * idx.n_strat[idx.edge_u] if lex else self._edge_pairs
+        return int(idx.n_strat[free].sum() + pairs[inner].sum())
+
     def lns_step(
         self, size: int, time_limit: float, workers: int, seed: int
     ) -> tuple[bool, bool, int]:
-        """Re-optimise one neighbourhood; returns (improved, solved to optimality, its size)."""
+        """Re-optimise one neighbourhood; returns (improved, solved to optimality, its size).
+
+        A neighbourhood whose model would take longer to build than ``time_limit`` (CP-SAT's
+        time on it) is not built: the step returns its size as a negative number, the
+        size that would fit, so that the caller shrinks to it (a step that spends its time
+        building leaves CP-SAT none: moe-tiny's 60-node neighbourhoods, 50-70 thousand
+        variables, took 1-2.6 s to build and ended with no answer, the solve past its limit).
+        """
         q = self.q
         kind = self.kinds[int(self.rng.integers(len(self.kinds)))]
         if kind == "memory" and self.limit is not None:
@@ -279,10 +307,16 @@ class LocalSearch:
             free = self.neighbourhood(size)
         if len(free) == 0:
             return False, True, 0
-        cap = ilp.capacity_profile(q, free, self.a)
         before = self.cost()
         lex = before >= self.forbid
+        n_vars = self.model_vars(free, lex)
+        if n_vars * _build_s_per_var > time_limit:
+            fit = int(len(free) * time_limit / (n_vars * _build_s_per_var))
+            return False, False, -max(1, min(fit, len(free) - 1))
+        cap = ilp.capacity_profile(q, free, self.a)
+        t0 = time.monotonic()
         sm = ilp.build(q, free, self.a, cap, edges_of=self.inc, forbid=self.forbid, lex=lex)
+        _learn_build_rate(time.monotonic() - t0, n_vars)
         st, sub, _ = ilp.solve_sub(sm, time_limit, workers, seed, self.a)
         if sub is None:
             return False, False, len(free)
@@ -295,6 +329,14 @@ class LocalSearch:
                 self.set(i, int(old[k]))
             return False, st == ilp.cp_model.OPTIMAL, len(free)
         return after < before, st == ilp.cp_model.OPTIMAL, len(free)
+
+
+def _learn_build_rate(seconds: float, n_vars: int) -> None:
+    """Move the build rate a step towards what one build took (models under a thousand
+    variables are mostly fixed cost, and say little about the rate)."""
+    global _build_s_per_var
+    if n_vars >= 1000:
+        _build_s_per_var += 0.5 * (seconds / n_vars - _build_s_per_var)
 
 
 def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool,
@@ -411,6 +453,11 @@ def run_heuristic(
             break  # building a model takes time too; a late step would overrun the deadline
         tl = min(3.0, left - 1.0)
         improved, optimal, got = ls.lns_step(size, tl, workers, seed + it)
+        if got < 0:  # its model would not be built in time: a smaller one, or none
+            if size <= _MIN_LNS_SIZE:
+                break
+            size = max(_MIN_LNS_SIZE, min(size - 1, -got))
+            continue
         it += 1
         if improved:
             tree_fails = max(0, tree_fails - 5)  # a changed region may admit tree moves again
@@ -420,7 +467,7 @@ def run_heuristic(
         if optimal and got == len(ls.free_nodes):
             return HeuristicResult(ls.a.copy(), True, -math.inf)  # the whole problem
         # grow neighbourhoods while CP-SAT proves them quickly, shrink when it cannot
-        size = min(2000, int(size * 1.1) + 1) if optimal else max(20, int(size * 0.8))
+        size = min(2000, int(size * 1.1) + 1) if optimal else max(_MIN_LNS_SIZE, int(size * 0.8))
         if log and it % 10 == 0:
             print(f"  lns it={it} size={size} trees={tree_its} cost={ls.cost():.6g}", flush=True)
     return HeuristicResult(ls.a.copy(), len(ls.free_nodes) == 0, bound)

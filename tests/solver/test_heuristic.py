@@ -110,3 +110,40 @@ def test_a_sweep_moves_a_node_off_an_overflowing_choice():
     ls.set(0, 1)  # 3 > 2: over the limit
     assert not ls.fits()
     assert ls.sweep() == 1 and ls.a[0] == 0 and ls.fits()
+
+
+def test_model_vars_counts_choices_and_allowed_pairs_inside() -> None:
+    p = random_problem(3, 40, k=4)
+    forbid = 90.0  # pairs priced at or above it are left out of the model
+    ls = LocalSearch(p, seed=0, forbid=forbid)
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        free = np.sort(rng.choice(p.num_nodes, 15, replace=False))
+        inside = set(free.tolist())
+        want = sum(len(p.costs[i]) for i in free)
+        want += sum(int((m < forbid).sum()) for (u, v), m in zip(p.edges, p.edge_costs)
+                    if u in inside and v in inside)
+        assert ls.model_vars(free) == want
+        every = sum(len(p.costs[i]) for i in free) + sum(
+            m.size for (u, v), m in zip(p.edges, p.edge_costs) if u in inside and v in inside)
+        assert ls.model_vars(free, lex=True) == every  # forbidden pairs kept at a weight
+
+
+def test_lns_step_declines_a_model_it_could_not_build_in_time(monkeypatch) -> None:
+    import autopar.solver.heuristic as heuristic
+
+    p = random_problem(5, 60, k=4)
+    ls = LocalSearch(p, seed=0)
+    ls.greedy()
+    before = ls.a.copy()
+    # at this rate a 30-node model takes far longer to build than the step's second
+    monkeypatch.setattr(heuristic, "_build_s_per_var", 1.0)
+    improved, optimal, got = ls.lns_step(30, 1.0, 1, 0)
+    assert got < 0 and not improved and not optimal
+    assert 1 <= -got < 30  # the size whose model would be built in time (at least one node)
+    assert np.array_equal(ls.a, before)  # nothing built, nothing moved
+    # a whole search under that rate still returns a feasible plan, without CP-SAT steps
+    t = time.monotonic()
+    res = run_heuristic(p, t + 3.0, workers=1)
+    assert evaluate(p, res.assignment)[1]
+    assert time.monotonic() - t < 3.0
