@@ -94,10 +94,10 @@ class _Steps:
         key = (k, *(int(codes[v][s]) for v, s in enumerate(cur.tolist())))
         got = self.memo.get(key)
         if got is None:
-            got = self.memo[key] = self._solve(k, key[1:], deadline)
+            got = self.memo[key] = self._solve(k, key[1:], deadline, cur)
         return got
 
-    def _solve(self, k: int, key: tuple[int, ...], deadline: float
+    def _solve(self, k: int, key: tuple[int, ...], deadline: float, cur: np.ndarray
                ) -> tuple[np.ndarray | None, bool]:
         p = self.p
         allowed = [g[c] for g, c in zip(self.groups[k], key)]
@@ -125,8 +125,12 @@ class _Steps:
             if len(self.hulls) > _MAX_HULL_STEPS:
                 self.hulls.clear()
             memo = self.hulls[(k, key)] = {}
+        # the current point, in the step's own indices: where it fits, the Lagrangian walk
+        # starts from it (elimination.minimise)
+        here = np.array([int(np.searchsorted(al, s)) for al, s in zip(allowed, cur.tolist())])
         a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
-                             max(0.1, deadline - time.monotonic()), memo)
+                             max(0.1, deadline - time.monotonic()), memo,
+                             start=here if p.usage_limit is not None else None)
         if a is None:
             return None, False
         return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"
