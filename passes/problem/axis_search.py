@@ -17,6 +17,7 @@ import numpy as np
 from autopar.passes.problem.types import ShardingProblem
 from autopar.solver.elimination import cached_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
+from autopar.solver.problem import fits as fits_limit
 
 
 def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
@@ -84,7 +85,7 @@ class _Steps:
             self.groups.append(groups)
         self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
         self.orders: dict[tuple[int, ...], list[int] | None] = {}
-        self.live = [e > s for s, e in p.intervals]
+        self.all_live = all(e > s for s, e in p.intervals)  # at the one instant, if one
         self.declined = 0  # steps too wide to eliminate (or not of the one-instant form)
 
     def step(self, k: int, cur: np.ndarray, deadline: float) -> tuple[np.ndarray | None, bool]:
@@ -110,8 +111,15 @@ class _Steps:
             # too wide, or not the one-instant form elimination handles
             self.declined += 1
             return None, False
-        costs = [c[a] for c, a in zip(p.costs, allowed)]
         usages = [u[a] for u, a in zip(p.usages, allowed)]
+        least = sum(float(u.min()) for u in usages)
+        if p.usage_limit is not None and self.all_live and not fits_limit(
+                least - 1e-9 * abs(least), p.usage_limit):
+            # every node live at the one instant, each at its leanest choice of the step,
+            # already overflows the limit: no point of the step fits (what elimination
+            # finds after its first table, with the step's program and pruning made first)
+            return None, False
+        costs = [c[a] for c, a in zip(p.costs, allowed)]
         ecosts = [m.take(allowed[u], 0).take(allowed[v], 1)  # as m[np.ix_(...)], faster
                   for (u, v), m in zip(p.edges, p.edge_costs)]
 
