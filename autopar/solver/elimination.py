@@ -424,10 +424,25 @@ def minimise(
     if sum(float(u.min()) for u in usage) > limit:
         return None, "infeasible"
 
+    where: list[np.ndarray] = []  # laid out on first use (a walk prices a few points)
+
     def cost_and_usage(x: np.ndarray) -> tuple[float, float]:
-        c = sum(float(b[k]) for b, k in zip(base, x.tolist()))
-        c += sum(float(m[x[u], x[v]]) for (u, v), m in zip(edges, edge_costs))
-        return c, sum(float(w[k]) for w, k in zip(usage, x.tolist()))
+        if not where:
+            node_off = np.cumsum([0, *dom[:-1]], dtype=np.int64)
+            eu = np.array([u for u, _ in edges], dtype=np.int64)
+            ev = np.array([v for _, v in edges], dtype=np.int64)
+            dv = np.array([dom[v] for _, v in edges], dtype=np.int64)
+            edge_off = np.cumsum([0, *(dom[u] * dom[v] for u, v in edges)][:-1],
+                                 dtype=np.int64)
+            where.extend((node_off, eu, ev, dv, edge_off, _flat(base), _flat(usage),
+                          _flat(edge_costs)))
+        node_off, eu, ev, dv, edge_off, costs_flat, usage_flat, edges_flat = where
+        x = np.asarray(x, dtype=np.int64)
+        picked = node_off + x
+        c = float(costs_flat[picked].sum())
+        if len(eu):
+            c += float(edges_flat[edge_off + x[eu] * dv + x[ev]].sum())
+        return c, float(usage_flat[picked].sum())
 
     lo, below = 0.0, a  # below: the minimiser at lo, which does not fit
     # Minimisers known at other multipliers (a memory fit's earlier rounds, at other limits):
