@@ -372,6 +372,7 @@ def minimise(
     costs: list[np.ndarray], usages: list[np.ndarray], limit: float | None,
     order: list[int], fits: Callable[[np.ndarray], bool], timeout_s: float,
     memo: dict[float, np.ndarray] | None = None, start: np.ndarray | None = None,
+    guess: float | None = None, walked: list[float] | None = None,
 ) -> tuple[np.ndarray | None, str]:
     """:func:`solve_by_elimination` on a problem given by its parts (no :class:`Problem` is
     built: the axis sweep calls this thousands of times) and an elimination ``order``;
@@ -381,7 +382,9 @@ def minimise(
     and usages (whatever the limit): solved again at another limit (a memory fit's retry),
     the walk asks for the same multipliers until the two limits part. ``start``: a point
     known to fit (an axis step's current point); the walk down the hull starts from it
-    instead of bracketing the multiplier (see below)."""
+    instead of bracketing the multiplier (see below). ``guess``: a multiplier to try first
+    (where its minimiser does not fit, the walk starts there); ``walked``: set to the
+    largest multiplier whose minimiser did not fit, where the walk ran."""
     t0 = time.monotonic()
     base = [np.asarray(c, dtype=float) for c in costs]
     usage = [np.asarray(u, dtype=float) for u in usages]
@@ -417,9 +420,18 @@ def minimise(
                 memo[lam] = got
         return got
 
-    a = at(0.0)
-    if fits(a):
-        return a, "optimal"
+    # a multiplier a step like this one walked to (``guess``): where its minimiser does
+    # not fit, neither does the one at 0 (a minimiser's usage only falls as the multiplier
+    # grows), so that elimination is saved and the walk starts nearer its end
+    lo, a = 0.0, None
+    if guess and limit is not None and (memo is None or 0.0 not in memo):
+        g = at(guess)
+        if not fits(g):
+            lo, a = guess, g
+    if a is None:
+        a = at(0.0)
+        if fits(a):
+            return a, "optimal"
     assert limit is not None
     if sum(float(u.min()) for u in usage) > limit:
         return None, "infeasible"
@@ -444,13 +456,13 @@ def minimise(
             c += float(edges_flat[edge_off + x[eu] * dv + x[ev]].sum())
         return c, float(usage_flat[picked].sum())
 
-    lo, below = 0.0, a  # below: the minimiser at lo, which does not fit
+    below = a  # the minimiser at lo, which does not fit
     # Minimisers known at other multipliers (a memory fit's earlier rounds, at other limits):
     # along the multiplier their usage only falls, so the last that does not fit and the
     # first that does bracket the walk as its own eliminations would have
     known = None
     for lam in sorted(memo or ()):
-        if lam > 0.0:
+        if lam > lo:
             if fits(memo[lam]):
                 known = lam, memo[lam]
                 break
@@ -505,6 +517,8 @@ def minimise(
             best, hi, c_hi, u_hi = a, mid, c_a, u_a
         else:
             lo, c_lo, u_lo = mid, c_a, u_a
+    if walked is not None:
+        walked[:] = [lo]
     return best, "feasible"
 
 

@@ -85,6 +85,7 @@ class _Steps:
             self.groups.append(groups)
         self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
         self.orders: dict[tuple[int, ...], list[int] | None] = {}
+        self.walked: dict[int, float] = {}  # by axis: the multiplier its last walk reached
         self.all_live = all(e > s for s, e in p.intervals)  # at the one instant, if one
         self.declined = 0  # steps too wide to eliminate (or not of the one-instant form)
 
@@ -135,10 +136,14 @@ class _Steps:
             memo = self.hulls[(k, key)] = {}
         # the current point, in the step's own indices: where it fits, the Lagrangian walk
         # starts from it (elimination.minimise)
+        walked: list[float] = []
         here = np.array([int(np.searchsorted(al, s)) for al, s in zip(allowed, cur.tolist())])
         a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
                              max(0.1, deadline - time.monotonic()), memo,
-                             start=here if p.usage_limit is not None else None)
+                             start=here if p.usage_limit is not None else None,
+                             guess=self.walked.get(k), walked=walked)
+        if walked:
+            self.walked[k] = walked[0]
         if a is None:
             return None, False
         return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"
