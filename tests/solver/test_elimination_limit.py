@@ -108,3 +108,28 @@ def test_minimisers_kept_from_other_limits_give_the_same_answer(seed):
         if fresh is not None:
             assert fits(kept)
             assert cost(kept) == pytest.approx(cost(fresh), rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_multiplier_tried_first_gives_the_same_answer(seed):
+    """The multiplier another step's walk reached, tried first: where its minimiser does not
+    fit the walk starts there (none at 0 fits either), where it fits it brackets the walk;
+    either way the answer is the plain walk's, and ``walked`` reports where it got to."""
+    n, d, edges, ecosts, costs, usages, limit, cost, usage = _parts(seed)
+    order = greedy_order(edges, [d] * n, 1e7)
+
+    def fits(x):
+        return usage(x) <= limit
+
+    plain, s1 = minimise([d] * n, edges, ecosts, costs, usages, limit, order, fits, 10.0)
+    for guess in (1e-3, 0.1, 0.5, 1.0, 3.0, 30.0):
+        walked: list = []
+        a, s2 = minimise([d] * n, edges, ecosts, costs, usages, limit, order, fits, 10.0,
+                         guess=guess, walked=walked)
+        assert s1 == s2
+        assert (a is None) == (plain is None)
+        if a is not None:
+            assert fits(a)
+            assert cost(a) == pytest.approx(cost(plain), rel=1e-12, abs=1e-12)
+        if s2 == "feasible":
+            assert len(walked) == 1 and walked[0] >= 0.0
