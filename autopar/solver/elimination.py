@@ -138,8 +138,10 @@ def order_size(edges: list[tuple[int, int]], dom: list[int], order: list[int]
 def _min_fill_order(edges: list[tuple[int, int]], dom: list[int]) -> list[int]:
     """Weighted min-fill: repeatedly the node whose elimination adds the least new table
     (the domain products of its neighbour pairs not yet joined), then the smallest factor,
-    then the lowest-numbered. Only the neighbours of the eliminated node and theirs change
-    score."""
+    then the lowest-numbered. Eliminating a node joins its neighbours: their own scores
+    change, and the fill of a node beyond them only where two of its neighbours are among
+    them (no other node's neighbours or their links change), so only those are scored again;
+    the least score is kept in a heap (entries gone stale skipped as they come up)."""
     n = len(dom)
     nbrs = _neighbours(edges, n)
 
@@ -149,22 +151,27 @@ def _min_fill_order(edges: list[tuple[int, int]], dom: list[int]) -> list[int]:
                    if b not in nbrs[a])
         return fill, dom[x] * math.prod(dom[y] for y in ys), x
 
-    scores = {x: score(x) for x in range(n)}
+    scores = [score(x) for x in range(n)]
+    heap = list(scores)
+    heapq.heapify(heap)
+    alive = [True] * n
     order = []
-    while scores:
-        best = min(scores.values())[2]
+    while heap:
+        entry = heapq.heappop(heap)
+        best = entry[2]
+        if not alive[best] or entry != scores[best]:
+            continue
         order.append(best)
-        del scores[best]
-        touched = set(nbrs[best])
-        for y in nbrs[best]:
+        alive[best] = False
+        joined = nbrs[best]
+        for y in joined:
             nbrs[y].discard(best)
-            nbrs[y] |= nbrs[best] - {y}
-        for y in list(touched):
-            touched |= nbrs[y]
+            nbrs[y] |= joined - {y}
         nbrs[best] = set()
-        for y in touched:
-            if y in scores:
-                scores[y] = score(y)
+        beyond = {z for y in joined for z in nbrs[y]} - joined
+        for y in (*joined, *(z for z in beyond if len(nbrs[z] & joined) >= 2)):
+            scores[y] = score(y)
+            heapq.heappush(heap, scores[y])
     return order
 
 
@@ -364,7 +371,8 @@ def minimise(
     dom: list[int], edges: list[tuple[int, int]], edge_costs: list[np.ndarray],
     costs: list[np.ndarray], usages: list[np.ndarray], limit: float | None,
     order: list[int], fits: Callable[[np.ndarray], bool], timeout_s: float,
-    memo: dict[float, np.ndarray] | None = None,
+    memo: dict[float, np.ndarray] | None = None, start: np.ndarray | None = None,
+    guess: float | None = None, walked: list[float] | None = None,
 ) -> tuple[np.ndarray | None, str]:
     """:func:`solve_by_elimination` on a problem given by its parts (no :class:`Problem` is
     built: the axis sweep calls this thousands of times) and an elimination ``order``;
@@ -372,7 +380,11 @@ def minimise(
     ``optimal``, ``feasible`` (Lagrangian, fits), or ``(None, "infeasible")`` /
     ``(None, "timeout")``. ``memo``: the minimiser at each multiplier, kept for these costs
     and usages (whatever the limit): solved again at another limit (a memory fit's retry),
-    the walk asks for the same multipliers until the two limits part."""
+    the walk asks for the same multipliers until the two limits part. ``start``: a point
+    known to fit (an axis step's current point); the walk down the hull starts from it
+    instead of bracketing the multiplier (see below). ``guess``: a multiplier to try first
+    (where its minimiser does not fit, the walk starts there); ``walked``: set to the
+    largest multiplier whose minimiser did not fit, where the walk ran."""
     t0 = time.monotonic()
     base = [np.asarray(c, dtype=float) for c in costs]
     usage = [np.asarray(u, dtype=float) for u in usages]
@@ -408,29 +420,80 @@ def minimise(
                 memo[lam] = got
         return got
 
-    a = at(0.0)
-    if fits(a):
-        return a, "optimal"
+    # a multiplier a step like this one walked to (``guess``): where its minimiser does
+    # not fit, neither does the one at 0 (a minimiser's usage only falls as the multiplier
+    # grows), so that elimination is saved and the walk starts nearer its end
+    lo, a = 0.0, None
+    if guess and limit is not None and (memo is None or 0.0 not in memo):
+        g = at(guess)
+        if not fits(g):
+            lo, a = guess, g
+    if a is None:
+        a = at(0.0)
+        if fits(a):
+            return a, "optimal"
     assert limit is not None
     if sum(float(u.min()) for u in usage) > limit:
         return None, "infeasible"
-    scale = max(max(float(c.max()) for c in base), 1e-30) / max(
-        max(float(u.max()) for u in usage), 1e-30)
-    lo, hi = 0.0, scale
-    best, below = None, a  # below: the minimiser at lo, which does not fit
-    while best is None and time.monotonic() - t0 < timeout_s:  # find a lambda that fits
-        a = at(hi)
-        if fits(a):
-            best = a
-        else:
-            lo, hi, below = hi, hi * 10, a
-    if best is None:
-        return None, "timeout"
+
+    where: list[np.ndarray] = []  # laid out on first use (a walk prices a few points)
 
     def cost_and_usage(x: np.ndarray) -> tuple[float, float]:
-        c = sum(float(b[k]) for b, k in zip(base, x.tolist()))
-        c += sum(float(m[x[u], x[v]]) for (u, v), m in zip(edges, edge_costs))
-        return c, sum(float(w[k]) for w, k in zip(usage, x.tolist()))
+        if not where:
+            node_off = np.cumsum([0, *dom[:-1]], dtype=np.int64)
+            eu = np.array([u for u, _ in edges], dtype=np.int64)
+            ev = np.array([v for _, v in edges], dtype=np.int64)
+            dv = np.array([dom[v] for _, v in edges], dtype=np.int64)
+            edge_off = np.cumsum([0, *(dom[u] * dom[v] for u, v in edges)][:-1],
+                                 dtype=np.int64)
+            where.extend((node_off, eu, ev, dv, edge_off, _flat(base), _flat(usage),
+                          _flat(edge_costs)))
+        node_off, eu, ev, dv, edge_off, costs_flat, usage_flat, edges_flat = where
+        x = np.asarray(x, dtype=np.int64)
+        picked = node_off + x
+        c = float(costs_flat[picked].sum())
+        if len(eu):
+            c += float(edges_flat[edge_off + x[eu] * dv + x[ev]].sum())
+        return c, float(usage_flat[picked].sum())
+
+    below = a  # the minimiser at lo, which does not fit
+    # Minimisers known at other multipliers (a memory fit's earlier rounds, at other limits):
+    # along the multiplier their usage only falls, so the last that does not fit and the
+    # first that does bracket the walk as its own eliminations would have
+    known = None
+    for lam in sorted(memo or ()):
+        if lam > lo:
+            if fits(memo[lam]):
+                known = lam, memo[lam]
+                break
+            lo, below = lam, memo[lam]
+    fitting_start = start is not None and fits(start)
+    if fitting_start and (known is None
+                          or cost_and_usage(start)[0] < cost_and_usage(known[1])[0]):
+        # A point that fits brackets the walk as a minimiser that fits would (at an infinite
+        # multiplier): every point of the problem, this one too, lies on or above the lower
+        # hull, so where it is not on the hull the walk's first multiplier finds a point
+        # strictly below its line, and from there the walk is the usual one; where it is,
+        # it is as good as the hull point the usual walk returns. The bracket's eliminations
+        # (one to three) are saved, and an axis step that cannot improve on its current
+        # point (a third of them under a memory limit) ends after one or two more.
+        best, hi = start, math.inf
+    elif known is not None:
+        hi, best = known
+    else:
+        scale = max(max(float(c.max()) for c in base), 1e-30) / max(
+            max(float(u.max()) for u in usage), 1e-30)
+        hi, best = scale, None
+        while hi <= lo:  # past a minimiser known not to fit
+            hi *= 10
+        while best is None and time.monotonic() - t0 < timeout_s:  # a lambda that fits
+            a = at(hi)
+            if fits(a):
+                best = a
+            else:
+                lo, hi, below = hi, hi * 10, a
+        if best is None:
+            return None, "timeout"
 
     # Down to the smallest lambda that still fits, along the lower hull of (usage, cost): the
     # minimisers at lo (does not fit) and hi (fits) cost the same at the lambda where their
@@ -454,6 +517,8 @@ def minimise(
             best, hi, c_hi, u_hi = a, mid, c_a, u_a
         else:
             lo, c_lo, u_lo = mid, c_a, u_a
+    if walked is not None:
+        walked[:] = [lo]
     return best, "feasible"
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from autopar.passes.problem.types import ShardingProblem
 from autopar.solver.elimination import cached_order, minimise
 from autopar.solver.problem import Problem, Solution, evaluate
+from autopar.solver.problem import fits as fits_limit
 
 
 def _axis_components(sp: ShardingProblem) -> list[np.ndarray]:
@@ -84,7 +85,8 @@ class _Steps:
             self.groups.append(groups)
         self.memo: dict[tuple, tuple[np.ndarray | None, bool]] = {}
         self.orders: dict[tuple[int, ...], list[int] | None] = {}
-        self.live = [e > s for s, e in p.intervals]
+        self.walked: dict[int, float] = {}  # by axis: the multiplier its last walk reached
+        self.all_live = all(e > s for s, e in p.intervals)  # at the one instant, if one
         self.declined = 0  # steps too wide to eliminate (or not of the one-instant form)
 
     def step(self, k: int, cur: np.ndarray, deadline: float) -> tuple[np.ndarray | None, bool]:
@@ -94,10 +96,10 @@ class _Steps:
         key = (k, *(int(codes[v][s]) for v, s in enumerate(cur.tolist())))
         got = self.memo.get(key)
         if got is None:
-            got = self.memo[key] = self._solve(k, key[1:], deadline)
+            got = self.memo[key] = self._solve(k, key[1:], deadline, cur)
         return got
 
-    def _solve(self, k: int, key: tuple[int, ...], deadline: float
+    def _solve(self, k: int, key: tuple[int, ...], deadline: float, cur: np.ndarray
                ) -> tuple[np.ndarray | None, bool]:
         p = self.p
         allowed = [g[c] for g, c in zip(self.groups[k], key)]
@@ -110,8 +112,15 @@ class _Steps:
             # too wide, or not the one-instant form elimination handles
             self.declined += 1
             return None, False
-        costs = [c[a] for c, a in zip(p.costs, allowed)]
         usages = [u[a] for u, a in zip(p.usages, allowed)]
+        least = sum(float(u.min()) for u in usages)
+        if p.usage_limit is not None and self.all_live and not fits_limit(
+                least - 1e-9 * abs(least), p.usage_limit):
+            # every node live at the one instant, each at its leanest choice of the step,
+            # already overflows the limit: no point of the step fits (what elimination
+            # finds after its first table, with the step's program and pruning made first)
+            return None, False
+        costs = [c[a] for c, a in zip(p.costs, allowed)]
         ecosts = [m.take(allowed[u], 0).take(allowed[v], 1)  # as m[np.ix_(...)], faster
                   for (u, v), m in zip(p.edges, p.edge_costs)]
 
@@ -125,8 +134,16 @@ class _Steps:
             if len(self.hulls) > _MAX_HULL_STEPS:
                 self.hulls.clear()
             memo = self.hulls[(k, key)] = {}
+        # the current point, in the step's own indices: where it fits, the Lagrangian walk
+        # starts from it (elimination.minimise)
+        walked: list[float] = []
+        here = np.array([int(np.searchsorted(al, s)) for al, s in zip(allowed, cur.tolist())])
         a, status = minimise(dom, p.edges, ecosts, costs, usages, p.usage_limit, order, fits,
-                             max(0.1, deadline - time.monotonic()), memo)
+                             max(0.1, deadline - time.monotonic()), memo,
+                             start=here if p.usage_limit is not None else None,
+                             guess=self.walked.get(k), walked=walked)
+        if walked:
+            self.walked[k] = walked[0]
         if a is None:
             return None, False
         return np.array([al[s] for al, s in zip(allowed, a.tolist())]), status == "optimal"

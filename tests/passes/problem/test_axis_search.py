@@ -135,3 +135,48 @@ def test_kept_axis_classes_and_programs_change_no_answer():
     assert [c.tolist() for c in comps] == [c.tolist() for c in fresh]
     for got in (warm, again):
         assert got.assignment == cold.assignment and got.cost == cold.cost
+
+
+def test_a_step_no_point_of_which_fits_is_answered_without_eliminating(monkeypatch):
+    """Where every node at its leanest choice of an axis step already overflows the limit
+    (every node live at the one instant), the step finds nothing, and says so before any
+    order, program or table is made for it; the other steps are solved as before."""
+    import itertools
+
+    from autopar.passes.problem import axis_search
+    from autopar.passes.problem.axis_search import _Steps
+
+    rng = np.random.default_rng(3)
+    n, d = 4, 3  # 3 rules on each of 2 axes: 9 strategies a node
+    comp = np.array(list(itertools.product(range(d), range(d))))
+    comp.setflags(write=False)
+    edges = [(i, i + 1) for i in range(n - 1)]
+    costs = [rng.random(d * d) for _ in range(n)]
+    usages = [rng.random(d * d) for _ in range(n)]
+    ecosts = [rng.random((d * d, d * d)) for _ in edges]
+    calls = []
+    real = axis_search.minimise
+    monkeypatch.setattr(axis_search, "minimise", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lean = sum(float(u.min()) for u in usages)
+    answered = solved = 0
+    for limit in (lean * 1.05, lean * 1.3):
+        p = Problem(costs, usages, [(0, 1)] * n, edges, ecosts, limit)
+        for k in range(2):
+            for cls in itertools.product(range(d), repeat=n):
+                calls.clear()
+                steps = _Steps(p, [comp] * n)
+                cur = np.array([int(np.nonzero(steps.codes[k][v] == c)[0][0])
+                                for v, c in enumerate(cls)])
+                got, _ = steps.step(k, cur, time.monotonic() + 10)
+                allowed = [steps.groups[k][v][c] for v, c in enumerate(cls)]
+                fitting = [x for x in itertools.product(*allowed)
+                           if evaluate(p, list(x))[1]]
+                if not fitting:
+                    assert got is None
+                    if sum(float(u[a].min()) for u, a in zip(usages, allowed)) > limit * 1.001:
+                        assert not calls  # answered before any elimination
+                        answered += 1
+                else:
+                    assert got is not None and evaluate(p, got)[1]
+                    solved += 1
+    assert answered and solved  # both kinds of step met
