@@ -275,11 +275,14 @@ def make_plan(
         """The first mode's plan with no limit, where its plan under the limit does not
         fit: the other modes start from the layout that is fastest with no limit (the
         solver alone, from the leanest start, can stall far from it under a tight limit:
-        llama3-70b dp=8,tp=8 b64 found a plan 4x slower)."""
+        llama3-70b dp=8,tp=8 b64 found a plan 4x slower). Planned after the first mode
+        (where it is not forked beside it), its problem is built with the first's strategy
+        lists and price caches, as the other modes' are: caches only, the same problem."""
         mine, spent = _own_view(dl, MIN_MODE_S), dict.fromkeys(timings, 0.0)
         got = _plan_mode(pg, mesh, candidates[0], None, {},
                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1,
-                                 deadline=mine), True, spent, shown=False)
+                                 deadline=mine), True, spent, shown=False,
+                         prices_of=next(iter(runs.values())).sp if runs else None)
         return portable(got), mine.cuts, spent
 
     # the workers the modes are planned on: only cores idle now (one busy elsewhere would

@@ -137,10 +137,15 @@ def score(sp: ShardingProblem, choice: list[int]) -> Scored:
     reference beside a tensor-parallel plan on the same axis)."""
     from autopar.passes.problem.scoring import score_assignment
 
+    key = tuple(choice)
+    hit = sp.score_cache.get(key)
+    if hit is not None:  # the same (read-only) score: sp.bucket_fill is not read below
+        return hit
     old = sp.bucket_fill
     sp.bucket_fill = measure(sp, choice, gathers=True)  # scoring reads no cached edge matrix
     try:
-        return score_assignment(sp, choice)
+        got = sp.score_cache[key] = score_assignment(sp, choice)
+        return got
     finally:
         sp.bucket_fill = old
 
