@@ -24,6 +24,7 @@ from autopar.passes.cost import cost_model as cm
 from autopar.passes.memory import zero
 from autopar.passes.memory.peak import live_intervals, own_storage, peak_memory
 from autopar.passes.problem import stage_boundary
+from autopar.passes.problem.edge_costs import matrix_cache
 from autopar.passes.problem.reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.problem.types import Edge, ShardingProblem
 from autopar.passes.strategies.random import WHOLE_DRAW
@@ -116,6 +117,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     if sp.microbatches > 1:
         mark_once_per_step(sp)
     stage_boundary.apply(sp, pg)  # a pipeline stage's pinned inputs and priced outputs
+    sp.matrix_cache = matrix_cache(sp)  # (its prices fixed: the other modes' matrices)
     sp.peak_time = _replicated_peak(sp)
     merge_followers(sp, memory_budget)
     sp.share_layers = share_layers
