@@ -169,6 +169,7 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
             mat = np.where(mat >= FORBIDDEN, mat, mat / sp.microbatches)
         # the entry holds the two lists: their ids are not reused while it lives (the
         # cache may be shared by the problems built with these lists, :func:`matrix_cache`)
+        mat.flags.writeable = False  # shared: its readers make new arrays of it
         sp.matrix_cache[key] = (mat, src_list, dst_list)
     return mat if rows is None else mat[rows]
 
