@@ -50,7 +50,8 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     idx = {n: i for i, n in enumerate(nodes)}
     # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
     # once and shared (the same list object), which also lets edge matrices be cached; a
-    # problem on this mesh (prices_of: the planner's other modes) lends its lists, by offload
+    # problem on this mesh (prices_of: the planner's other modes) lends its lists (with their
+    # node costs, usages and edge matrices), and without one the mesh's are used (on_mesh)
     lent = getattr(prices_of, "strategy_lists", None) if prices_of is not None \
         and prices_of.mesh is mesh else None
     lent = lent if lent is not None else on_mesh(mesh)
