@@ -37,7 +37,7 @@ def portable(run: Any) -> Any:
     out = copy.copy(run)
     sp = copy.copy(run.sp)
     sp.nodes = [n.name for n in run.sp.nodes]
-    for name in (*_SHARED_CACHES, "matrix_cache"):
+    for name in (*_SHARED_CACHES, "matrix_cache", "score_cache", "peak_cache"):
         setattr(sp, name, {})
     if hasattr(sp, _LENT):
         setattr(sp, _LENT, {})

@@ -168,10 +168,9 @@ def least_need(pg: PlanGraph, mesh: Mesh, memory: MemoryOptions, limit: float | 
     for mode in reversed(candidate_modes(memory.recompute, memory.zero, held)):
         mpg = mode_graph(pg, mode)
         graphs.setdefault(tuple(mpg.recomputed.items()), mpg)
-    cache: dict = {}  # strategy lists, shared by the modes' graphs
     least = float("inf")
-    for mpg in graphs.values():
-        least = min(least, least_peak(mpg, mesh, offload, cache))
+    for mpg in graphs.values():  # (the strategy lists: the mesh's, which its problems share)
+        least = min(least, least_peak(mpg, mesh, offload))
         if fits_budget(least, limit):
             return None
     return least

@@ -40,7 +40,6 @@ from autopar.ir.precision import Precision
 from autopar.passes.cost import cost_model as cm
 from autopar.passes.cost.buckets import first_bucket_bytes
 from autopar.passes.memory import zero as zero_mod
-from autopar.passes.memory.peak import peak_memory
 from autopar.passes.problem import bucket_fill, sharding_problem, zero_stages
 from autopar.passes.problem.axis_search import (
     solve_axiswise,
@@ -51,7 +50,7 @@ from autopar.passes.problem.data_parallel import data_parallel_assignment
 from autopar.passes.problem.edge_costs import edge_collectives
 from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
-from autopar.passes.problem.step_memory import step_usage
+from autopar.passes.problem.step_memory import step_peak
 from autopar.passes.problem.types import ShardingProblem
 from autopar.planning import used_in_place
 from autopar.planning.explain import explain_node
@@ -275,11 +274,14 @@ def make_plan(
         """The first mode's plan with no limit, where its plan under the limit does not
         fit: the other modes start from the layout that is fastest with no limit (the
         solver alone, from the leanest start, can stall far from it under a tight limit:
-        llama3-70b dp=8,tp=8 b64 found a plan 4x slower)."""
+        llama3-70b dp=8,tp=8 b64 found a plan 4x slower). Planned after the first mode
+        (where it is not forked beside it), its problem is built with the first's strategy
+        lists and price caches, as the other modes' are: caches only, the same problem."""
         mine, spent = _own_view(dl, MIN_MODE_S), dict.fromkeys(timings, 0.0)
         got = _plan_mode(pg, mesh, candidates[0], None, {},
                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1,
-                                 deadline=mine), True, spent, shown=False)
+                                 deadline=mine), True, spent, shown=False,
+                         prices_of=next(iter(runs.values())).sp if runs else None)
         return portable(got), mine.cuts, spent
 
     # the workers the modes are planned on: only cores idle now (one busy elsewhere would
@@ -446,7 +448,7 @@ def _limit_not_binding(run: _ModeRun, time_limit_s: float, restarts: int = 16,
             # data parallelism, cheaper by the full score than what the search found: that
             # the sweeps move from it says nothing of the limit unless the point they reach
             # overflows it (a plan the memory fit bound is a sweep's end, as above)
-            peak = peak_memory(*step_usage(sp, sp.expand(free.assignment)))[0]
+            peak = step_peak(sp, sp.expand(free.assignment))[0]
             return fits_budget(peak, limit)
     return True
 
@@ -844,7 +846,7 @@ def _solve_within_budget(
     for _ in range(4):
         choice = sp.expand(sol.assignment)
         # the whole step's peak, as the plan reports it (reshard copies, gathers included)
-        peak, instant = peak_memory(*step_usage(sp, choice))
+        peak, instant = step_peak(sp, choice)
         if fits_budget(peak, budget):
             return sol
         if deadline is not None and deadline.expired() and not must_fit:
@@ -884,11 +886,11 @@ def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solut
     fit's rounds can run out, or be cut by the time limit, on a plan that still overshoots,
     and "no plan found" must not be the answer where the leanest layouts fit."""
     assert sp.problem is not None
-    if sol.feasible and fits_budget(peak_memory(*step_usage(sp, sp.expand(sol.assignment)))[0],
+    if sol.feasible and fits_budget(step_peak(sp, sp.expand(sol.assignment))[0],
                               budget):
         return sol
     lean = tuple(int(np.argmin(u)) for u in sp.problem.usages)
-    if not fits_budget(peak_memory(*step_usage(sp, sp.expand(lean)))[0], budget):
+    if not fits_budget(step_peak(sp, sp.expand(lean))[0], budget):
         return sol
     cost, _, used = evaluate(sp.problem, lean)
     return Solution(lean, float(cost), True, "feasible", sol.time_s, "leanest layout", None,

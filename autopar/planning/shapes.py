@@ -27,6 +27,10 @@ What keeps it short (plan times: ``benchmarks/RESULTS.md``, "Planning time"):
   smallest layout, :func:`autopar.planning.modes.least_need`) is over the memory limit, it
   fails at once, as planning it would (the bound is below every plan's peak);
 - the shapes are planned on forked processes, one per core (:mod:`autopar.planning.parallel_map`);
+- nothing is worked out twice for one shape: its memory bound, its modes' problems and the
+  plan with no limit share the mesh's strategy lists, node costs and usages
+  (:func:`autopar.passes.problem.sharding_problem.on_mesh`), and a choice's full score and
+  step peak are kept per problem (they read no solver prices);
 - inside each shape's planning, a solve whose memory limit no assignment can fit is answered
   at once (:func:`autopar.solver.problem.cannot_fit`). No shape is skipped by a lower bound on
   its step: the valid ones (each op's cheapest compute, spread evenly, a microbatch's chain

@@ -40,7 +40,13 @@ from autopar.passes.cost.buckets import (
     gather_move,
     sync_groups,
 )
-from autopar.passes.problem.edge_costs import edge_meta, gather_unit, is_param_gather, sync_target
+from autopar.passes.problem.edge_costs import (
+    edge_meta,
+    gather_unit,
+    is_param_gather,
+    matrix_cache,
+    sync_target,
+)
 from autopar.passes.problem.reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.problem.types import ShardingProblem
 
@@ -137,10 +143,15 @@ def score(sp: ShardingProblem, choice: list[int]) -> Scored:
     reference beside a tensor-parallel plan on the same axis)."""
     from autopar.passes.problem.scoring import score_assignment
 
+    key = tuple(choice)
+    hit = sp.score_cache.get(key)
+    if hit is not None:  # the same (read-only) score: sp.bucket_fill is not read below
+        return hit
     old = sp.bucket_fill
     sp.bucket_fill = measure(sp, choice, gathers=True)  # scoring reads no cached edge matrix
     try:
-        return score_assignment(sp, choice)
+        got = sp.score_cache[key] = score_assignment(sp, choice)
+        return got
     finally:
         sp.bucket_fill = old
 
@@ -161,4 +172,4 @@ def _rebuild(sp: ShardingProblem, memory_budget: float | None) -> None:
 
 def _set(sp: ShardingProblem, fills: dict[tuple, float]) -> None:
     sp.bucket_fill = fills
-    sp.matrix_cache.clear()  # edge matrices hold the old prices
+    sp.matrix_cache = matrix_cache(sp)  # edge matrices at the new prices

@@ -150,7 +150,8 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
     src_list, dst_list = sp.strategies[e.src], sp.strategies[e.dst]
     kind = _kind(sp, e)
     key = (id(src_list), e.out_idx, id(dst_list), e.in_idx, meta, kind, e.written, e.once)
-    mat = sp.matrix_cache.get(key)
+    hit = sp.matrix_cache.get(key)
+    mat = hit[0] if hit is not None else None
     if mat is None:
         src_specs, dst_specs = edge_specs(sp, e)
         uniq_src = list(dict.fromkeys(src_specs))
@@ -166,5 +167,21 @@ def edge_matrix(sp: ShardingProblem, e: Edge, rows: np.ndarray | None = None) ->
         mat = table[np.ix_(si, di)]
         if e.once and sp.microbatches > 1:  # weighed against one microbatch's work
             mat = np.where(mat >= FORBIDDEN, mat, mat / sp.microbatches)
-        sp.matrix_cache[key] = mat
+        # the entry holds the two lists: their ids are not reused while it lives (the
+        # cache may be shared by the problems built with these lists, :func:`matrix_cache`)
+        mat.flags.writeable = False  # shared: its readers make new arrays of it
+        sp.matrix_cache[key] = (mat, src_list, dst_list)
     return mat if rows is None else mat[rows]
+
+
+def matrix_cache(sp: ShardingProblem) -> dict:
+    """The edge matrices at ``sp``'s prices, shared by every problem built with the same
+    strategy lists (``sp.strategy_lists``, sharding_problem.build's lent lists: the planner's
+    modes on one mesh) at the same bucket fills, ZeRO-1 choice and microbatches, which are
+    what a matrix's price depends on beyond its key; a private one where nothing is lent."""
+    lent = getattr(sp, "strategy_lists", None)
+    if lent is None:
+        return {}
+    key = ("edge matrices", frozenset(sp.bucket_fill.items()), sp.zero1, sp.microbatches,
+           sp.grad_dtype)
+    return lent.setdefault(key, {})

@@ -25,7 +25,6 @@ from autopar.passes.cost.buckets import (
     sync_groups,
 )
 from autopar.passes.cost.overlap import Segment, overlapped_step
-from autopar.passes.memory.peak import peak_memory
 from autopar.passes.problem import stage_boundary
 from autopar.passes.problem.edge_costs import (
     edge_collectives,
@@ -35,7 +34,7 @@ from autopar.passes.problem.edge_costs import (
     sync_target,
 )
 from autopar.passes.problem.sharding_problem import in_op_collectives
-from autopar.passes.problem.step_memory import step_usage
+from autopar.passes.problem.step_memory import step_peak
 from autopar.passes.problem.types import Edge, ShardingProblem
 
 
@@ -171,7 +170,7 @@ def score_assignment(sp: ShardingProblem, choice: list[int]) -> Scored:
     # buckets) and keeps a producer that a moved view does not alias (benchmarks/memory.py:
     # within 10% of the measured peak on every combination with them, 3 of 21 outside
     # without)
-    mem, _ = peak_memory(*step_usage(sp, choice))
+    mem, _ = step_peak(sp, choice)
     collectives = [
         CollectiveUse(kind, axis, int(round(v[0])), float(v[1]), float(v[2]), reason)
         for (kind, axis, reason), v in sorted(agg.items(), key=lambda kv: -kv[1][2])

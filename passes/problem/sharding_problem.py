@@ -24,6 +24,7 @@ from autopar.passes.cost import cost_model as cm
 from autopar.passes.memory import zero
 from autopar.passes.memory.peak import live_intervals, own_storage, peak_memory
 from autopar.passes.problem import stage_boundary
+from autopar.passes.problem.edge_costs import matrix_cache
 from autopar.passes.problem.reduction import assign_variables, merge_followers, reduced_problem
 from autopar.passes.problem.types import Edge, ShardingProblem
 from autopar.passes.strategies.random import WHOLE_DRAW
@@ -49,11 +50,12 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     idx = {n: i for i, n in enumerate(nodes)}
     # repeated layers repeat the same ops on the same shapes: their strategy lists are computed
     # once and shared (the same list object), which also lets edge matrices be cached; a
-    # problem on this mesh (prices_of: the planner's other modes) lends its lists, by offload
+    # problem on this mesh (prices_of: the planner's other modes) lends its lists (with their
+    # node costs, usages and edge matrices), and without one the mesh's are used (on_mesh)
     lent = getattr(prices_of, "strategy_lists", None) if prices_of is not None \
         and prices_of.mesh is mesh else None
-    lent = lent if lent is not None else {}
-    strategies, missing = strategy_lists(nodes, mesh, offload, lent.setdefault(offload, {}))
+    lent = lent if lent is not None else on_mesh(mesh)
+    strategies, missing = strategy_lists(nodes, mesh, offload, lent.setdefault("lists", {}))
 
     edges: list[Edge] = []
     for n in nodes:
@@ -83,13 +85,16 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     if pg.precision is not None and pg.precision.mixed and pg.precision.reduce != "fp32":
         sp.grad_dtype = pg.precision.reduce_dtype
     sp.loss_scaling = pg.precision is not None and pg.precision.loss_scaling
-    cost_cache: dict = {}
+    # per strategy list, op and FLOPs, as the lists are shared: by every problem built with
+    # these lists (the planner's modes), each entry holding its list so that its id stays
+    # its own
+    cost_cache: dict = lent.setdefault(("node costs",), {})
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]
         key = (id(strategies[i]), f.op, f.flops)
         if key not in cost_cache:
-            cost_cache[key] = _node_costs(n, strategies[i], mesh)
-        sp.node_cost.append(cost_cache[key])
+            cost_cache[key] = (strategies[i], _node_costs(n, strategies[i], mesh))
+        sp.node_cost.append(cost_cache[key][1])
     sp.loss_index = loss_i = by_name[pg.loss_node]
     loss_meta = nodes[loss_i].meta["autopar"].out
     # the loss is reported whole on every rank: a partial loss pays its (deferred) all-reduce
@@ -97,7 +102,7 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
         [sum(c.time_s for c in cm.loss_collectives(loss_meta, s.outs[0], mesh))
          for s in strategies[loss_i]]
     )
-    sp.usage = node_usages(pg, nodes, strategies, mesh)
+    sp.usage = node_usages(pg, nodes, strategies, mesh, lent.setdefault(("usages",), {}))
     sp.live = live_intervals(nodes)
     if pg.proxy is not None:
         # a traced middle layer stands for several real ones: weigh its costs (its memory is
@@ -113,12 +118,29 @@ def build(pg: PlanGraph, mesh: Mesh, memory_budget: float | None = None,
     if sp.microbatches > 1:
         mark_once_per_step(sp)
     stage_boundary.apply(sp, pg)  # a pipeline stage's pinned inputs and priced outputs
+    sp.matrix_cache = matrix_cache(sp)  # (its prices fixed: the other modes' matrices)
     sp.peak_time = _replicated_peak(sp)
     merge_followers(sp, memory_budget)
     sp.share_layers = share_layers
     assign_variables(sp, share_layers)
     sp.problem = reduced_problem(sp, memory_budget)
     return sp
+
+
+# the strategy lists (with their costs and usages) of the mesh built on last: a planner
+# bounds and builds on one mesh many times in a row (planning.modes.least_need's bound, then
+# each mode's problem; a mesh-shape search, shape after shape). Lists are keyed by op, shapes
+# and values, so any graph on an equal mesh may share them; one mesh's only, so the memory
+# they hold stays one planning call's
+_ON_MESH: list = [None, {}]
+
+
+def on_mesh(mesh: Mesh) -> dict:
+    """What builds on ``mesh`` (or an equal one) share: ``"lists"``, the strategy lists by
+    :func:`_strategy_key`; the costs and usages computed per list (:func:`build`)."""
+    if _ON_MESH[0] != mesh:
+        _ON_MESH[:] = [mesh, {}]
+    return _ON_MESH[1]
 
 
 def problem_nodes(pg: PlanGraph) -> list[fx.Node]:
@@ -129,12 +151,15 @@ def problem_nodes(pg: PlanGraph) -> list[fx.Node]:
 def strategy_lists(nodes: list[fx.Node], mesh: Mesh, offload: str, cache: dict
                    ) -> tuple[list[list[Strategy]], dict[str, int]]:
     """Every node's strategies on ``mesh`` (one list object per distinct op, shapes and
-    values, kept in ``cache``), and the ops with no rule (planned replicated), counted."""
+    values, kept in ``cache``; a placeholder's also per ``offload``), and the ops with no rule
+    (planned replicated), counted."""
     strategies: list[list[Strategy]] = []
     missing: dict[str, int] = {}
     for n in nodes:
         facts: NodeFacts = n.meta["autopar"]
         key = _strategy_key(n)
+        if key is not None and n.op == "placeholder":
+            key = (*key, offload)
         hit = cache.get(key) if key is not None else None
         if hit is None:
             if n.op == "placeholder":
@@ -155,25 +180,26 @@ def strategy_lists(nodes: list[fx.Node], mesh: Mesh, offload: str, cache: dict
 
 
 def node_usages(pg: PlanGraph, nodes: list[fx.Node], strategies: list[list[Strategy]],
-                mesh: Mesh) -> list[np.ndarray]:
+                mesh: Mesh, usage_cache: dict | None = None) -> list[np.ndarray]:
     """Bytes per device each node holds under each of its strategies. Under a depth proxy a
     traced middle layer stands for several real ones: the memory each of them holds at once
     is weighed (its parameters, gradients and the activations kept for the backward, live
     across the forward's end); what a layer frees before the next one runs (its transients,
     forward or backward) is held by one layer at a time. A pipeline stage's stand-in
     (depth_proxy.stage_representative) also holds each kept activation once per microbatch
-    in flight."""
+    in flight. ``usage_cache``: kept across calls with the same strategy lists on ``mesh``
+    (:func:`build`'s lent lists)."""
     usage: list[np.ndarray] = []
     # like the costs, per strategy list and outputs: a model's repeated layers repeat them
-    usage_cache: dict = {}
+    usage_cache = usage_cache if usage_cache is not None else {}
     for i, n in enumerate(nodes):
         f = n.meta["autopar"]
         key = (id(strategies[i]), f.role, f.op,
                tuple(None if m is None else (m.nbytes, m.numel) for m in f.outputs),
                own_storage(n), _read_outputs(n))
-        if key not in usage_cache:
-            usage_cache[key] = _usage(n, strategies[i], mesh)
-        usage.append(usage_cache[key])
+        if key not in usage_cache:  # (each entry holds its list: its id stays its own)
+            usage_cache[key] = (strategies[i], _usage(n, strategies[i], mesh))
+        usage.append(usage_cache[key][1])
     if pg.proxy is None:
         return usage
     live = live_intervals(nodes)
@@ -201,10 +227,13 @@ def least_peak(pg: PlanGraph, mesh: Mesh, offload: str = "none",
     to alias a copy of its input (then no view keeps its input alive). A plan's step peak
     (:func:`autopar.passes.problem.step_memory.step_usage`) holds each node's own usage over
     an interval that contains that one, plus buffers of its own; so no plan peaks lower.
-    ``cache``: strategy lists by op, as :func:`strategy_lists` keeps them."""
+    ``cache``: strategy lists by op, as :func:`strategy_lists` keeps them (None: those of
+    :func:`on_mesh`, which the problems built on ``mesh`` then share)."""
     nodes = problem_nodes(pg)
-    strategies, _ = strategy_lists(nodes, mesh, offload, cache if cache is not None else {})
-    usage = node_usages(pg, nodes, strategies, mesh)
+    shared = on_mesh(mesh) if cache is None else {}
+    strategies, _ = strategy_lists(nodes, mesh, offload,
+                                   cache if cache is not None else shared.setdefault("lists", {}))
+    usage = node_usages(pg, nodes, strategies, mesh, shared.setdefault(("usages",), {}))
     least = []
     for n, u, strats in zip(nodes, usage, strategies):
         pin = pg.pins.get(n.name)

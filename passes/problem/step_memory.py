@@ -15,11 +15,22 @@ from autopar.ir.placements import Replicate, Shard
 from autopar.passes.cost.buckets import GradSync, first_bucket_bytes, gather_move, sync_groups
 from autopar.passes.cost.cost_model import VIEW_OPS, activation_bytes
 from autopar.passes.cost.reshard_route import route
-from autopar.passes.memory.peak import live_intervals, own_storage
+from autopar.passes.memory.peak import live_intervals, own_storage, peak_memory
 from autopar.passes.problem.edge_costs import gather_unit, is_param_gather, sync_target
 
 if TYPE_CHECKING:
     from autopar.passes.problem.types import ShardingProblem
+
+
+def step_peak(sp: ShardingProblem, choice: list[int]) -> tuple[float, int]:
+    """``peak_memory(*step_usage(sp, choice))``: the step's peak and its instant, kept per
+    problem. It depends on the choice and on what the build fixed, not on the solver's prices,
+    and one plan's peak is asked for by its memory fit, its scoring and its repricing."""
+    key = tuple(choice)
+    hit = sp.peak_cache.get(key)
+    if hit is None:
+        hit = sp.peak_cache[key] = peak_memory(*step_usage(sp, choice))
+    return hit
 
 
 def step_usage(sp: ShardingProblem, choice: list[int], once: set[int] | None = None

@@ -50,6 +50,12 @@ class ShardingProblem:
     # spec -> int, the ids the caches are keyed by: reset or share the four together
     spec_ids: dict = field(default_factory=dict, repr=False)
     matrix_cache: dict = field(default_factory=dict, repr=False)
+    # a choice (tuple) -> its full score (problem/bucket_fill.score): that score depends on
+    # the choice and on what the build fixed, not on the solver's prices, and a mode's plan,
+    # its refinement and its references are scored again round after round
+    score_cache: dict = field(default_factory=dict, repr=False)
+    # a choice (tuple) -> the step's peak and its instant (problem/step_memory.step_peak)
+    peak_cache: dict = field(default_factory=dict, repr=False)
     # (bucket kind, axes, dtype) -> bytes its gradient buckets hold, where a solution found
     # them under-full (problem/bucket_fill.py); absent: full buckets
     bucket_fill: dict = field(default_factory=dict)

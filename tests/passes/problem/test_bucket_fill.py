@@ -112,3 +112,28 @@ def test_a_reference_completion_is_repriced_when_another_plan_wins() -> None:
                                planned.reference_choices["megatron_tp"], "MLP", mesh,
                                SolverInfo("reference", 0.0, "megatron_tp"), {}, {}, None)
     assert _kinds(SimpleNamespace(plan=completion)) == [("all_reduce", "resharding", 3)]
+
+
+def test_a_kept_score_and_peak_are_those_worked_out_afresh_at_any_prices() -> None:
+    """``bucket_fill.score`` and ``step_memory.step_peak`` keep each choice's answer on its
+    problem: neither reads the solver's prices, so after the problem is repriced (its bucket
+    fills changed) the kept answer is still the one worked out afresh."""
+    from autopar.passes.memory.peak import peak_memory
+    from autopar.passes.problem.step_memory import step_peak, step_usage
+
+    planned = _mlp_plan("tp", "megatron_tp")
+    sp = planned.problem
+    rng = np.random.default_rng(1)
+    choices = [planned.node_choice] + [
+        sp.expand(tuple(int(rng.integers(len(c))) for c in sp.problem.costs)) for _ in range(4)]
+    kept = [(bucket_fill.score(sp, c), step_peak(sp, c)) for c in choices]
+    assert bucket_fill.score(sp, choices[0]) is kept[0][0]  # kept, not worked out again
+    for fills in ({}, {k: v / 7 for k, v in sp.bucket_fill.items()}, dict(sp.bucket_fill)):
+        bucket_fill.apply(sp, fills, None)
+        for c, (scored, peak) in zip(choices, kept):
+            again = bucket_fill.score(sp, c)
+            sp.score_cache.clear()
+            sp.peak_cache.clear()
+            assert again.cost == bucket_fill.score(sp, c).cost == scored.cost
+            assert sp.bucket_fill == fills  # scoring leaves the solver's prices as they were
+            assert step_peak(sp, c) == peak == peak_memory(*step_usage(sp, c))

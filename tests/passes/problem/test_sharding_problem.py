@@ -259,25 +259,41 @@ def _same_problem(a, b):
 @pytest.mark.parametrize("mesh", [Mesh((2, 4), ("dp", "tp")), Mesh((16, 8), ("dp", "tp"))])
 def test_problems_lent_prices_by_another_mode_are_the_problems_built_alone(mesh):
     """The planner's modes build their problems on one mesh with the first's caches
-    (``prices_of``: strategy lists, move prices, whole resharding tables); each must be the
-    problem built alone, edge for edge, also once its bucket fills change (a repricing)."""
+    (``prices_of``: strategy lists, move prices, whole resharding tables, edge matrices at
+    equal prices) and the mesh's (``on_mesh``: lists, node costs and usages); each must be the
+    problem built alone, with nothing shared, edge for edge, also once its bucket fills
+    change (a repricing, which moves a problem to the matrices of its new prices)."""
+    from autopar.passes.problem import bucket_fill
     from autopar.planning.modes import mode_graph
 
     pg, first = _problem("llama3-tiny", mesh, batch=16)
     for label, zero1 in (("full+zero3", False), ("selective", False), ("none", True)):
         mpg = mode_graph(pg, label)
         lent = sharding_problem.build(mpg, mesh, zero1=zero1, prices_of=first)
-        alone = sharding_problem.build(mpg, mesh, zero1=zero1)
+        alone = _built_alone(mpg, mesh, zero1=zero1)
         assert lent.table_cache is first.table_cache and alone.table_cache is not lent.table_cache
+        assert lent.strategies[0] is first.strategies[0]
+        assert alone.strategies[0] is not first.strategies[0]
         _same_problem(lent, alone)
         fills = {k: v / 3 for k, v in _fills(lent).items()}  # buckets found a third full
         assert fills
         for sp in (lent, alone):
-            sp.bucket_fill = dict(fills)
-            sp.matrix_cache.clear()
-        alone.table_cache.clear()  # priced afresh at the new fills
+            bucket_fill.apply(sp, dict(fills), None)
         _same_problem(lent, alone)
+        # back at the build's prices: the matrices shared with the other modes, unchanged
+        bucket_fill.apply(lent, {}, None)
+        _same_problem(lent, _built_alone(mpg, mesh, zero1=zero1))
     assert first.table_cache  # tables were lent
+
+
+def _built_alone(pg, mesh, **kw):
+    """``pg``'s problem built with no cache shared: no other mode's, nor the mesh's."""
+    saved = sharding_problem._ON_MESH[:]
+    sharding_problem._ON_MESH[:] = [None, {}]
+    try:
+        return sharding_problem.build(pg, mesh, **kw)
+    finally:
+        sharding_problem._ON_MESH[:] = saved
 
 
 def _fills(sp):
