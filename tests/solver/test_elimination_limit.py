@@ -21,8 +21,7 @@ def _problem(seed: int):
     return n, d, edges, ecosts, costs, usages, limit
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_limit_answer_is_the_cheapest_fitting_lagrangian_minimiser(seed):
+def _parts(seed: int):
     n, d, edges, ecosts, costs, usages, limit = _problem(seed)
 
     def cost(a):
@@ -32,6 +31,12 @@ def test_limit_answer_is_the_cheapest_fitting_lagrangian_minimiser(seed):
     def usage(a):
         return sum(w[k] for w, k in zip(usages, a))
 
+    return n, d, edges, ecosts, costs, usages, limit, cost, usage
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_limit_answer_is_the_cheapest_fitting_lagrangian_minimiser(seed):
+    n, d, edges, ecosts, costs, usages, limit, cost, usage = _parts(seed)
     a, status = minimise([d] * n, edges, ecosts, costs, usages, limit,
                          greedy_order(edges, [d] * n, 1e7), lambda x: usage(x) <= limit, 10.0)
     assert a is not None and usage(a) <= limit
@@ -48,19 +53,6 @@ def test_limit_answer_is_the_cheapest_fitting_lagrangian_minimiser(seed):
         x = min(everything, key=lambda y: cost(y) + lam * usage(y))
         if usage(x) <= limit:
             assert best <= cost(x) + 1e-9, (lam, cost(x), best)
-
-
-def _parts(seed: int):
-    n, d, edges, ecosts, costs, usages, limit = _problem(seed)
-
-    def cost(a):
-        return sum(c[k] for c, k in zip(costs, a)) + sum(
-            m[a[u], a[v]] for (u, v), m in zip(edges, ecosts))
-
-    def usage(a):
-        return sum(w[k] for w, k in zip(usages, a))
-
-    return n, d, edges, ecosts, costs, usages, limit, cost, usage
 
 
 @pytest.mark.parametrize("seed", range(40))
