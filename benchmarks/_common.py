@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 
 
 def machine() -> str:
@@ -23,7 +24,9 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def update_results(section: str, body: str, path: str = "benchmarks/RESULTS.md") -> None:
-    """Replace (or append) the ``## section`` of RESULTS.md, leaving the others alone."""
+    """Replace (or append) the text of RESULTS.md's ``## section`` up to its first heading
+    of any level: its subsections (the measurements before, and why they moved) and the other
+    sections stay as they are."""
     text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
     head = f"## {section}\n"
     start = text.find(head)
@@ -31,7 +34,7 @@ def update_results(section: str, body: str, path: str = "benchmarks/RESULTS.md")
     if start < 0:
         text = text.rstrip() + "\n\n" + new
     else:
-        end = text.find("\n## ", start + len(head))
-        text = text[:start] + new + (text[end + 1:] if end >= 0 else "")
+        nxt = re.compile(r"^#{1,6} ", re.M).search(text, start + len(head))
+        text = text[:start] + new + (text[nxt.start():] if nxt else "")
     with open(path, "w") as f:
         f.write(text.rstrip() + "\n")
