@@ -294,6 +294,16 @@ class _Fit:
 
 
 @dataclass(frozen=True)
+class _Fastest:
+    """:class:`_Fit`'s arrays for any chunk (no range masked), and the first submesh's memory."""
+
+    time: np.ndarray
+    sub: np.ndarray
+    mem: np.ndarray
+    mem0: np.ndarray
+
+
+@dataclass(frozen=True)
 class CostArrays:
     """A cost function tabulated on one submesh: :class:`StageCost`'s three figures of every
     range ``[i, j)`` at ``[i, j]`` (``(L+1, L+1)`` arrays; only ``i < j`` is read)."""
@@ -332,17 +342,33 @@ class _CostTable:
         # chunk k of n may hold layers [i, j) only with room for the chunks around it
         i, j = np.indices((L + 1, L + 1))
         self._i, self._j, self._L = i, j, L
+        self._fastest: dict[tuple[float, float], _Fastest] = {}
 
     def _allowed(self, k: int, n: int) -> np.ndarray:
         i, j, L = self._i, self._j, self._L
         return (i >= k) & (i <= L - n + k) & (j > i) & (j <= L - n + k + 1)
 
     def best_fitting(self, held: float, cap: float, k: int, n: int) -> _Fit:
+        fit = self._fastest_fitting(held, cap)
+        allowed = self._allowed(k, n)
+        # where the range cannot be this chunk, as if nothing fit: inf, the first submesh
+        return _Fit(np.where(allowed, fit.time, math.inf), np.where(allowed, fit.sub, 0),
+                    np.where(allowed, fit.mem, fit.mem0))
+
+    def _fastest_fitting(self, held: float, cap: float) -> _Fastest:
+        """Per range, its fastest submesh that fits ``cap`` holding ``held`` microbatches (any
+        chunk: :meth:`best_fitting` masks the ranges a chunk may hold), kept per count: the
+        chunks of a schedule often hold the same, and this is most of a split's work."""
+        hit = self._fastest.get((held, cap))
+        if hit is not None:
+            return hit
         mem = self.memory + held * self.act
-        time = np.where((mem <= cap) & self._allowed(k, n)[None], self.time, math.inf)
+        time = np.where(mem <= cap, self.time, math.inf)
         sub = np.argmin(time, axis=0)  # ties: the first submesh
         pick = np.take_along_axis
-        return _Fit(pick(time, sub[None], 0)[0], sub, pick(mem, sub[None], 0)[0])
+        got = self._fastest[(held, cap)] = _Fastest(pick(time, sub[None], 0)[0], sub,
+                                                    pick(mem, sub[None], 0)[0], mem[0])
+        return got
 
     def chunk_memory(self, s: int, i: int, j: int, held: float) -> float:
         """Layers ``[i, j)`` on submesh ``s`` holding ``held`` microbatches: their memory."""
