@@ -267,6 +267,8 @@ def _spend_rank_memory(sched: PipelineSchedule, table: _CostTable, held: Sequenc
             for cand in grown:  # ascending memory: keep each that is faster than all before
                 if not front or cand[1] < front[-1][1]:
                     front.append(cand)
+        if not front:  # the chunks' own sum over the limit by rounding (each within limit/v)
+            continue
         own_time = sum(float(table.time[subs[k], ranges[k][0], ranges[k][1]]) for k in mine)
         fastest = front[-1]  # the front's last is its fastest
         if fastest[1] < own_time * (1 - 1e-12):
