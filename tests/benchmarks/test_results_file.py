@@ -3,12 +3,14 @@ text and keeps the subsections under it (the measurements before, and why they m
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from _common import update_results  # noqa: E402
+_spec = importlib.util.spec_from_file_location(
+    "bench_common", Path(__file__).resolve().parents[2] / "benchmarks" / "_common.py")
+_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_common)
+update_results = _common.update_results
 
 
 def test_a_write_keeps_the_subsections_and_the_other_sections(tmp_path):
