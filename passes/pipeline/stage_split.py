@@ -185,7 +185,7 @@ def split_stages(
         subs = [int(best[k].sub[r]) for k, r in enumerate(ranges)]
         if v > 1 and len(submeshes) > 1 and math.isfinite(memory_limit):
             subs = _spend_rank_memory(sched, table, held, ranges, subs, memory_limit)
-        splits.append(_split(sched, table, held, submeshes, ranges, subs, m))
+        splits.append(_split(sched, table, held, submeshes, ranges, subs))
     if refine > 1:
         # the formula ranks; the schedule's replay decides among the few best
         steps = [step_and_bubble(sched, sp.stage_times(forward_share))[0] for sp in splits]
@@ -225,8 +225,8 @@ def _sweep(best, n: int, L: int, m: int, v: int, keep: int, lower_sum: float):
 
 
 def _split(sched: PipelineSchedule, table: _CostTable, held: Sequence[float],
-           submeshes: Sequence[Any], ranges: list[tuple[int, int]], subs: Sequence[int],
-           m: int) -> StageSplit:
+           submeshes: Sequence[Any], ranges: list[tuple[int, int]], subs: Sequence[int]
+           ) -> StageSplit:
     times = [float(table.time[s, i, j]) for (i, j), s in zip(ranges, subs)]
     mems = [table.chunk_memory(s, i, j, held[k]) for k, ((i, j), s) in
             enumerate(zip(ranges, subs))]
@@ -239,7 +239,7 @@ def _split(sched: PipelineSchedule, table: _CostTable, held: Sequence[float],
         time_s=tuple(times),
         memory_bytes=tuple(mems),
         rank_memory_bytes=tuple(per_rank),
-        objective_s=objective(times, m, sched.v),
+        objective_s=objective(times, sched.m, sched.v),
         schedule=sched,
     )
 
@@ -296,16 +296,6 @@ class _Fit:
 
 
 @dataclass(frozen=True)
-class _Fastest:
-    """:class:`_Fit`'s arrays for any chunk (no range masked), and the first submesh's memory."""
-
-    time: np.ndarray
-    sub: np.ndarray
-    mem: np.ndarray
-    mem0: np.ndarray
-
-
-@dataclass(frozen=True)
 class CostArrays:
     """A cost function tabulated on one submesh: :class:`StageCost`'s three figures of every
     range ``[i, j)`` at ``[i, j]`` (``(L+1, L+1)`` arrays; only ``i < j`` is read)."""
@@ -344,23 +334,24 @@ class _CostTable:
         # chunk k of n may hold layers [i, j) only with room for the chunks around it
         i, j = np.indices((L + 1, L + 1))
         self._i, self._j, self._L = i, j, L
-        self._fastest: dict[tuple[float, float], _Fastest] = {}
+        self._fastest: dict[tuple[float, float], tuple[_Fit, np.ndarray]] = {}
 
     def _allowed(self, k: int, n: int) -> np.ndarray:
         i, j, L = self._i, self._j, self._L
         return (i >= k) & (i <= L - n + k) & (j > i) & (j <= L - n + k + 1)
 
     def best_fitting(self, held: float, cap: float, k: int, n: int) -> _Fit:
-        fit = self._fastest_fitting(held, cap)
+        fit, first_mem = self._fastest_fitting(held, cap)
         allowed = self._allowed(k, n)
         # where the range cannot be this chunk, as if nothing fit: inf, the first submesh
         return _Fit(np.where(allowed, fit.time, math.inf), np.where(allowed, fit.sub, 0),
-                    np.where(allowed, fit.mem, fit.mem0))
+                    np.where(allowed, fit.mem, first_mem))
 
-    def _fastest_fitting(self, held: float, cap: float) -> _Fastest:
+    def _fastest_fitting(self, held: float, cap: float) -> tuple[_Fit, np.ndarray]:
         """Per range, its fastest submesh that fits ``cap`` holding ``held`` microbatches (any
         chunk: :meth:`best_fitting` masks the ranges a chunk may hold), kept per count: the
-        chunks of a schedule often hold the same, and this is most of a split's work."""
+        chunks of a schedule often hold the same, and this is most of a split's work); and
+        the first submesh's memory of every range."""
         hit = self._fastest.get((held, cap))
         if hit is not None:
             return hit
@@ -368,8 +359,8 @@ class _CostTable:
         time = np.where(mem <= cap, self.time, math.inf)
         sub = np.argmin(time, axis=0)  # ties: the first submesh
         pick = np.take_along_axis
-        got = self._fastest[(held, cap)] = _Fastest(pick(time, sub[None], 0)[0], sub,
-                                                    pick(mem, sub[None], 0)[0], mem[0])
+        got = self._fastest[(held, cap)] = (
+            _Fit(pick(time, sub[None], 0)[0], sub, pick(mem, sub[None], 0)[0]), mem[0])
         return got
 
     def chunk_memory(self, s: int, i: int, j: int, held: float) -> float:
