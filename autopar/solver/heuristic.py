@@ -44,6 +44,13 @@ _MIN_LNS_SIZE = 20  # neighbourhoods shrink to no fewer free nodes than this
 # first guess, then what this process's builds took (``_learn_build_rate``). Measured on the
 # 2-core machine: 0.9-2.7e-5 under load (models of 8-70 thousand variables).
 _build_s_per_var = 1.5e-5
+# CP-SAT seconds per model variable that were not enough for an LNS step to return any
+# solution at all, not even its complete hint (status UNKNOWN): the most generous such share
+# this process has seen (0: none yet). A step offered no more per variable would end so too:
+# moe-tiny's planner polishes spent 0.5-0.9 s on each such step (20-33 nodes, tens of
+# thousands of variables) and every one returned nothing, a third of the case's time.
+_futile_s_per_var = 0.0
+FUTILE_MARGIN = 2.0  # a step is tried only with this many times that share per variable
 
 
 def _capped(q: Problem, forbid: float) -> Problem:
@@ -310,14 +317,18 @@ class LocalSearch:
         before = self.cost()
         lex = before >= self.forbid
         n_vars = self.model_vars(free, lex)
-        if n_vars * _build_s_per_var > time_limit:
-            fit = int(len(free) * time_limit / (n_vars * _build_s_per_var))
+        # the model must be built in time, and CP-SAT offered FUTILE_MARGIN times what a step
+        # that returned nothing was per variable (building first: its seconds are not CP-SAT's)
+        need = n_vars * max(_build_s_per_var, FUTILE_MARGIN * _futile_s_per_var)
+        if need > time_limit:
+            fit = int(len(free) * time_limit / need)
             return False, False, -max(1, min(fit, len(free) - 1))
         cap = ilp.capacity_profile(q, free, self.a)
         t0 = time.monotonic()
         sm = ilp.build(q, free, self.a, cap, edges_of=self.inc, forbid=self.forbid, lex=lex)
         _learn_build_rate(time.monotonic() - t0, n_vars)
         st, sub, _ = ilp.solve_sub(sm, time_limit, workers, seed, self.a)
+        _learn_futile_rate(time_limit, n_vars, sub is None and st == ilp.cp_model.UNKNOWN)
         if sub is None:
             return False, False, len(free)
         old = self.a[free].copy()
@@ -337,6 +348,16 @@ def _learn_build_rate(seconds: float, n_vars: int) -> None:
     global _build_s_per_var
     if n_vars >= 1000:
         _build_s_per_var += 0.5 * (seconds / n_vars - _build_s_per_var)
+
+
+def _learn_futile_rate(seconds: float, n_vars: int, nothing: bool) -> None:
+    """``seconds`` of CP-SAT on a model of ``n_vars`` variables returned ``nothing`` (not even
+    the hint), or a solution: the futile share rises to the first's, and stays below the
+    second's (a loaded moment's failure does not shut out what later got done)."""
+    global _futile_s_per_var
+    share = seconds / max(1, n_vars)
+    _futile_s_per_var = (max(_futile_s_per_var, share) if nothing
+                         else min(_futile_s_per_var, share / FUTILE_MARGIN))
 
 
 def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool,

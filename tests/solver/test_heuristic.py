@@ -147,3 +147,27 @@ def test_lns_step_declines_a_model_it_could_not_build_in_time(monkeypatch) -> No
     res = run_heuristic(p, t + 3.0, workers=1)
     assert evaluate(p, res.assignment)[1]
     assert time.monotonic() - t < 3.0
+
+
+def test_lns_step_declines_a_model_cpsat_could_not_start_in_as_much_time(monkeypatch) -> None:
+    import autopar.solver.heuristic as heuristic
+
+    p = random_problem(5, 60, k=4)
+    ls = LocalSearch(p, seed=0)
+    ls.greedy()
+    before = ls.a.copy()
+    monkeypatch.setattr(heuristic, "_build_s_per_var", 1e-9)  # building is not what limits
+    # a step that returned nothing at 0.01 s per variable: a 30-node model offered less than
+    # twice that per variable is not built, and the size that would be is returned
+    monkeypatch.setattr(heuristic, "_futile_s_per_var", 0.01)
+    least = 30 * min(len(c) for c in p.costs)  # variables of any 30-node model, at least
+    improved, optimal, got = ls.lns_step(30, 0.019 * least, 1, 0)
+    assert got < 0 and not improved and not optimal and 1 <= -got < 30
+    assert np.array_equal(ls.a, before)
+    # what is learnt: the most generous share that returned nothing, and below what worked
+    monkeypatch.setattr(heuristic, "_futile_s_per_var", 0.0)
+    heuristic._learn_futile_rate(1.0, 1000, nothing=True)
+    heuristic._learn_futile_rate(0.5, 1000, nothing=True)
+    assert heuristic._futile_s_per_var == 1e-3
+    heuristic._learn_futile_rate(1.0, 2000, nothing=False)  # 5e-4 per variable sufficed
+    assert heuristic._futile_s_per_var == 5e-4 / heuristic.FUTILE_MARGIN
