@@ -52,7 +52,7 @@ from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.scoring import score_assignment
 from autopar.passes.problem.step_memory import step_peak
 from autopar.passes.problem.types import ShardingProblem
-from autopar.planning import used_in_place
+from autopar.planning import solve_memo, used_in_place
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.mode_jobs import per_worker_share, portable, restored
@@ -158,6 +158,15 @@ def make_plan(
                             options=Options.of(memory_budget=40 * 2**30, recompute="full"))
         print(plan_table(planned.plan))
     """
+    with solve_memo.remembering():  # modes that build one problem solve it once
+        return _make_plan(model, mesh, example_inputs, example_kwargs, loss_fn, options,
+                          references, model_name, graph)
+
+
+def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwargs: dict | None,
+               loss_fn: Callable | None, options: Options | None,
+               references: dict[str, Any] | None, model_name: str, graph: PlanGraph | None
+               ) -> Planned:
     # the whole call's time limit starts now (or is the calling search's: autopar.ir.deadline)
     options = (options if options is not None else Options()).with_deadline()
     mem, search = options.memory, options.search
@@ -236,34 +245,57 @@ def make_plan(
         floor = MIN_SOLVE_S if any(r.fits for r in runs.values()) else MIN_MODE_S
         prices_of = next(iter(runs.values())).sp
         dl.phase(f"planning modes {', '.join(m.label for m, _ in jobs)}")
+        # each mode's problem built here, before forking: modes whose problems are the same
+        # are planned on one worker one after another, the later ones answered by the first's
+        # remembered solves (solve_memo), and every worker starts with the prices these
+        # builds made (a worker's own new prices die with it)
+        t1 = time.perf_counter()
+        built = [sharding_problem.build(mpg, mesh, limit, offload=stored,
+                                        zero1=mode.whole_grads, prices_of=prices_of)
+                 for mode, mpg in jobs]
+        timings["build_s"] += time.perf_counter() - t1
+        same: dict[bytes, list[int]] = {}
+        for k, sp in enumerate(built):
+            assert sp.problem is not None
+            same.setdefault(solve_memo.content_key(sp.problem), []).append(k)
+        batches = list(same.values())
+        workers = min(workers, len(batches))
 
         # while no plan fits, the leanest modes (the last: they recompute and re-gather the
         # most) start first, with the largest shares: they are the likeliest to fit, and
         # where only they fit, the search for a plan that does is theirs (the
         # encoder-decoder at 0.35 of its peak: full+zero3+offload alone fits, 6 s of CPU)
-        order = list(range(len(jobs)))
+        order = list(range(len(batches)))
         if not any(r.fits for r in runs.values()):
             order.reverse()
 
-        def job(p: int) -> tuple[_ModeRun | None, list[str], dict[str, float]]:
-            mode, mpg = jobs[order[p]]
+        def job(p: int) -> tuple[list[_ModeRun | None], list[str], dict[str, float]]:
             mine, spent = _own_view(dl, floor), dict.fromkeys(timings, 0.0)
-            if _out_of_time(mine, runs, f"mode {mode.label} not tried"):
-                return None, mine.cuts, spent
-            of = per_worker_share(p, len(jobs), more, workers)
-            share = replace(search, workers=1, deadline=mine, time_limit_s=min(
-                search.time_limit_s, max(MIN_MODE_S, mine.left() / of)))
-            got = _plan_mode(pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, True,
-                             spent, seed=seeds[0] if seeds else None, offload=stored,
-                             prices_of=prices_of, mpg=mpg, shown=False)
-            return portable(got), mine.cuts, spent
+            got: list[_ModeRun | None] = []
+            for k in batches[order[p]]:
+                mode, mpg = jobs[k]
+                if _out_of_time(mine, runs, f"mode {mode.label} not tried"):
+                    got.append(None)
+                    continue
+                # a batch shares its worker's time as one mode: those after its first are
+                # answered from memory unless their whole step's memory differs
+                of = per_worker_share(p, len(batches), more, workers)
+                share = replace(search, workers=1, deadline=mine, time_limit_s=min(
+                    search.time_limit_s, max(MIN_MODE_S, mine.left() / of)))
+                got.append(portable(_plan_mode(
+                    pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, True, spent,
+                    seed=seeds[0] if seeds else None, offload=stored, prices_of=prices_of,
+                    mpg=mpg, shown=False, sp=built[k])))
+            return got, mine.cuts, spent
 
-        done = dict(zip(order, forked_map(job, range(len(jobs)), workers)))
-        for k, (mode, mpg) in enumerate(jobs):  # in the modes' order, as one process's
-            got, cuts, spent = done[k]
+        done: dict[int, _ModeRun | None] = {}
+        for p, (got, cuts, spent) in enumerate(forked_map(job, range(len(batches)), workers)):
             _merge(dl, timings, cuts, spent)
-            if got is not None:
-                runs[mode] = restored(got, mpg, mesh, prices_of)
+            done.update(zip(batches[order[p]], got))
+        for k, (mode, mpg) in enumerate(jobs):  # in the modes' order, as one process's
+            run_k = done[k]
+            if run_k is not None:
+                runs[mode] = restored(run_k, mpg, mesh, prices_of)
                 if runs[mode].fits:
                     dl.found(runs[mode].step_s)
 
@@ -492,22 +524,24 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                timings: dict[str, float], seed: _ModeRun | None = None,
                offload: str = "none", prices_of: ShardingProblem | None = None,
                shown: bool = True, mpg: PlanGraph | None = None,
-               must_fit: bool = False) -> _ModeRun:
+               must_fit: bool = False, sp: ShardingProblem | None = None) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode, within ``search``'s
     time limit, margin and workers. ``seed``: another mode's plan, a start for the solver
     (its placements, each copy as its original). ``offload``: whether parameters may keep
     their optimizer state on the host (:func:`autopar.passes.problem.sharding_problem.build`).
     ``shown``: a plan that fits is shown as the best so far (not the no-limit plan that only
-    seeds the other modes). ``mpg``: the mode's graph, where already made. ``must_fit``: the first
+    seeds the other modes). ``mpg``: the mode's graph, where already made; ``sp``: its problem,
+    where already built (as here, from ``prices_of``). ``must_fit``: the first
     mode planned, with no plan at hand yet: its memory fit goes on past the deadline (the
     other modes' stop there, falling back to the leanest layout where that fits)."""
     time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
     dl = search.deadline if search.deadline is not None else Deadline(time_limit_s)
     mpg = mpg if mpg is not None else mode_graph(pg, mode)
     t1 = time.perf_counter()
-    sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=mode.whole_grads,
-                                prices_of=prices_of)
+    if sp is None:
+        sp = sharding_problem.build(mpg, mesh, limit, offload=offload, zero1=mode.whole_grads,
+                                    prices_of=prices_of)
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
@@ -900,6 +934,16 @@ def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solut
 def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
                      hints: list, t0: float, local_polish: bool = False,
                      restarts: int = 16) -> Solution:
+    """:func:`_search_once`, or its answer to the same problem from the same starts earlier
+    in this planning call (:mod:`autopar.planning.solve_memo`)."""
+    return solve_memo.solved(
+        problem, hints, (local_polish, restarts), time_limit_s,
+        lambda: _search_once(sp, problem, time_limit_s, hints, t0, local_polish, restarts))
+
+
+def _search_once(sp: ShardingProblem, problem: Problem, time_limit_s: float,
+                  hints: list, t0: float, local_polish: bool = False,
+                  restarts: int = 16) -> Solution:
     """:func:`planner_solve`, then, where it found nothing that fits a memory limit, the
     general solver for the time left. ``local_polish``: a memory fit's retry, which starts
     from a solution that nearly fits, is polished by local moves, not CP-SAT (under a memory
