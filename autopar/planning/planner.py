@@ -58,7 +58,7 @@ from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
 from autopar.planning.parallel_map import Ahead, forked_map, usable_workers
-from autopar.solver import Problem, Solution, evaluate, solve
+from autopar.solver import Problem, Solution, evaluate, heuristic, solve
 from autopar.solver.problem import cannot_fit, restrict
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
@@ -269,7 +269,8 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
         if not any(r.fits for r in runs.values()):
             order.reverse()
 
-        def job(p: int) -> tuple[list[_ModeRun | None], list[str], dict[str, float]]:
+        def job(p: int) -> tuple[list[_ModeRun | None], list[str], dict[str, float],
+                                 tuple[float, float]]:
             mine, spent = _own_view(dl, floor), dict.fromkeys(timings, 0.0)
             got: list[_ModeRun | None] = []
             for k in batches[order[p]]:
@@ -286,11 +287,11 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
                     pg, mesh, mode, limit, refs_by_mode.get(mode, {}), share, True, spent,
                     seed=seeds[0] if seeds else None, offload=stored, prices_of=prices_of,
                     mpg=mpg, shown=False, sp=built[k])))
-            return got, mine.cuts, spent
+            return got, mine.cuts, spent, heuristic.learned_rates()
 
         done: dict[int, _ModeRun | None] = {}
-        for p, (got, cuts, spent) in enumerate(forked_map(job, range(len(batches)), workers)):
-            _merge(dl, timings, cuts, spent)
+        for p, (got, *rest) in enumerate(forked_map(job, range(len(batches)), workers)):
+            _merge(dl, timings, *rest)
             done.update(zip(batches[order[p]], got))
         for k, (mode, mpg) in enumerate(jobs):  # in the modes' order, as one process's
             run_k = done[k]
@@ -302,7 +303,7 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
     held = pg.proxy is not None and pg.proxy.microbatches > 1  # a pipeline stage's stand-in
     candidates = candidate_modes(mem.recompute, mem.zero, held)
 
-    def free_plan() -> tuple[_ModeRun, list[str], dict[str, float]]:
+    def free_plan() -> tuple[_ModeRun, list[str], dict[str, float], tuple[float, float]]:
         """The first mode's plan with no limit, where its plan under the limit does not
         fit: the other modes start from the layout that is fastest with no limit (the
         solver alone, from the leanest start, can stall far from it under a tight limit:
@@ -314,7 +315,7 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1,
                                  deadline=mine), True, spent, shown=False,
                          prices_of=next(iter(runs.values())).sp if runs else None)
-        return portable(got), mine.cuts, spent
+        return portable(got), mine.cuts, spent, heuristic.learned_rates()
 
     # the workers the modes are planned on: only cores idle now (one busy elsewhere would
     # only be split, and the clock-bound solves do less)
@@ -335,8 +336,8 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
             ahead.cancel()
     elif ahead is not None:
         # (its limit is half the call's; past the whole call's and a minute it is lost)
-        free, cuts, spent = ahead.get(search.time_limit_s + 60)
-        _merge(dl, timings, cuts, spent)
+        free, *rest = ahead.get(search.time_limit_s + 60)
+        _merge(dl, timings, *rest)
         free = restored(free, first.pg, mesh, None)
         if free.choice is not None:
             seeds.append(free)
@@ -434,12 +435,15 @@ def _own_view(dl: Deadline, floor: float) -> Deadline:
 
 
 def _merge(dl: Deadline, timings: dict[str, float], cuts: list[str],
-           spent: dict[str, float]) -> None:
-    """A job planned apart: its cuts noted on the call's deadline, its time in the call's."""
+           spent: dict[str, float], rates: tuple[float, float] | None = None) -> None:
+    """A job planned apart: its cuts noted on the call's deadline, its time in the call's,
+    what its solver learnt of CP-SAT's steps taken here (the next forks start with it)."""
     for what in cuts:
         dl.cut(what)
     for name, s in spent.items():
         timings[name] += s
+    if rates is not None:
+        heuristic.adopt_rates(rates)
 
 
 def _out_of_time(dl: Deadline, runs: dict[Mode, _ModeRun], what: str) -> bool:

@@ -360,6 +360,21 @@ def _learn_futile_rate(seconds: float, n_vars: int, nothing: bool) -> None:
                          else min(_futile_s_per_var, share / FUTILE_MARGIN))
 
 
+def learned_rates() -> tuple[float, float]:
+    """What this process has learnt of CP-SAT's steps (the build rate, the futile share), for
+    a process that forked this one to take back (:func:`adopt_rates`)."""
+    return _build_s_per_var, _futile_s_per_var
+
+
+def adopt_rates(rates: tuple[float, float]) -> None:
+    """Take what a forked worker learnt (:func:`learned_rates`): its build rate, measured
+    later, and the more generous futile share of the two (each worker learns it anew
+    otherwise, each at the price of one step that returns nothing)."""
+    global _build_s_per_var, _futile_s_per_var
+    _build_s_per_var = rates[0]
+    _futile_s_per_var = max(_futile_s_per_var, rates[1])
+
+
 def _unit_search(ls: LocalSearch, until: float, seed: int, workers: int, log: bool,
                  settle_until: float = -math.inf) -> float:
     """Run ``unitsearch`` from ``ls``'s plan until ``until`` (and past it until

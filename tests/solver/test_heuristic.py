@@ -171,3 +171,14 @@ def test_lns_step_declines_a_model_cpsat_could_not_start_in_as_much_time(monkeyp
     assert heuristic._futile_s_per_var == 1e-3
     heuristic._learn_futile_rate(1.0, 2000, nothing=False)  # 5e-4 per variable sufficed
     assert heuristic._futile_s_per_var == 5e-4 / heuristic.FUTILE_MARGIN
+
+
+def test_a_forked_workers_rates_are_taken_back(monkeypatch) -> None:
+    import autopar.solver.heuristic as heuristic
+
+    monkeypatch.setattr(heuristic, "_build_s_per_var", 1e-5)
+    monkeypatch.setattr(heuristic, "_futile_s_per_var", 2e-5)
+    heuristic.adopt_rates((3e-5, 1e-5))  # the worker's later build rate, the larger futile
+    assert heuristic.learned_rates() == (3e-5, 2e-5)
+    heuristic.adopt_rates((3e-5, 4e-5))
+    assert heuristic.learned_rates() == (3e-5, 4e-5)
