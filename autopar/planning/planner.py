@@ -66,17 +66,13 @@ REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradien
 POLISH_S = 2.0
 # the local moves' budget in a reference completion's polish (they stop sooner when done)
 LOCAL_POLISH_S = 0.5
-# random starts of the sweeps that solve again from a plan at new prices (a repricing round):
+# random starts of the sweeps that solve again from a plan (a memory fit's retry, a repricing):
 # the plan is their start, and under a memory limit each random start's sweep costs a few
-# eliminations per step (the Lagrangian walk): 16 of them were most of such a solve's time;
-# none at all lost the 3-layer MLP at half its peak its plan (15.6 -> 19.1 ms)
-REPRICE_RESTARTS = 2
-# random starts of a memory fit's retry (the whole step overshot; the limit moved to another
-# instant or tightened): the plan and the leanest layout start it. The fit's first solve has
-# searched from random starts already (LIMIT_RESTARTS): two more per retry were a third of
-# the encoder-decoder's eliminations at 0.7 of its peak, for no better plan on the models
-# of benchmarks/solver.py (benchmarks/RESULTS.md, helper budg3)
-RETRY_RESTARTS = 0
+# eliminations per step (the Lagrangian walk): 16 of them were most of such a solve's time.
+# None at all lost plans (helper budg3, benchmarks/RESULTS.md): the 3-layer MLP at half its
+# peak without a repricing's (15.6 -> 19.1 ms), the wide-and-deep model at half its peak
+# without a fit retry's (23.8 -> 32.7 ms), llama3-tiny at 0.35 of its peak every plan
+RETRY_RESTARTS = 2
 # random starts of a first solve under a memory limit: besides them the leanest layout, the
 # best reference and another mode's plan start it. The encoder of benchmarks/solver.py at 0.7
 # and 0.5 of its peak found the same plans from 4 as from 16 in half the CPU time
@@ -567,7 +563,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         t3 = time.perf_counter()
         again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
-                                     restarts=REPRICE_RESTARTS, local_polish=polish)
+                                     restarts=RETRY_RESTARTS, local_polish=polish)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)

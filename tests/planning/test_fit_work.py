@@ -1,6 +1,6 @@
 """How much search the planner spends where it only starts or repairs another search: the
 plan with no limit that seeds the other modes (polished by local moves, not CP-SAT), and the
-memory fit's retries (from the plan and the leanest layout, no random starts)."""
+memory fit's retries (from the plan, the leanest layout and RETRY_RESTARTS random starts)."""
 
 import math
 
@@ -74,10 +74,11 @@ def test_the_seed_plan_with_no_limit_is_planned_seed_only(monkeypatch):
     assert all(no_limit == seed_only for no_limit, seed_only in seen)
 
 
-def test_the_memory_fits_retries_start_from_the_plan_only(monkeypatch):
+def test_the_memory_fits_retries_start_from_the_plan_and_few_random_starts(monkeypatch):
     """A memory fit whose first solve overshoots the step: the first solve has its random
-    starts (LIMIT_RESTARTS), each retry none (RETRY_RESTARTS: the plan and the leanest layout
-    start it), and the fit still ends on a plan whose whole step fits."""
+    starts (LIMIT_RESTARTS), each retry fewer (RETRY_RESTARTS, besides the plan and the
+    leanest layout; none at all lost plans, llama3-tiny at 0.35 of its peak every one), and
+    the fit ends on a plan whose whole step fits."""
     from autopar.passes.problem import sharding_problem
     from autopar.planning import planner
     from autopar.planning.planner import step_peak
@@ -99,5 +100,6 @@ def test_the_memory_fits_retries_start_from_the_plan_only(monkeypatch):
     sol = planner._solve_within_budget(sp, budget, 20.0)
     assert len(calls) > 1  # a retry ran: the case is a real one
     assert calls[0] == planner.LIMIT_RESTARTS
-    assert calls[1:] == [planner.RETRY_RESTARTS] * (len(calls) - 1) and planner.RETRY_RESTARTS == 0
+    assert calls[1:] == [planner.RETRY_RESTARTS] * (len(calls) - 1)
+    assert 0 < planner.RETRY_RESTARTS < planner.LIMIT_RESTARTS
     assert sol.feasible and step_peak(sp, sp.expand(sol.assignment))[0] <= budget * (1 + 1e-9)
