@@ -68,7 +68,10 @@ POLISH_S = 2.0
 LOCAL_POLISH_S = 0.5
 # random starts of the sweeps that solve again from a plan (a memory fit's retry, a repricing):
 # the plan is their start, and under a memory limit each random start's sweep costs a few
-# eliminations per step (the Lagrangian walk): 16 of them were most of such a solve's time
+# eliminations per step (the Lagrangian walk): 16 of them were most of such a solve's time.
+# None at all lost plans (helper budg3, benchmarks/RESULTS.md): the 3-layer MLP at half its
+# peak without a repricing's (15.6 -> 19.1 ms), the wide-and-deep model at half its peak
+# without a fit retry's (23.8 -> 32.7 ms), llama3-tiny at 0.35 of its peak every plan
 RETRY_RESTARTS = 2
 # random starts of a first solve under a memory limit: besides them the leanest layout, the
 # best reference and another mode's plan start it. The encoder of benchmarks/solver.py at 0.7
@@ -314,7 +317,8 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
         got = _plan_mode(pg, mesh, candidates[0], None, {},
                          replace(search, time_limit_s=search.time_limit_s / 2, workers=1,
                                  deadline=mine), True, spent, shown=False,
-                         prices_of=next(iter(runs.values())).sp if runs else None)
+                         prices_of=next(iter(runs.values())).sp if runs else None,
+                         seed_only=True)
         return portable(got), mine.cuts, spent, heuristic.learned_rates()
 
     # the workers the modes are planned on: only cores idle now (one busy elsewhere would
@@ -528,7 +532,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                timings: dict[str, float], seed: _ModeRun | None = None,
                offload: str = "none", prices_of: ShardingProblem | None = None,
                shown: bool = True, mpg: PlanGraph | None = None,
-               must_fit: bool = False, sp: ShardingProblem | None = None) -> _ModeRun:
+               must_fit: bool = False, sp: ShardingProblem | None = None,
+               seed_only: bool = False) -> _ModeRun:
     """Plan the graph with ``mode``'s recomputation applied: the solver's plan (``own``) or
     only the given reference layouts, completed and scored in that mode, within ``search``'s
     time limit, margin and workers. ``seed``: another mode's plan, a start for the solver
@@ -538,7 +543,10 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     seeds the other modes). ``mpg``: the mode's graph, where already made; ``sp``: its problem,
     where already built (as here, from ``prices_of``). ``must_fit``: the first
     mode planned, with no plan at hand yet: its memory fit goes on past the deadline (the
-    other modes' stop there, falling back to the leanest layout where that fits)."""
+    other modes' stop there, falling back to the leanest layout where that fits).
+    ``seed_only``: the plan only starts the other modes' searches (the plan with no limit):
+    its solves are polished by local moves, as a memory fit's are, not by CP-SAT's whole
+    polish (:func:`_solve_within_budget`'s ``local_polish``)."""
     time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
     dl = search.deadline if search.deadline is not None else Deadline(time_limit_s)
     mpg = mpg if mpg is not None else mode_graph(pg, mode)
@@ -570,8 +578,9 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     carried = carried_choice(sp, seed.sp, seed.choice) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     # a mode seeded with another's plan has that plan to fall back on: half the time
+    polish = True if seed_only else None
     sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
-                               hint, seeds, dl, must_fit=must_fit)
+                               hint, seeds, dl, must_fit=must_fit, local_polish=polish)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
@@ -593,7 +602,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         t3 = time.perf_counter()
         again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
-                                     restarts=RETRY_RESTARTS)
+                                     restarts=RETRY_RESTARTS, local_polish=polish)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
@@ -845,6 +854,7 @@ def _solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
     deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
+    local_polish: bool | None = None,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -857,7 +867,8 @@ def _solve_within_budget(
     time, can miss every fitting point of a tight limit from the other starts. Where they
     still find none, the general solver gets the time left. ``must_fit``: no plan that fits
     is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
-    deadline's floor).
+    deadline's floor). ``local_polish``: the sweeps polished by local moves, not CP-SAT
+    (:func:`planner_solve`'s ``"always"``); None: where there is a budget.
     """
     assert sp.problem is not None
     t0 = time.perf_counter()
@@ -870,7 +881,8 @@ def _solve_within_budget(
     # fit may then tighten, and it spent its whole polish (2 s) without one (on the 3-layer
     # MLP at 0.7 of its peak, 6 modes x 1.7 s of 20 s, to improve one plan by 0.04%)
     sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
-                           local_polish=budget is not None,
+                           local_polish=budget is not None if local_polish is None
+                           else local_polish,
                            restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS))
     if budget is None or not sol.feasible:
         return sol
