@@ -432,9 +432,10 @@ def complete_plan(graph: PlanGraph, mesh: Mesh, params: dict[str, Spec],
     Used to replan for new input shapes with the parameters where they are, and to turn a
     hand-written reference layout into an executable plan."""
     from autopar.passes.problem import sharding_problem
+    from autopar.planning.assemble import assemble_plan, recompute_record
     from autopar.planning.memory_fit import memory_limit
     from autopar.planning.modes import Mode, mode_graph
-    from autopar.planning.planner import assemble_plan, recompute_record, score_reference
+    from autopar.planning.references import score_reference
 
     options = options if options is not None else Options()
     mode = Mode.of(mode)

@@ -290,7 +290,7 @@ def build_model(model: dict):
 @dataclass(frozen=True)
 class PinnedLayout:
     """A reference layout with its ZeRO stage (read by the planner's ``reference_mode``).
-    ``exact``: completed by work, not by the clock (``planner.exact_completion``), so the
+    ``exact``: completed by work, not by the clock (``planning.references.exact_completion``), so the
     published layout's price is the same at any load, and autopar's own plan, which it
     seeds, is never slower than it."""
 

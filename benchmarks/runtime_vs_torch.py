@@ -99,7 +99,8 @@ class Bench:
 
 def make_plans(b: Bench, time_limit_s: float) -> tuple[dict[str, dict], dict[str, str], dict]:
     from autopar.ir.plan import SolverInfo
-    from autopar.planning.planner import assemble_plan, make_plan
+    from autopar.planning.assemble import assemble_plan
+    from autopar.planning.planner import make_plan
 
     with torch.device("meta"):
         model = MLP(b.config())

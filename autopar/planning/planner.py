@@ -5,18 +5,21 @@
 layouts (``autopar.models.reference_plans``) are scored by the same cost model: their parameter
 and input placements are pinned and the solver completes the rest at its best, so a reference's
 score is the best that layout can do.
+
+Here is the search over modes (recomputation, re-gathering, whole gradients, offload) and
+what one mode's plan is; one mode's solve and memory fit are :mod:`autopar.planning.solving`,
+the reference completions :mod:`autopar.planning.references`, the plan made of a choice
+:mod:`autopar.planning.assemble`.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
 import torch.nn as nn
 
 from autopar.capture.joint import capture
@@ -25,58 +28,34 @@ from autopar.ir.errors import PlanError
 from autopar.ir.graph import PlanGraph
 from autopar.ir.mesh import Mesh
 from autopar.ir.options import Options, SearchOptions, fits_budget
-from autopar.ir.placements import Spec
 from autopar.ir.plan import (
-    Decisions,
-    NodePlacement,
     Plan,
     PlanCost,
-    Predictions,
-    Provenance,
-    Recompute,
     SolverInfo,
 )
-from autopar.ir.precision import Precision
-from autopar.passes.cost import cost_model as cm
-from autopar.passes.cost.buckets import first_bucket_bytes
-from autopar.passes.memory import zero as zero_mod
-from autopar.passes.problem import bucket_fill, sharding_problem, zero_stages
-from autopar.passes.problem.axis_search import (
-    solve_axiswise,
-    sweep_declined_steps,
-    sweep_was_exact,
-)
+from autopar.passes.problem import bucket_fill, sharding_problem
+from autopar.passes.problem.axis_search import solve_axiswise
 from autopar.passes.problem.data_parallel import data_parallel_assignment
-from autopar.passes.problem.edge_costs import edge_collectives
-from autopar.passes.problem.reduction import reduced_problem, refine_followers
-from autopar.passes.problem.scoring import score_assignment
+from autopar.passes.problem.reduction import refine_followers
 from autopar.passes.problem.step_memory import step_peak
 from autopar.passes.problem.types import ShardingProblem
-from autopar.planning import solve_memo, used_in_place
+from autopar.planning import solve_memo
+from autopar.planning.assemble import assemble_plan, recompute_record
 from autopar.planning.explain import explain_node
 from autopar.planning.memory_fit import memory_limit, no_fit_message
 from autopar.planning.mode_jobs import per_worker_share, portable, restored
 from autopar.planning.modes import Mode, candidate_modes, mode_graph, reference_mode
 from autopar.planning.parallel_map import Ahead, forked_map, usable_workers
-from autopar.solver import Problem, Solution, evaluate, heuristic, solve
-from autopar.solver.problem import cannot_fit, restrict
+from autopar.planning.references import References
+from autopar.planning.solving import (
+    LOCAL_POLISH_S,
+    RETRY_RESTARTS,
+    solve_within_budget,
+    with_limit,
+)
+from autopar.solver import Solution, evaluate, heuristic, solve
 
 REPRICE_ROUNDS = 3  # at most this many solves again at the real fill of gradient buckets
-# seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
-POLISH_S = 2.0
-# the local moves' budget in a reference completion's polish (they stop sooner when done)
-LOCAL_POLISH_S = 0.5
-# random starts of the sweeps that solve again from a plan (a memory fit's retry, a repricing):
-# the plan is their start, and under a memory limit each random start's sweep costs a few
-# eliminations per step (the Lagrangian walk): 16 of them were most of such a solve's time.
-# None at all lost plans (helper budg3, benchmarks/RESULTS.md): the 3-layer MLP at half its
-# peak without a repricing's (15.6 -> 19.1 ms), the wide-and-deep model at half its peak
-# without a fit retry's (23.8 -> 32.7 ms), llama3-tiny at 0.35 of its peak every plan
-RETRY_RESTARTS = 2
-# random starts of a first solve under a memory limit: besides them the leanest layout, the
-# best reference and another mode's plan start it. The encoder of benchmarks/solver.py at 0.7
-# and 0.5 of its peak found the same plans from 4 as from 16 in half the CPU time
-LIMIT_RESTARTS = 4
 
 
 @dataclass
@@ -471,7 +450,7 @@ def _limit_not_binding(run: _ModeRun, time_limit_s: float, restarts: int = 16,
     sp, sol = run.sp, run.sol
     if sol is None or not sol.feasible or sp.problem is None:
         return False
-    p = _with_limit(sp.problem, None)
+    p = with_limit(sp.problem, None)
     own = float(evaluate(p, sol.assignment)[0])
     t0 = time.monotonic()
     # the sweeps from the all-replicated start and the plan first: their starts are the
@@ -508,7 +487,7 @@ class _ModeRun:
     mode: Mode
     pg: PlanGraph
     sp: ShardingProblem
-    refs: _References
+    refs: References
     sol: Solution | None = None
     choice: list[int] | None = None
     method: str = ""
@@ -546,7 +525,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     other modes' stop there, falling back to the leanest layout where that fits).
     ``seed_only``: the plan only starts the other modes' searches (the plan with no limit):
     its solves are polished by local moves, as a memory fit's are, not by CP-SAT's whole
-    polish (:func:`_solve_within_budget`'s ``local_polish``)."""
+    polish (:func:`solve_within_budget`'s ``local_polish``)."""
     time_limit_s, min_gain, workers = search.time_limit_s, search.min_gain, search.workers
     dl = search.deadline if search.deadline is not None else Deadline(time_limit_s)
     mpg = mpg if mpg is not None else mode_graph(pg, mode)
@@ -557,7 +536,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     timings["build_s"] += time.perf_counter() - t1
     assert sp.problem is not None
     t_refs = time.perf_counter()
-    refs = _References.score(sp, mpg, references, dl.cap(time_limit_s), limit, workers)
+    refs = References.score(sp, mpg, references, dl.cap(time_limit_s), limit, workers)
     timings["references_s"] += time.perf_counter() - t_refs
     out = _ModeRun(mode, mpg, sp, refs)
     if not own:
@@ -579,7 +558,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     # a mode seeded with another's plan has that plan to fall back on: half the time
     polish = True if seed_only else None
-    sol = _solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
+    sol = solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
                                hint, seeds, dl, must_fit=must_fit, local_polish=polish)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
@@ -600,14 +579,14 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                 or any(bucket_fill.reprice(sp, c, limit) for c in refs.choices.values())):
             break
         t3 = time.perf_counter()
-        again = _solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
+        again = solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
                                      restarts=RETRY_RESTARTS, local_polish=polish)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)
         # or as before (one plan's fills, priced on all, may misguide a reference's)
-        again_refs = _References.score(sp, mpg, references, dl.cap(time_limit_s), limit,
+        again_refs = References.score(sp, mpg, references, dl.cap(time_limit_s), limit,
                                        workers)
         refs = refs.rescored(sp, limit).better(again_refs, limit)
         timings["references_s"] += time.perf_counter() - t4
@@ -668,103 +647,7 @@ def carried_choice(sp: ShardingProblem, other: ShardingProblem, choice: list[int
     return [by_name[n.meta["autopar"].extra.get("recomputes", n.name)] for n in sp.nodes]
 
 
-def recompute_record(asked: str, mode: str, mpg: PlanGraph, sp: ShardingProblem,
-                     choice: list[int], base: ShardingProblem) -> Recompute:
-    """What a plan on ``mpg`` (recomputation applied) recomputes, per traced layer, and its
-    price (:func:`recompute_price`, against ``base``, the problem without it). ``nodes``
-    lists every copied node, re-gathered parameter views too (the runtime copies them all);
-    the layers, counts and price are the activations' only (re-gathering is the parameter
-    state's, :class:`autopar.ir.param_state.ParamState`)."""
-    names = tuple(mpg.recomputed.values())
-    if not names:
-        return Recompute(asked, "none")
-    per_layer: dict[int, int] = {}
-    for n in mpg.graph.nodes:
-        if n.name in mpg.recomputed and not zero_mod.is_param_view(n):
-            ly = n.meta["autopar"].layer
-            per_layer[ly] = per_layer.get(ly, 0) + 1
-    if not per_layer:
-        return Recompute(asked, "none", names)
-    extra_s, saved = recompute_price(sp, choice, base)
-    return Recompute(asked, mode, names, tuple(sorted(per_layer)), extra_s, saved, per_layer)
-
-
-def recompute_price(sp: ShardingProblem, choice: list[int], base: ShardingProblem
-                    ) -> tuple[float, float]:
-    """(extra step time, peak memory saved) of a recomputing plan: its copies' compute and the
-    collectives of their inputs, and its peak against the same placements on ``base``, the
-    problem of the graph without recomputation (a re-gathered parameter view is no
-    recomputation: its gather is the parameter state's price)."""
-    copies = {i for i, n in enumerate(sp.nodes) if "recomputes" in n.meta["autopar"].extra
-              and not zero_mod.is_param_view(n)}
-    if not copies:
-        return 0.0, 0.0
-    w = sp.weight if sp.weight is not None else np.ones(len(sp.nodes))
-    extra = sum(float(sp.node_cost[i][choice[i]]) for i in copies)
-    for e in sp.edges:
-        if e.dst in copies and e.in_idx >= 0:
-            src = sp.strategies[e.src][choice[e.src]].outs[e.out_idx]
-            dst = sp.strategies[e.dst][choice[e.dst]].ins[e.in_idx]
-            if src != dst:
-                extra += sum(c.time_s for c in edge_collectives(sp, e, src, dst)) * w[e.dst]
-    by_name = {n.name: s for n, s in zip(sp.nodes, choice)}
-    kept = score_assignment(base, [by_name[n.name] for n in base.nodes]).cost.mem_bytes
-    return extra, max(0.0, kept - score_assignment(sp, choice).cost.mem_bytes)
-
-
-@dataclass
-class _References:
-    """Reference layouts as the solver completes them on one problem: cost, full choice,
-    solver assignment (None when completed without shared layer variables); the fastest that
-    fits the budget (``fastest``: the plan is never slower) and the fastest of those with an
-    assignment (``best``: it seeds the solver)."""
-
-    cost: dict[str, PlanCost]
-    choices: dict[str, list[int]]
-    assign: dict[str, tuple[int, ...] | None]
-    best: str | None
-    fastest: str | None
-
-    @staticmethod
-    def score(sp: ShardingProblem, pg: PlanGraph, references: dict[str, Any],
-              time_limit_s: float, budget: float | None, workers: int = 1) -> _References:
-        """Each reference completed on ``sp``; on up to ``workers`` forked processes
-        (:mod:`autopar.planning.parallel_map`: each completion is independent)."""
-        cost: dict[str, PlanCost] = {}
-        choices: dict[str, list[int]] = {}
-        assign: dict[str, tuple[int, ...] | None] = {}
-        names = list(references)
-        done = forked_map(lambda n: score_reference(sp, pg, references[n], time_limit_s),
-                          names, workers)
-        for name, got in zip(names, done):
-            if got is not None:
-                cost[name], choices[name], assign[name] = got
-        return _References.of(cost, choices, assign, budget)
-
-    @staticmethod
-    def of(cost: dict[str, PlanCost], choices: dict[str, list[int]],
-           assign: dict[str, tuple[int, ...] | None], budget: float | None) -> _References:
-        fitting = [n for n, c in cost.items() if fits_budget(c.mem_bytes, budget)]
-        seeds = [n for n in fitting if assign[n] is not None]
-        best = min(seeds, key=lambda n: cost[n].step_s) if seeds else None
-        fastest = min(fitting, key=lambda n: cost[n].step_s) if fitting else None
-        return _References(cost, choices, assign, best, fastest)
-
-    def rescored(self, sp: ShardingProblem, budget: float | None) -> _References:
-        """The same completions, scored again (after the problem was repriced)."""
-        cost = {n: bucket_fill.score(sp, c).cost for n, c in self.choices.items()}
-        return _References.of(cost, self.choices, self.assign, budget)
-
-    def better(self, other: _References, budget: float | None) -> _References:
-        """Per reference, the cheaper of its two completions."""
-        cost, choices, assign = dict(self.cost), dict(self.choices), dict(self.assign)
-        for n, c in other.cost.items():
-            if n not in cost or c.step_s < cost[n].step_s:
-                cost[n], choices[n], assign[n] = c, other.choices[n], other.assign[n]
-        return _References.of(cost, choices, assign, budget)
-
-
-def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_gain: float,
+def _select(sp: ShardingProblem, sols: list[Solution], refs: References, min_gain: float,
             budget: float | None, carried: list[int] | None = None
             ) -> tuple[list[int], Solution, str]:
     """The plan: the cheapest solution, its followers refined (re-chosen with their whole
@@ -793,415 +676,3 @@ def _select(sp: ShardingProblem, sols: list[Solution], refs: _References, min_ga
                       f"{min_gain:.0%} margin" if gain >= 0 else
                       f"kept {best}: the solver's own plan was {-gain:.1%} slower")
     return choice, sol, method
-
-
-def planner_solve(
-    sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
-    domains: list[np.ndarray] | None = None, local_polish: bool | str = False,
-    restarts: int = 16,
-) -> Solution:
-    """Axis-by-axis exact sweeps from several starts, then the general solver from the best
-    point for what is left of a short polishing budget; the better answer wins.
-
-    ``local_polish`` (reference completions): where every step of the best sweep was solved
-    exactly, the polish is the solver's local moves alone (every node, every rigid group
-    re-chosen on its own), not the exact CP-SAT solve of the whole problem. Over
-    plan_quality's 316 polishes, 61 were improved by those local moves and 9 more by CP-SAT:
-    7 where the sweep's steps were too wide to eliminate (Mixtral on a 1-D mesh; the exact
-    polish still runs there) and 2 on one gpt2-xl 8x8 completion of fsdp, not the best
-    reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s.
-    ``local_polish="always"``: the local moves alone polish, exact sweep or not, unless a
-    step was too wide to solve (then the sweep may not have moved: CP-SAT searches).
-    ``restarts``: the sweeps' random starts besides the hints. A problem whose limit no
-    assignment fits (:func:`autopar.solver.problem.cannot_fit`: a memory fit's tightened
-    limit, a reference that cannot fit) is answered at once: the sweeps would spend their
-    whole time finding nothing (llama3-405b pp=16 x dp=64 x tp=8: 3 of the stand-in's 6
-    solves, each its full half of the limit)."""
-    t0 = time.perf_counter()
-    if cannot_fit(problem):
-        return _cannot_fit(t0)
-    best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains,
-                          restarts=restarts)
-    if best is not None and best.status == "optimal":
-        return best
-    if (local_polish and best is not None and best.feasible
-            and (sweep_was_exact(best)
-                 or (local_polish == "always" and not sweep_declined_steps(best)))):
-        other = solve(problem, timeout_s=LOCAL_POLISH_S, hint=best.assignment,
-                      method="heuristic")
-        return other if other.feasible and other.cost < best.cost else best
-    left = time_limit_s - (time.perf_counter() - t0)
-    polish = min(POLISH_S, left)
-    if polish > 0.2 or best is None:
-        hint = best.assignment if best is not None and best.feasible else None
-        other = solve(problem, timeout_s=max(polish, 0.5), hint=hint)
-        if best is None or (other.feasible and (not best.feasible or other.cost < best.cost)):
-            return other
-        if other.status == "optimal" and best.feasible and best.cost <= other.cost:
-            # the exact solve proved that no plan beats the sweep's
-            return replace(best, status="optimal", lower_bound=best.cost,
-                           method=f"{best.method}, proven optimal by {other.method}")
-    return best
-
-
-def _cannot_fit(t0: float) -> Solution:
-    """The answer to a problem no assignment fits (:func:`cannot_fit`)."""
-    return Solution((), math.inf, False, "infeasible", time.perf_counter() - t0,
-                    "memory bound: no assignment fits the limit")
-
-
-def _solve_within_budget(
-    sp: ShardingProblem, budget: float | None, time_limit_s: float,
-    hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
-    deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
-    local_polish: bool | None = None,
-) -> Solution:
-    """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
-    problem constrains one instant), constrain the instant where it peaks instead (a sharded
-    or recomputing layout peaks elsewhere than the replicated one the problem was built
-    at), or, where it peaks at the constrained instant already, tighten the limit by the
-    overshoot, and solve again.
-
-    Under a budget the leanest assignment (every variable at its smallest usage) starts the
-    search too: it fits wherever anything does, and the sweeps, which move one axis at a
-    time, can miss every fitting point of a tight limit from the other starts. Where they
-    still find none, the general solver gets the time left. ``must_fit``: no plan that fits
-    is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
-    deadline's floor). ``local_polish``: the sweeps polished by local moves, not CP-SAT
-    (:func:`planner_solve`'s ``"always"``); None: where there is a budget.
-    """
-    assert sp.problem is not None
-    t0 = time.perf_counter()
-    problem = sp.problem
-    hints = ([hint] if hint is not None else []) + (more_hints or [])
-    if budget is not None:
-        hints.append(tuple(int(np.argmin(u)) for u in problem.usages))
-    # under a memory limit every solve is polished by local moves, not CP-SAT: the reduced
-    # problem counts one instant of the step, so CP-SAT's proof is of a problem the memory
-    # fit may then tighten, and it spent its whole polish (2 s) without one (on the 3-layer
-    # MLP at 0.7 of its peak, 6 modes x 1.7 s of 20 s, to improve one plan by 0.04%)
-    sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
-                           local_polish=budget is not None if local_polish is None
-                           else local_polish,
-                           restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS))
-    if budget is None or not sol.feasible:
-        return sol
-    # each instant constrained so far: its problem at the budget (what sp.problem becomes
-    # when it binds) and as tightened. Switching to the instant that binds now forgot what
-    # the earlier ones had learnt, and the solution swung back to one constrained before,
-    # round after round (a 2-layer attention LM at half its peak swung between two instants
-    # until the rounds ran out); a tightened limit now stays with its instant
-    at_budget = {sp.peak_time: sp.problem}
-    tight = {sp.peak_time: problem}
-    for _ in range(4):
-        choice = sp.expand(sol.assignment)
-        # the whole step's peak, as the plan reports it (reshard copies, gathers included)
-        peak, instant = step_peak(sp, choice)
-        if fits_budget(peak, budget):
-            return sol
-        if deadline is not None and deadline.expired() and not must_fit:
-            deadline.cut("the memory fit's rounds")
-            return _leanest_if_fits(sp, sol, budget)
-        if instant not in tight:  # the problem constrains the instant that binds now
-            # at the budget: what the problem misses there depends on the layout, and a
-            # limit set at once by this plan's miss shut out layouts that miss less (the
-            # 3-layer MLP at 0.35 of its peak ended 8% slower so)
-            sp.peak_time = instant
-            at_budget[instant] = tight[instant] = reduced_problem(sp, budget)
-        else:
-            # below what this solution uses there, by the overshoot: the retry cannot return
-            # it again (tightening the limit alone left a solution that used less than the
-            # limit in place, round after round)
-            p_t = tight[instant]
-            used = evaluate(p_t, sol.assignment)[2]
-            lim = min(p_t.usage_limit or budget, used) - (peak - budget) * 1.05
-            tight[instant] = _with_limit(p_t, lim)
-        sp.peak_time, sp.problem, problem = instant, at_budget[instant], tight[instant]
-        # a retry starts from a solution that nearly fits: a quarter of the time is plenty
-        # (a whole budget let the general solver search 16 s for llama3-405b's full mode)
-        retry_s = max(1.0, time_limit_s / 4)
-        retry = _solve_or_search(sp, problem, deadline.cap(retry_s) if deadline else retry_s,
-                                 [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
-                                 time.perf_counter(), local_polish=True,
-                                 restarts=RETRY_RESTARTS)
-        if not retry.feasible:
-            return _leanest_if_fits(sp, retry, budget)
-        sol = retry
-    return _leanest_if_fits(sp, sol, budget)
-
-
-def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solution:
-    """``sol`` where its whole step fits ``budget``; otherwise the leanest assignment (every
-    variable at its smallest usage at the constrained instant) where that fits: the memory
-    fit's rounds can run out, or be cut by the time limit, on a plan that still overshoots,
-    and "no plan found" must not be the answer where the leanest layouts fit."""
-    assert sp.problem is not None
-    if sol.feasible and fits_budget(step_peak(sp, sp.expand(sol.assignment))[0],
-                              budget):
-        return sol
-    lean = tuple(int(np.argmin(u)) for u in sp.problem.usages)
-    if not fits_budget(step_peak(sp, sp.expand(lean))[0], budget):
-        return sol
-    cost, _, used = evaluate(sp.problem, lean)
-    return Solution(lean, float(cost), True, "feasible", sol.time_s, "leanest layout", None,
-                    used)
-
-
-def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
-                     hints: list, t0: float, local_polish: bool = False,
-                     restarts: int = 16) -> Solution:
-    """:func:`_search_once`, or its answer to the same problem from the same starts earlier
-    in this planning call (:mod:`autopar.planning.solve_memo`)."""
-    return solve_memo.solved(
-        problem, hints, (local_polish, restarts), time_limit_s,
-        lambda: _search_once(sp, problem, time_limit_s, hints, t0, local_polish, restarts))
-
-
-def _search_once(sp: ShardingProblem, problem: Problem, time_limit_s: float,
-                  hints: list, t0: float, local_polish: bool = False,
-                  restarts: int = 16) -> Solution:
-    """:func:`planner_solve`, then, where it found nothing that fits a memory limit, the
-    general solver for the time left. ``local_polish``: a memory fit's retry, which starts
-    from a solution that nearly fits, is polished by local moves, not CP-SAT (under a memory
-    limit CP-SAT rarely proves anything on the planner's problems and spends its whole polish
-    budget, round after round: 2 s a round on a 20-variable MLP)."""
-    sol = planner_solve(sp, problem, time_limit_s, hints or None,
-                        local_polish="always" if local_polish else False, restarts=restarts)
-    left = time_limit_s - (time.perf_counter() - t0)
-    if sol.feasible or problem.usage_limit is None or left < 1.0 or sol.status == "infeasible":
-        return sol
-    lean = hints[-1] if hints else None
-    other = solve(problem, timeout_s=left, hint=lean)
-    return other if other.feasible else sol
-
-
-def _with_limit(p: Problem, limit: float | None) -> Problem:
-    return Problem(p.costs, p.usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
-
-
-# --- reference plans ------------------------------------------------------------------------
-
-
-def score_reference(
-    sp: ShardingProblem, pg: PlanGraph, ref: Any, time_limit_s: float
-) -> tuple[PlanCost, list[int], tuple[int, ...] | None] | None:
-    """Best completion of a reference layout (its params and inputs pinned): its cost, the
-    strategy of every node, and the solver assignment (None when it had to be solved without
-    shared layer variables). None if a pinned placement is one no strategy offers."""
-    got = _pinned_solve(sp, ref, time_limit_s)
-    if got is not _CONFLICT:
-        return got  # type: ignore[return-value]
-    # the layout places repeated layers differently (an MLP alternating column and row
-    # layers): plan it without shared layer variables
-    assert sp.problem is not None
-    flat = sharding_problem.build(pg, sp.mesh, sp.problem.usage_limit, share_layers=False,
-                                  zero1=sp.zero1, prices_of=sp)
-    bucket_fill.apply(flat, sp.bucket_fill, sp.problem.usage_limit)  # at the same prices
-    got = _pinned_solve(flat, ref, time_limit_s)
-    if got is None or got is _CONFLICT:
-        return None
-    _, choice, _ = got  # type: ignore[misc]
-    return bucket_fill.score(sp, choice).cost, choice, None
-
-
-_CONFLICT = object()
-
-
-def _pinned_solve(sp: ShardingProblem, ref: Any, time_limit_s: float):
-    assert sp.problem is not None and sp.var_of is not None
-    pins: dict[int, Spec] = {}
-    index = {n.name: i for i, n in enumerate(sp.nodes)}
-    params = {n.meta["autopar"].param_name: i for i, n in enumerate(sp.nodes)
-              if n.op == "placeholder" and n.meta["autopar"].role == "param"}
-    for pname, spec in ref.params.items():
-        if pname in params:
-            pins[params[pname]] = tuple(spec)
-    for n in sp.nodes:
-        f = n.meta["autopar"]
-        if f.role == "input" and f.input_index in ref.inputs:
-            spec = tuple(ref.inputs[f.input_index])
-            if len(spec) == len(sp.mesh.shape) and f.out is not None and len(f.out.shape) > 0:
-                pins[index[n.name]] = spec
-    allowed: dict[int, set[int]] = {}
-    for node_i, spec in pins.items():
-        v = int(sp.var_of[node_i])
-        ok = {k for k, s in enumerate(sp.strategies[node_i]) if s.outs[0] == spec}
-        if not ok:
-            return None
-        allowed[v] = allowed[v] & ok if v in allowed else ok
-        if not allowed[v]:
-            return _CONFLICT
-    in_place = getattr(ref, "used_in_place", ())
-    node_allowed: dict[int, set[int]] = {}
-    if in_place:  # tensor parallelism as run: each weight multiplied on its own shard
-        params_pinned = {i: spec for i, spec in pins.items()
-                         if sp.nodes[i].meta["autopar"].role == "param"}
-        node_allowed = used_in_place.allowed(sp, params_pinned, tuple(in_place))
-        for node_i, ok in node_allowed.items():
-            v, root = int(sp.var_of[node_i]), int(sp.group_of[node_i])
-            if root != node_i:  # a follower: the root strategies that give it one of ``ok``
-                ok = {k for k, f in enumerate(sp.follow[node_i]) if int(f) in ok}
-            allowed[v] = allowed[v] & ok if v in allowed else set(ok)
-            if not allowed[v]:
-                return _CONFLICT
-    sub, maps = restrict(sp.problem, {v: sorted(a) for v, a in allowed.items()})
-    exact = getattr(ref, "exact", False)
-
-    def complete(q: Problem, limit_s: float) -> Solution:
-        if cannot_fit(q):  # what either completion would end with, at once
-            return _cannot_fit(time.perf_counter())
-        return exact_completion(sp, q, maps) if exact else \
-            planner_solve(sp, q, limit_s, domains=maps, local_polish=True)
-
-    sol = complete(sub, time_limit_s)
-    if not sol.feasible and sub.usage_limit is not None and \
-            getattr(ref, "zero", None) is not None:
-        # a layout that carries its ZeRO stage is one a team ran (Megatron's distributed
-        # optimizer, a published run's): where no completion fits, the fastest one is
-        # reported as not fitting (a pipeline weighs it again with other schedules)
-        sub = replace(sub, usage_limit=None)
-        sol = complete(sub, time_limit_s / 4)
-    if not sol.feasible:
-        return None
-    full_assign = [maps[v][s] for v, s in enumerate(sol.assignment)]
-    choice = sp.expand(full_assign)
-    # placeholders (the pins) are never followers; the followers in use keep to their sets
-    choice = refine_followers(sp, choice, node_allowed)
-    return bucket_fill.score(sp, choice).cost, choice, tuple(int(x) for x in full_assign)
-
-
-# an exact completion's local search: rounds of moves until one gains nothing, at most
-# EXACT_ROUNDS; in a round, tree moves until EXACT_TREE_FAILS in a row gain nothing, and pair
-# moves until EXACT_PAIR_FAILS do (the heuristic's own stall counts, run_heuristic), each
-# kind at most EXACT_MOVES times
-EXACT_ROUNDS, EXACT_TREE_FAILS, EXACT_PAIR_FAILS, EXACT_MOVES = 20, 25, 60, 2000
-
-
-def exact_completion(sp: ShardingProblem, problem: Problem,
-                     domains: list[np.ndarray]) -> Solution:
-    """A reference's completion bounded by work, not by the clock, so that it is the same
-    at any load. The planner's own completion races a clock (sweeps cut by the deadline,
-    LNS and CP-SAT for what is left of it): the same pinned layout (Llama-3 8B, FSDP on 8
-    GPUs) priced 2.42 to 5.15 s per step in four runs under load. Here the axis sweeps from
-    their seeded starts run to their end, and from their point and from the greedy start
-    the local search's moves (single nodes, rigid groups, induced trees, the two ends of a
-    costly edge: :mod:`autopar.solver.heuristic`, seeded) run until a round gains nothing;
-    no LNS (its CP-SAT steps are timed). The better end wins. On that 8B layout (118
-    variables on a 1-D mesh, the sweeps' steps too wide to eliminate) the sweeps end at
-    5.61 s, CP-SAT on one worker stays there after 100 s, and the moves from the greedy
-    start reach 2.43 s in 0.1 s, the best the timed heuristic found in 10 s. A reference
-    that carries ``exact=True`` is completed so."""
-    from autopar.solver.groups import Groups, group_pass
-    from autopar.solver.heuristic import LocalSearch
-    from autopar.solver.problem import usage_profile
-    from autopar.solver.treedp import TREE_SIZE, tree_move
-
-    t0 = time.perf_counter()
-    swept = solve_axiswise(sp, problem, float("inf"), domains=domains)
-    best: tuple[tuple[bool, float], np.ndarray, str] | None = None
-    for start in ([np.asarray(swept.assignment)] if swept is not None else []) + [None]:
-        ls = LocalSearch(problem)
-        if start is None:
-            ls.greedy()
-        else:
-            ls.a, ls.load = start.astype(np.int64), usage_profile(problem, start)
-        ls.groups = Groups(ls)
-        for _ in range(EXACT_ROUNDS if len(ls.free_nodes) else 0):  # else nothing to move
-            before = ls.cost()
-            while ls.sweep():
-                pass
-            group_pass(ls, float("inf"))
-            fails = tries = 0
-            while fails < EXACT_TREE_FAILS and tries < EXACT_MOVES:
-                gain = tree_move(ls, ls.pick_seed(), TREE_SIZE, safe=tries % 2 == 0)
-                tries += 1
-                fails = 0 if gain > 0 else fails + 1
-            fails = tries = 0
-            while fails < EXACT_PAIR_FAILS and tries < EXACT_MOVES:
-                edge = ls.pick_edge()
-                gain = ls.groups.move_units(ls, list(edge)) if edge is not None else 0.0
-                tries += 1
-                fails = 0 if gain > 0 else fails + 1
-            if ls.cost() >= before * (1 - 1e-12):
-                break
-        cost, ok, _ = evaluate(problem, ls.a)
-        how = (swept.method if start is not None and swept is not None else "greedy")
-        if best is None or (not ok, cost) < best[0]:
-            best = ((not ok, cost), ls.a.copy(), f"{how} + local moves")
-    (infeasible, cost), a, method = best
-    _, _, peak = evaluate(problem, a)
-    return Solution(tuple(int(x) for x in a), cost, not infeasible,
-                    "timeout-no-solution" if infeasible else "feasible",
-                    time.perf_counter() - t0, method, None, peak)
-
-
-# --- assembling the plan --------------------------------------------------------------------
-
-
-def assemble_plan(
-    pg: PlanGraph, sp: ShardingProblem, choice: list[int], model_name: str, mesh: Mesh,
-    solver: SolverInfo, timings: dict[str, float], references: dict[str, PlanCost],
-    memory_budget: float | None, limit_source: str = "given",
-    recompute: Recompute | None = None,
-) -> Plan:
-    """The plan of ``choice`` on ``pg`` (the graph as planned: recomputation applied)."""
-    scored = bucket_fill.score(sp, choice)
-    params: dict[str, Spec] = {}
-    inputs: dict[str, Spec] = {}
-    input_shapes: dict[str, list[int]] = {}
-    nodes: dict[str, NodePlacement] = {}
-    for i, n in enumerate(sp.nodes):
-        s = sp.strategies[i][choice[i]]
-        f = n.meta["autopar"]
-        nodes[n.name] = NodePlacement(s.ins, s.outs, s.impls, s.raw_outs)
-        if f.role == "param":
-            params[f.param_name] = s.outs[0]
-        elif f.role == "input" and f.input_index is not None and f.out is not None:
-            key = pg.input_names[f.input_index]
-            inputs.setdefault(key, s.outs[0])
-            input_shapes.setdefault(key, list(f.out.shape))
-    if pg.proxy is not None:  # untraced layers take the placements of the layer they stand for
-        params = {name: params[pg.proxy.traced_name(name)] for name in pg.all_param_names}
-    return Plan(
-        Decisions(
-            mesh_shape=mesh.shape, mesh_axes=mesh.axes, device=mesh.device.name,
-            params=params, inputs=inputs, nodes=nodes, input_shapes=input_shapes,
-            precision=pg.precision or Precision(), recompute=recompute or Recompute(),
-            param_state=zero_stages.param_state(pg, sp, choice),
-            first_bucket_bytes=first_bucket_bytes(mesh.device),
-            merged_sums=tuple(tuple(mesh.axes[k] for k in axes)
-                              for axes in cm.merged_sums(mesh))),
-        Predictions(cost=scored.cost, collectives=tuple(scored.collectives)),
-        Provenance(solver=solver, model=model_name, references=references,
-                   timings={k: round(v, 4) for k, v in timings.items()},
-                   missing_rules=dict(sp.missing_rules), memory_budget=memory_budget,
-                   memory_limit_source=limit_source),
-    )
-
-
-def with_recompute(graph: PlanGraph, plan: Plan, mode: Mode | str, mesh: Mesh) -> Plan:
-    """``plan`` (made without recomputation, on ``graph`` as captured) with ``mode``'s
-    recomputation: every original node placed as in ``plan``, every copy as its original, the
-    collectives and costs scored again. The same layout, recomputing: what the property tests
-    compare bit for bit, and a way to ask what a mode costs a given plan. ``mode``: a
-    :class:`~autopar.planning.modes.Mode` or its label (a recompute mode, with ``+zero3`` to
-    re-gather parameters in the backward too, ``+zero1`` to all-reduce the gradients of split
-    parameters whole)."""
-    if plan.decided.recompute.nodes:
-        raise PlanError("with_recompute takes a plan that recomputes nothing")
-    mode = Mode.of(mode)
-    mpg = mode_graph(graph, mode)
-    offload = "auto" if plan.decided.param_state.offloaded else "none"
-    sp = sharding_problem.build(mpg, mesh, plan.provenance.memory_budget, share_layers=False,
-                                offload=offload, zero1=mode.whole_grads)
-    choice = []
-    for i, n in enumerate(sp.nodes):
-        place = plan.decided.nodes[n.meta["autopar"].extra.get("recomputes", n.name)]
-        choice.append(sp.strategy_index(i, place))
-    base = sharding_problem.build(graph, mesh, plan.provenance.memory_budget,
-                                  share_layers=False,
-                                  offload=offload, zero1=mode.whole_grads)
-    rec = recompute_record(mode.label, mode.recompute, mpg, sp, choice, base)
-    pv = plan.provenance
-    return assemble_plan(mpg, sp, choice, pv.model, mesh, pv.solver, dict(pv.timings),
-                         dict(pv.references), pv.memory_budget, pv.memory_limit_source, rec)

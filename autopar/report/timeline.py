@@ -18,7 +18,7 @@ its ``torch.profiler`` ranges with the same functions, so a measured trace carri
 event names. The writer (``TraceEvent``, ``write_trace``) lives there too.
 
 **Times** come from the cost model the plan was scored by (:func:`bucket_fill.score`, as
-:func:`autopar.planning.planner.assemble_plan` scores it): each node's compute time on its chosen
+:func:`autopar.planning.assemble.assemble_plan` scores it): each node's compute time on its chosen
 strategy (``sp.node_cost``, less the all-reduces an op runs inside itself, drawn as
 collectives), each edge's collectives at the consumer that needs them, parameter gathers one
 per layer, phase and axis at the first reader, gradient syncs one per bucket and axis as soon

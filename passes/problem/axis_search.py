@@ -185,7 +185,7 @@ def _order(edges: list[tuple[int, int]], dom: list[int]) -> list[int] | None:
 # the problems whose steps' minimisers are kept, most recent last: (what identifies the problem
 # as solved, its steps' minimisers by (axis, classes) and multiplier). The key holds the
 # problem's own cost and usage lists (they stay alive, so no other problem takes their ids):
-# a problem made again with another limit (planner._with_limit) shares them. Those lists are
+# a problem made again with another limit (planning.solving.with_limit) shares them. Those lists are
 # made for one sharding problem (its reduced problem, or a restriction of it), whose
 # strategies define the steps: they stand for it, and it is not kept alive
 _HULLS: list[tuple[tuple, dict]] = []

@@ -19,11 +19,11 @@ def _mlp_tiny():
 
 
 def test_a_solve_with_no_limit_polishes_by_local_moves_where_asked(monkeypatch):
-    """``_solve_within_budget(local_polish=True)`` with no budget (the seed plan): an exact
+    """``solve_within_budget(local_polish=True)`` with no budget (the seed plan): an exact
     sweep is polished by the local moves (method "heuristic"); by default, with no budget,
     CP-SAT polishes it ("auto"), as before."""
     from autopar.passes.problem.axis_search import SWEEP
-    from autopar.planning import planner
+    from autopar.planning import solving
     from autopar.solver.problem import Solution
 
     _, _, graph = _mlp_tiny()
@@ -38,9 +38,9 @@ def test_a_solve_with_no_limit_polishes_by_local_moves_where_asked(monkeypatch):
             _c.append(method)
             return Solution(hint, 2.0, True, "feasible", 0.1, method)
 
-        monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: sweep)
-        monkeypatch.setattr(planner, "solve", fake_solve)
-        got = planner._solve_within_budget(sp, None, 10.0, local_polish=polish)
+        monkeypatch.setattr(solving, "solve_axiswise", lambda *a, **k: sweep)
+        monkeypatch.setattr(solving, "solve", fake_solve)
+        got = solving.solve_within_budget(sp, None, 10.0, local_polish=polish)
         assert calls == [want] and got.assignment == sweep.assignment
 
 
@@ -80,8 +80,8 @@ def test_the_memory_fits_retries_start_from_the_plan_and_few_random_starts(monke
     leanest layout; none at all lost plans, llama3-tiny at 0.35 of its peak every one), and
     the fit ends on a plan whose whole step fits."""
     from autopar.passes.problem import sharding_problem
-    from autopar.planning import planner
-    from autopar.planning.planner import step_peak
+    from autopar.passes.problem.step_memory import step_peak
+    from autopar.planning import solving
 
     model, inputs, graph = _mlp_tiny()
     mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
@@ -90,16 +90,16 @@ def test_the_memory_fits_retries_start_from_the_plan_and_few_random_starts(monke
     budget = 0.6 * peak  # the first solve overshoots (reshard copies, gathers)
     sp = sharding_problem.build(graph, mesh, budget)
     calls: list[int] = []
-    real = planner.solve_axiswise
+    real = solving.solve_axiswise
 
     def counting(*a, restarts=16, **k):
         calls.append(restarts)
         return real(*a, restarts=restarts, **k)
 
-    monkeypatch.setattr(planner, "solve_axiswise", counting)
-    sol = planner._solve_within_budget(sp, budget, 20.0)
+    monkeypatch.setattr(solving, "solve_axiswise", counting)
+    sol = solving.solve_within_budget(sp, budget, 20.0)
     assert len(calls) > 1  # a retry ran: the case is a real one
-    assert calls[0] == planner.LIMIT_RESTARTS
-    assert calls[1:] == [planner.RETRY_RESTARTS] * (len(calls) - 1)
-    assert 0 < planner.RETRY_RESTARTS < planner.LIMIT_RESTARTS
+    assert calls[0] == solving.LIMIT_RESTARTS
+    assert calls[1:] == [solving.RETRY_RESTARTS] * (len(calls) - 1)
+    assert 0 < solving.RETRY_RESTARTS < solving.LIMIT_RESTARTS
     assert sol.feasible and step_peak(sp, sp.expand(sol.assignment))[0] <= budget * (1 + 1e-9)

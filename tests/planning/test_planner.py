@@ -234,16 +234,16 @@ def test_a_reference_layout_is_kept_unless_the_solver_clearly_beats_it():
 def test_a_sweep_answer_the_exact_solve_cannot_beat_is_reported_optimal(monkeypatch):
     """The axis sweep finds the plan, CP-SAT proves nothing beats it: the plan says optimal
     (and says who proved it); an unproven exact answer of the same cost proves nothing."""
-    from autopar.planning import planner
+    from autopar.planning import solving
     from autopar.solver.problem import Solution
 
     sweep = Solution((0, 1), 2.0, True, "feasible", 0.1, "axis-sweep")
     for exact_status, want in (("optimal", "optimal"), ("feasible", "feasible")):
         exact = Solution((1, 1), 2.0, True, exact_status, 0.2, "auto/ilp")
-        monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
-        monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: sweep)
-        monkeypatch.setattr(planner, "solve", lambda *a, _e=exact, **k: _e)
-        got = planner.planner_solve(None, None, time_limit_s=10.0)
+        monkeypatch.setattr(solving, "cannot_fit", lambda p: False)  # no problem here
+        monkeypatch.setattr(solving, "solve_axiswise", lambda *a, **k: sweep)
+        monkeypatch.setattr(solving, "solve", lambda *a, _e=exact, **k: _e)
+        got = solving.planner_solve(None, None, time_limit_s=10.0)
         assert got.assignment == sweep.assignment and got.status == want
         if want == "optimal":
             assert got.method == "axis-sweep, proven optimal by auto/ilp"
@@ -256,7 +256,7 @@ def test_a_reference_completion_is_polished_by_local_moves_where_the_sweep_was_e
     sweep, and its exact polish after a sweep with inexact steps (too wide to eliminate, or
     Lagrangian under a memory limit); a polish that finds nothing cheaper keeps the sweep's."""
     from autopar.passes.problem.axis_search import SWEEP, SWEEP_INEXACT
-    from autopar.planning import planner
+    from autopar.planning import solving
     from autopar.solver.problem import Solution
 
     for method, want in ((SWEEP, "heuristic"), (SWEEP_INEXACT, "auto")):
@@ -267,17 +267,17 @@ def test_a_reference_completion_is_polished_by_local_moves_where_the_sweep_was_e
             _c.append((method, hint))
             return Solution((1, 1), 1.5, True, "feasible", 0.1, method)
 
-        monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
-        monkeypatch.setattr(planner, "solve_axiswise", lambda *a, _s=sweep, **k: _s)
-        monkeypatch.setattr(planner, "solve", fake_solve)
-        got = planner.planner_solve(None, None, time_limit_s=10.0, local_polish=True)
+        monkeypatch.setattr(solving, "cannot_fit", lambda p: False)  # no problem here
+        monkeypatch.setattr(solving, "solve_axiswise", lambda *a, _s=sweep, **k: _s)
+        monkeypatch.setattr(solving, "solve", fake_solve)
+        got = solving.planner_solve(None, None, time_limit_s=10.0, local_polish=True)
         assert calls == [(want, sweep.assignment)] and got.cost == 1.5
-    monkeypatch.setattr(planner, "solve", lambda *a, **k: Solution((1, 0), 2.0, True, "feasible",
+    monkeypatch.setattr(solving, "solve", lambda *a, **k: Solution((1, 0), 2.0, True, "feasible",
                                                                      0.1, "heuristic"))
-    monkeypatch.setattr(planner, "cannot_fit", lambda p: False)  # no problem here
-    monkeypatch.setattr(planner, "solve_axiswise", lambda *a, **k: Solution(
+    monkeypatch.setattr(solving, "cannot_fit", lambda p: False)  # no problem here
+    monkeypatch.setattr(solving, "solve_axiswise", lambda *a, **k: Solution(
         (0, 1), 2.0, True, "feasible", 0.1, SWEEP))
-    assert planner.planner_solve(None, None, 10.0, local_polish=True).assignment == (0, 1)
+    assert solving.planner_solve(None, None, 10.0, local_polish=True).assignment == (0, 1)
 
 
 def test_references_completed_on_forked_processes_equal_the_sequential_ones():
@@ -352,7 +352,7 @@ def test_a_fit_that_overshoots_falls_back_to_the_leanest_layout_where_that_fits(
     from autopar.passes.memory.peak import peak_memory
     from autopar.passes.problem import sharding_problem
     from autopar.passes.problem.step_memory import step_usage
-    from autopar.planning import planner
+    from autopar.planning import solving
     from autopar.solver import Solution
 
     _, _, graph = _mlp_tiny_graph()
@@ -361,10 +361,10 @@ def test_a_fit_that_overshoots_falls_back_to_the_leanest_layout_where_that_fits(
     need = peak_memory(*step_usage(sp, sp.expand(lean)))[0]
     replicated = Solution((0,) * sp.problem.num_nodes, 1.0, True, "feasible", 0.0, "sweep")
     assert peak_memory(*step_usage(sp, sp.expand(replicated.assignment)))[0] > need
-    got = planner._leanest_if_fits(sp, replicated, need)
+    got = solving._leanest_if_fits(sp, replicated, need)
     assert got.method == "leanest layout" and got.assignment == lean
     # where the leanest layout does not fit either, the solution is returned as it was
-    assert planner._leanest_if_fits(sp, replicated, need * 0.99) is replicated
+    assert solving._leanest_if_fits(sp, replicated, need * 0.99) is replicated
 
 
 def _fit_case():
@@ -387,11 +387,11 @@ def test_the_limit_binds_check_stops_at_the_first_cheaper_point(monkeypatch):
     that find a cheaper point without the limit settle it; only where they find none do the
     random starts run, and the answer is the full search's."""
     from autopar.passes.problem.axis_search import solve_axiswise
-    from autopar.planning import planner
+    from autopar.planning import planner, solving
     from autopar.planning.modes import Mode
 
     sp, budget = _fit_case()
-    sol = planner._solve_within_budget(sp, budget, 20.0)
+    sol = solving.solve_within_budget(sp, budget, 20.0)
     run = planner._ModeRun(Mode("none"), None, sp, None, sol=sol)
     calls: list[int] = []
     real = planner.solve_axiswise
@@ -401,7 +401,7 @@ def test_the_limit_binds_check_stops_at_the_first_cheaper_point(monkeypatch):
         return real(*a, restarts=restarts, **k)
 
     monkeypatch.setattr(planner, "solve_axiswise", counting)
-    free = planner._with_limit(sp.problem, None)
+    free = solving.with_limit(sp.problem, None)
     full = solve_axiswise(sp, free, 20.0, [sol.assignment], restarts=16)
     own = planner.evaluate(free, sol.assignment)[0]
     binds = full.cost < own * (1 - 1e-9)
@@ -460,7 +460,7 @@ def test_a_solve_no_assignment_can_fit_is_answered_at_once():
     the time limit, and so is a reference completed under it; one just above is solved."""
     from autopar.capture.joint import capture
     from autopar.passes.problem import sharding_problem
-    from autopar.planning.planner import _with_limit, planner_solve
+    from autopar.planning.solving import planner_solve, with_limit
     from autopar.solver import evaluate
     from autopar.solver.problem import cannot_fit, least_peak_usage
 
@@ -468,12 +468,12 @@ def test_a_solve_no_assignment_can_fit_is_answered_at_once():
     sp = sharding_problem.build(capture(preset.build("meta"), preset.example_inputs(4, 32)),
                                 Mesh((2, 2), ("dp", "tp")), 1e12)
     least = least_peak_usage(sp.problem)
-    under = _with_limit(sp.problem, least * 0.99)
+    under = with_limit(sp.problem, least * 0.99)
     assert cannot_fit(under)
     sol = planner_solve(sp, under, 30.0)
     assert not sol.feasible and sol.status == "infeasible" and sol.time_s < 1.0
     lean = tuple(int(u.argmin()) for u in sp.problem.usages)
-    over = _with_limit(sp.problem, max(least, evaluate(sp.problem, lean)[2]))
+    over = with_limit(sp.problem, max(least, evaluate(sp.problem, lean)[2]))
     assert not cannot_fit(over)
     got = planner_solve(sp, over, 5.0)
     assert got.feasible and evaluate(over, got.assignment)[1]

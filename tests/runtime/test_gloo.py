@@ -162,7 +162,7 @@ def _reference_plans(configs: list) -> dict[str, dict]:
 def _plan_json(name: str) -> dict:
     from autopar.capture.joint import capture
     from autopar.ir.plan import Plan
-    from autopar.planning.planner import with_recompute
+    from autopar.planning.assemble import with_recompute
 
     _, preset_name, mesh_shape, source = next(c for c in CONFIGS if c[0] == name)
     preset, model, inputs = _build(preset_name)

@@ -28,7 +28,8 @@ from autopar.capture.joint import capture
 from autopar.ir.options import Options
 from autopar.ir.plan import Plan
 from autopar.models import get_preset
-from autopar.planning.planner import make_plan, with_recompute
+from autopar.planning.assemble import with_recompute
+from autopar.planning.planner import make_plan
 from autopar.report.table import plan_table
 from autopar.runtime.optim.offload import OffloadedOptimizer
 

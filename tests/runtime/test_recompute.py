@@ -27,7 +27,8 @@ from autopar.capture.joint import capture
 from autopar.ir.options import Options
 from autopar.models import get_preset
 from autopar.passes.memory.recompute import SUFFIX, apply_recompute, recompute_nodes
-from autopar.planning.planner import make_plan, with_recompute
+from autopar.planning.assemble import with_recompute
+from autopar.planning.planner import make_plan
 
 
 def _model(name: str, **overrides):

@@ -15,7 +15,8 @@ from autopar.ir.precision import resolve
 from autopar.models import get_preset
 from autopar.models.reference_plans import fsdp
 from autopar.passes.memory import zero
-from autopar.planning.planner import make_plan, mode_graph, with_recompute
+from autopar.planning.assemble import with_recompute
+from autopar.planning.planner import make_plan, mode_graph
 from autopar.report.table import plan_table
 
 MESH = Mesh((4,), ("dp",), "h100")

@@ -19,7 +19,7 @@ from autopar.passes.problem.edge_costs import edge_matrix, is_param_gather
 from autopar.passes.problem.step_memory import step_usage
 from autopar.planning.modes import Mode, candidate_modes, mode_graph
 from autopar.planning.pipeline import stand_in_graph
-from autopar.planning.planner import score_reference
+from autopar.planning.references import score_reference
 
 MESH = Mesh((2, 2), ("dp", "tp"), "h100")
 TRACES: dict = {}  # one trace serves every stand-in here

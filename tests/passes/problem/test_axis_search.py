@@ -44,13 +44,13 @@ def test_each_step_is_the_exact_optimum_over_one_axis_and_solved_once(limit):
     agree with the point on every other axis (the step's definition); asking again, or from
     another point of the same classes, is answered from memory with the same answer."""
     from autopar.passes.problem.axis_search import _axis_components, _Steps
-    from autopar.planning.planner import _with_limit
+    from autopar.planning.solving import with_limit
 
     sp = _sp(Mesh((2, 2), ("dp", "tp")))
     p = sp.problem
     if limit == "tight":  # between the leanest and the all-replicated peak: memory binds
         lean = evaluate(p, [int(np.argmin(u)) for u in p.usages])[2]
-        p = _with_limit(p, lean + 0.3 * (evaluate(p, [0] * p.num_nodes)[2] - lean))
+        p = with_limit(p, lean + 0.3 * (evaluate(p, [0] * p.num_nodes)[2] - lean))
     comps = _axis_components(sp)
     steps = _Steps(p, comps)
     rng = np.random.default_rng(0)
@@ -86,7 +86,7 @@ def test_a_problem_solved_again_at_another_limit_gives_what_a_fresh_solve_does(m
     """The steps' Lagrangian minimisers kept across solves of one problem (a memory fit's
     retries: the same costs, another limit) change no answer, only the time."""
     from autopar.passes.problem import axis_search
-    from autopar.planning.planner import _with_limit
+    from autopar.planning.solving import with_limit
 
     sp = _sp(Mesh((2, 2), ("dp", "tp")))
     p = sp.problem
@@ -104,11 +104,11 @@ def test_a_problem_solved_again_at_another_limit_gives_what_a_fresh_solve_does(m
 
     monkeypatch.setattr(elimination_kernel, "_run", counting)
     axis_search._HULLS.clear()
-    kept = [solve_axiswise(sp, _with_limit(p, lim), 60, restarts=2) for lim in limits]
+    kept = [solve_axiswise(sp, with_limit(p, lim), 60, restarts=2) for lim in limits]
     kept_calls, calls[0] = calls[0], 0
     for lim, got in zip(limits, kept):
         axis_search._HULLS.clear()
-        fresh = solve_axiswise(sp, _with_limit(p, lim), 60, restarts=2)
+        fresh = solve_axiswise(sp, with_limit(p, lim), 60, restarts=2)
         assert got.assignment == fresh.assignment and got.cost == fresh.cost
         assert got.feasible and evaluate(p, got.assignment)[2] <= lim * (1 + 1e-9)
     assert kept_calls < calls[0]  # the later limits' solves reused the first's eliminations

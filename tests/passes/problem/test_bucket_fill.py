@@ -98,7 +98,7 @@ def test_a_reference_completion_is_repriced_when_another_plan_wins() -> None:
     the megatron reference, completed as the benchmarks run it, must still compute the
     row-parallel biases' gradients without a near-empty bucket: three all-reduces."""
     from autopar.ir.plan import SolverInfo
-    from autopar.planning.planner import assemble_plan
+    from autopar.planning.assemble import assemble_plan
 
     with torch.device("meta"):
         model = MLP(MLPConfig(in_dim=256, hidden=(1024, 256, 1024), out_dim=256))

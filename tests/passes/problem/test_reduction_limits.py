@@ -10,7 +10,7 @@ reductions promise:
 - **memory at the constrained instant**: the reduced usage of any assignment is the flat usage
   of its expansion at ``sp.peak_time``, so a plan that fits is never cut and a plan that
   overflows that instant is never called feasible (other instants are the planner's exact
-  check of the whole step, ``planning/planner.py::_solve_within_budget``);
+  check of the whole step, ``planning/solving.py::solve_within_budget``);
 - **restriction, never relaxation, of the choices**: every reduced plan is a flat plan, so a
   reduced optimum, checked at every instant, is never below the flat optimum, and where the
   reductions change nothing that matters (leaf followers, no repeated layers, every node live
