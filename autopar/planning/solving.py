@@ -28,10 +28,8 @@ from autopar.solver.problem import cannot_fit
 # seconds the general solver gets to improve on the axis sweeps (it rarely does, so it is short)
 POLISH_S = 2.0
 
-
 # the local moves' budget in a reference completion's polish (they stop sooner when done)
 LOCAL_POLISH_S = 0.5
-
 
 # random starts of the sweeps that solve again from a plan (a memory fit's retry, a repricing):
 # the plan is their start, and under a memory limit each random start's sweep costs a few
@@ -40,7 +38,6 @@ LOCAL_POLISH_S = 0.5
 # peak without a repricing's (15.6 -> 19.1 ms), the wide-and-deep model at half its peak
 # without a fit retry's (23.8 -> 32.7 ms), llama3-tiny at 0.35 of its peak every plan
 RETRY_RESTARTS = 2
-
 
 # random starts of a first solve under a memory limit: besides them the leanest layout, the
 # best reference and another mode's plan start it. The encoder of benchmarks/solver.py at 0.7
@@ -229,4 +226,5 @@ def _search_once(sp: ShardingProblem, problem: Problem, time_limit_s: float,
 
 
 def with_limit(p: Problem, limit: float | None) -> Problem:
+    """``p`` with another usage limit (None: no limit), sharing its arrays."""
     return Problem(p.costs, p.usages, p.intervals, p.edges, p.edge_costs, limit, p.names, p.name)
