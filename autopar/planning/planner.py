@@ -557,9 +557,8 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
     carried = carried_choice(sp, seed.sp, seed.choice) if seed is not None else None
     seeds = [tuple(carried[r] for r in sp.var_root)] if carried is not None else []
     # a mode seeded with another's plan has that plan to fall back on: half the time
-    polish = True if seed_only else None
     sol = solve_within_budget(sp, limit, dl.cap(time_limit_s / 2 if seeds else time_limit_s),
-                               hint, seeds, dl, must_fit=must_fit, local_polish=polish)
+                               hint, seeds, dl, must_fit=must_fit, local_polish=seed_only)
     timings["solve_s"] += time.perf_counter() - t2
     if not sol.feasible:
         out.sol = sol
@@ -581,7 +580,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         t3 = time.perf_counter()
         again = solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
-                                     restarts=RETRY_RESTARTS, local_polish=polish)
+                                     restarts=RETRY_RESTARTS, local_polish=seed_only)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)

@@ -104,7 +104,7 @@ def solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
     deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
-    local_polish: bool | None = None,
+    local_polish: bool = False,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -118,7 +118,7 @@ def solve_within_budget(
     still find none, the general solver gets the time left. ``must_fit``: no plan that fits
     is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
     deadline's floor). ``local_polish``: the sweeps polished by local moves, not CP-SAT
-    (:func:`planner_solve`'s ``"always"``); None: where there is a budget.
+    (:func:`planner_solve`'s ``"always"``), with no budget too (under one they always are).
     """
     assert sp.problem is not None
     t0 = time.perf_counter()
@@ -131,8 +131,7 @@ def solve_within_budget(
     # fit may then tighten, and it spent its whole polish (2 s) without one (on the 3-layer
     # MLP at 0.7 of its peak, 6 modes x 1.7 s of 20 s, to improve one plan by 0.04%)
     sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
-                           local_polish=budget is not None if local_polish is None
-                           else local_polish,
+                           local_polish=local_polish or budget is not None,
                            restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS))
     if budget is None or not sol.feasible:
         return sol
