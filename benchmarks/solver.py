@@ -185,9 +185,9 @@ def plan_once(model: nn.Module, inputs: tuple, budget: float, limit_s: float
                             options=Options.of(memory_budget=budget, time_limit_s=limit_s,
                                                workers=default_workers()))
     except PlanError as e:
-        # "No plan found" where the leanest layouts fit: the search found none in time
+        # "No plan found" / "found no plan" where the leanest layouts fit: the search found none
         text = str(e)
-        why = "none found" if "No plan found" in text else "infeasible"
+        why = "none found" if "No plan found" in text or "found no plan" in text else "infeasible"
         return time.perf_counter() - t0, None, why
     wall = time.perf_counter() - t0
     plan = planned.plan

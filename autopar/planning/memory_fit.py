@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.ir.devices import DeviceProfile
 from autopar.ir.options import check_budget
 from autopar.ir.units import fmt_bytes
+from autopar.solver.problem import least_peak_usage
 
 if TYPE_CHECKING:
     from autopar.ir.graph import PlanGraph
@@ -44,11 +45,25 @@ def leanest(sp: ShardingProblem) -> tuple[float, float]:
     return peak, state
 
 
+def _proven_need(sp: ShardingProblem) -> tuple[float, float]:
+    """:func:`leanest`'s (peak, state), the peak raised to what the problem's constrained
+    instant needs at least (the reduced problem's leanest usage there, which no plan's usage
+    at that instant is below): the per-node minima of one mode can all fit where no layout
+    of its groups does at once (a residual CNN at 0.7 of its peak: 185 KiB by the nodes, no
+    mode's problem fitting the 193 KiB at its instant), and "raise the time limit" was then
+    the wrong advice."""
+    need, state = leanest(sp)
+    if sp.problem is not None:
+        need = max(need, least_peak_usage(sp.problem))
+    return need, state
+
+
 def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
-                   runs: dict[Any, Any], time_limit_s: float) -> str:
+                   runs: dict[Any, Any], time_limit_s: float, cut: bool = True) -> str:
     """Why nothing fits: the leanest need (recomputing everything a layer makes, parameters
     gathered again in the backward, every tensor at its most sharded layout, the optimizer
-    state offloaded where that was tried), and the option that helps most, sized."""
+    state offloaded where that was tried), and the option that helps most, sized. ``cut``:
+    the time limit stopped some of the search short (then more time is the first advice)."""
     from autopar.passes.problem import sharding_problem
     from autopar.planning.modes import Mode, mode_graph
 
@@ -59,8 +74,7 @@ def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
     if not any(m.recompute == "full" for m in runs):
         tried.append(sharding_problem.build(mode_graph(pg, Mode("full", regather=True)), mesh,
                                             limit))
-    sp = min(tried, key=lambda p: leanest(p)[0])
-    need, state = leanest(sp)
+    need, state = min(_proven_need(p) for p in tried)
     acts = max(need - state, 0.0)
     lim = limit or float("inf")
     where = "" if source == "given" else f" ({source})"
@@ -70,9 +84,15 @@ def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
            f"about {fmt_bytes(need)} ({fmt_bytes(state)} of parameters, gradients and "
            f"optimizer state, {fmt_bytes(acts)} of activations). ")
     if need <= lim:  # the per-node minima fit: the solver found no consistent plan that does
-        return msg + (f"No plan found fits within --time-limit {time_limit_s:g} s (the leanest "
-                      "layouts of single tensors do not always combine into one plan): raise "
-                      "--time-limit, or make room with a smaller batch or more devices")
+        why = ("the leanest layouts of single tensors do not always combine into one plan")
+        if cut:
+            return msg + (f"No plan found fits within --time-limit {time_limit_s:g} s ({why}): "
+                          "raise --time-limit, or make room with a smaller batch or more "
+                          "devices")
+        # the search ended by its own rounds, not the clock: more time would not find one
+        return msg + (f"The search found no plan that fits, before its time limit ({why}): "
+                      "make room with a smaller batch or more devices, or raise "
+                      "--memory-budget")
     batch = _batch(pg)
     devices = mesh.size * math.ceil(need / lim) if lim > 0 else mesh.size
     more = (f"{devices} devices or more (the state shards over all of them, the activations "

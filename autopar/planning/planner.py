@@ -358,7 +358,7 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
     fitting = [r for r in asked if r.choice is not None and r.fits]
     if not fitting:
         raise PlanError(no_fit_message(pg, mesh, limit, limit_source, runs,
-                                       search.time_limit_s))
+                                       search.time_limit_s, cut=dl.was_cut))
     best = min(fitting, key=lambda r: r.step_s)
     dl.close()
     # exact references, reported as priced alone: each mode built afresh (the solver's
