@@ -81,6 +81,7 @@ class Planned:
                             self.node_choice, node, top)
 
 
+@solve_memo.remembered  # one planning call: modes that build one problem solve it once
 def make_plan(
     model: nn.Module,
     mesh: Mesh,
@@ -140,15 +141,6 @@ def make_plan(
                             options=Options.of(memory_budget=40 * 2**30, recompute="full"))
         print(plan_table(planned.plan))
     """
-    with solve_memo.remembering():  # modes that build one problem solve it once
-        return _make_plan(model, mesh, example_inputs, example_kwargs, loss_fn, options,
-                          references, model_name, graph)
-
-
-def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwargs: dict | None,
-               loss_fn: Callable | None, options: Options | None,
-               references: dict[str, Any] | None, model_name: str, graph: PlanGraph | None
-               ) -> Planned:
     # the whole call's time limit starts now (or is the calling search's: autopar.ir.deadline)
     options = (options if options is not None else Options()).with_deadline()
     mem, search = options.memory, options.search

@@ -12,16 +12,24 @@ first answer is as valid an answer (the memory fit checks every plan's whole ste
 mode's problem, so a mode whose whole step differs still goes its own way from there).
 
 :func:`remembering` opens the memo for a planning call (nested calls share the outer one's)
-and drops it at the end; forked workers inherit it as it stands when they start.
+and drops it at the end; forked workers inherit it as it stands when they start. The
+outermost block also starts the heuristic's futile share afresh
+(:func:`autopar.solver.heuristic.forget_futile_share`): what one model's LNS steps taught
+must not shut out another's steps in a process that plans several.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
 
-from autopar.solver import Problem, Solution
+from autopar.solver import Problem, Solution, heuristic
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # a remembered answer serves a request for at most this many times the seconds it was given
 # (one solved in a moment cut short by a deadline is not what a longer search would give)
@@ -38,11 +46,21 @@ def remembering() -> Iterator[None]:
     outer = _memo is not None
     if not outer:
         _memo = {}
+        heuristic.forget_futile_share()
     try:
         yield
     finally:
         if not outer:
             _memo = None
+
+
+def remembered(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` with its whole call inside :func:`remembering`."""
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        with remembering():
+            return fn(*args, **kwargs)
+    return call
 
 
 def content_key(problem: Problem) -> bytes:
@@ -74,4 +92,4 @@ def solved(problem: Problem, starts: list, how: tuple, time_limit_s: float,
     return sol
 
 
-__all__ = ["content_key", "remembering", "solved"]
+__all__ = ["content_key", "remembered", "remembering", "solved"]
