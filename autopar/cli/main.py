@@ -58,6 +58,10 @@ def load_model(spec: str, batch: int, seq: int) -> LoadedModel:
         return LoadedModel(preset.build("meta"), preset.example_inputs(batch, seq, "meta"), {},
                            spec, preset.family)
     mod_name, _, fn_name = spec.partition(":")
+    # a module in the folder the command runs in is found, as ``python -m`` finds it (the
+    # console script's own folder heads sys.path, not the caller's)
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:

@@ -142,3 +142,20 @@ def test_a_factory_returning_a_bare_hugging_face_model(tmp_path, monkeypatch, ca
                          "--batch", "4", "--seq", "16", "--time-limit", "5")
     assert code == 0, err
     assert "input_ids" in out and "model.layers.*.self_attn.q_proj.weight" in out
+
+
+def test_a_factory_in_the_folder_the_command_runs_in_is_found(tmp_path, monkeypatch):
+    """``autopar plan mymodels:build`` run beside mymodels.py finds it, as ``python -m``
+    would (the console script's sys.path heads with its own folder, not the caller's)."""
+    import os
+
+    from autopar.cli.main import load_model
+
+    (tmp_path / "autopar_cwd_models.py").write_text(
+        "import torch\n"
+        "def build(batch=2, seq=0):\n"
+        "    return torch.nn.Linear(4, 1), (torch.randn(batch, 4),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    loaded = load_model("autopar_cwd_models:build", 3, 0)
+    assert tuple(loaded.inputs[0].shape) == (3, 4)
