@@ -50,12 +50,8 @@ _THETA0, _STALL, _THETA_MIN = 0.5, 3, 0.02
 _KICK_AFTER, _KICK_SIGMA = 6, 0.3
 # a relaxed plan over the limit is moved towards it by up to _TIGHTEN_ROUNDS re-solves, the
 # multipliers at the steps still over raised by _TIGHTEN_FACTOR (plus a bump) each time,
-# each re-solve _TIGHTEN_PASSES passes of relaxed moves (see ``Search.tighten``). Small
-# steps cost more re-solves but land on plans just over the limit, which the greedy repair
-# mends cheaply: on contest instance S, the same 14 relaxed plans tightened with 1.25
-# instead of 2.0 (16 rounds) came out 1.2% cheaper on average after polish, 12 of them
-# cheaper, in twice the time. The rounds keep the same reach (1.25**50 ~ 2**16)
-_TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 50, 1.25, 3
+# each re-solve _TIGHTEN_PASSES passes of relaxed moves (see ``Search.tighten``)
+_TIGHTEN_ROUNDS, _TIGHTEN_FACTOR, _TIGHTEN_PASSES = 16, 2.0, 3
 # when the rounds stall, exact region moves (``regions.py``) on the incumbent for up to
 # this many seconds before the kick; without a limit they take the time the rounds would
 _REGION_S = 3.0
