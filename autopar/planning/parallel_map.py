@@ -13,10 +13,12 @@ compute thread pool, which is not fork-safe once used, is not.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 _JOB: tuple[Callable[[Any], Any], Sequence[Any]] | None = None  # what the children run
@@ -82,10 +84,34 @@ def forked_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
         return [fn(x) for x in items]
     _JOB = (fn, items)
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        with _frozen(), multiprocessing.get_context("fork").Pool(workers) as pool:
             return pool.map(_run, range(len(items)), chunksize=1)
     finally:
         _JOB = None
+
+
+_FROZEN = 0  # forks under way that froze the collector's view of the heap (_frozen)
+
+
+@contextmanager
+def _frozen():
+    """The objects alive now left out of the garbage collector's passes while forked
+    children live (``gc.freeze``, as Python's documentation advises before a fork): a full
+    collection touches every object it scans, and a page a parent or child writes while
+    both share it is copied. The planner's heap (the traced graph, torch, the problems) is
+    hundreds of thousands of objects: on moe-tiny at 0.35 of its peak on two workers, the
+    parent's three full collections while its children ran took 3.2 s, its children's
+    0.4-0.6 s each."""
+    global _FROZEN
+    if _FROZEN == 0:
+        gc.freeze()
+    _FROZEN += 1
+    try:
+        yield
+    finally:
+        _FROZEN -= 1
+        if _FROZEN == 0:
+            gc.unfreeze()
 
 
 class Ahead:
@@ -96,12 +122,17 @@ class Ahead:
 
     def __init__(self, fn: Callable[[], Any], workers: int) -> None:
         global _JOB
-        self._fn, self._pool, self._async = fn, None, None
+        self._fn, self._pool, self._async, self._frozen = fn, None, None, None
         if workers > 1 and _fork_is_safe():
             _JOB = (lambda _: fn(), (None,))
+            self._frozen = _frozen()
+            self._frozen.__enter__()  # until the child is stopped (cancel)
             try:
                 self._pool = multiprocessing.get_context("fork").Pool(1)
                 self._async = self._pool.apply_async(_run, (0,))
+            except BaseException:
+                self.cancel()
+                raise
             finally:
                 _JOB = None
 
@@ -123,6 +154,9 @@ class Ahead:
             self._pool.terminate()
             self._pool.join()
             self._pool = None
+        if self._frozen is not None:
+            frozen, self._frozen = self._frozen, None
+            frozen.__exit__(None, None, None)
 
 
 def _run(k: int) -> Any:
