@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from autopar.solver.problem import Problem, fits, least_load
 
@@ -187,30 +186,22 @@ class _Work:
             self.restrict(i, mask)
 
 
-def _no_worse(f: np.ndarray) -> np.ndarray:
-    """``le[a, b]``: row ``b`` of ``f`` is no greater than row ``a`` in every column. A
-    compiled loop that stops each pair at its first column against it (most pairs stop in a
-    few): numpy compared every pair on a first block of 64 columns, then the pairs still
-    standing on the rest, and that was still most of a presolve's time on moe-tiny's nodes of
-    100-200 strategies with edge rows of as many columns (7% of its planning at 0.35 of its
-    peak)."""
-    return _no_worse_loop(np.ascontiguousarray(f, dtype=np.float64))
-
-
-# compiled once per machine (cache=True: beside this file); here, not in kernels.py, so that
-# its first compile leaves the unit search's cached kernels as they are
-@njit(cache=True, nogil=True)
-def _no_worse_loop(f):
-    k, m = f.shape
-    le = np.zeros((k, k), dtype=np.bool_)
-    for a in range(k):
-        for b in range(k):
-            ok = True
-            for c in range(m):
-                if not f[b, c] <= f[a, c]:  # NaN: not no greater, as numpy's <=
-                    ok = False
-                    break
-            le[a, b] = ok
+def _no_worse(f: np.ndarray, block: int = 64) -> np.ndarray:
+    """``le[a, b]``: row ``b`` of ``f`` is no greater than row ``a`` in every column. The
+    first ``block`` columns are compared for every pair; the rest only for the pairs still
+    standing, which are few (moe-tiny's nodes of 100-200 strategies with edge rows of as
+    many columns: the whole comparison was most of a presolve's time)."""
+    head = f[:, :block]
+    le = (head[None, :, :] <= head[:, None, :]).all(2)
+    if f.shape[1] <= block:
+        return le
+    rest = f[:, block:]
+    a, b = np.nonzero(le)
+    step = max(1, (1 << 20) // rest.shape[1])  # pairs per chunk: about a million compared
+    for lo in range(0, len(a), step):
+        aa, bb = a[lo : lo + step], b[lo : lo + step]
+        worse = ~(rest[bb] <= rest[aa]).all(1)
+        le[aa[worse], bb[worse]] = False
     return le
 
 
