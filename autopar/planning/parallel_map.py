@@ -90,7 +90,9 @@ def forked_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> 
         _JOB = None
 
 
-_FROZEN = 0  # forks under way that froze the collector's view of the heap (_frozen)
+# forks under way (_frozen), and whether the first of them froze the heap (not where it found
+# objects frozen already: the caller's own gc.freeze, left as it is)
+_FROZEN: list = [0, False]
 
 
 @contextmanager
@@ -102,15 +104,17 @@ def _frozen():
     hundreds of thousands of objects: on moe-tiny at 0.35 of its peak on two workers, the
     parent's three full collections while its children ran took 3.2 s, its children's
     0.4-0.6 s each."""
-    global _FROZEN
-    if _FROZEN == 0:
-        gc.freeze()
-    _FROZEN += 1
+    if _FROZEN[0] == 0:
+        _FROZEN[1] = gc.get_freeze_count() == 0
+        if _FROZEN[1]:
+            gc.freeze()
+    _FROZEN[0] += 1
     try:
         yield
     finally:
-        _FROZEN -= 1
-        if _FROZEN == 0:
+        _FROZEN[0] -= 1
+        if _FROZEN[0] == 0 and _FROZEN[1]:
+            _FROZEN[1] = False
             gc.unfreeze()
 
 

@@ -124,6 +124,12 @@ def test_the_heap_is_left_out_of_garbage_collection_only_while_forked_children_l
     assert min(forked_map(lambda _: gc.get_freeze_count(), [0, 1], 2)) > 0
     assert gc.get_freeze_count() == 0
     assert Ahead(gc.get_freeze_count, 1).get() == 0  # nothing forked: nothing frozen
+    gc.freeze()  # the caller's own: left frozen
+    try:
+        assert min(forked_map(lambda _: gc.get_freeze_count(), [0, 1], 2)) > 0
+        assert gc.get_freeze_count() > 0  # not unfrozen by the fork's end
+    finally:
+        gc.unfreeze()
 
 
 def test_modes_are_planned_in_one_process_where_no_core_is_idle(monkeypatch):
