@@ -33,17 +33,23 @@ def route(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, .
           ) -> tuple[Steps, Perms]:
     """The ``(axis, new placement)`` steps from ``src`` to ``dst`` for a local piece of shape
     ``local``, and the block permutation to apply per dim afterwards."""
-    # only divisibility by the mesh's shard counts matters to the route: fold every dim to its
-    # gcd with the mesh size so tensors of many shapes share one cache entry
+    return _cached(tuple(src), tuple(dst), route_key(src, dst, local, mesh_shape),
+                   tuple(mesh_shape))
+
+
+def route_key(src: Spec, dst: Spec, local: tuple[int, ...], mesh_shape: tuple[int, ...]
+              ) -> tuple[int, ...]:
+    """All of ``local`` the route from ``src`` to ``dst`` depends on: only divisibility by the
+    mesh's shard counts matters, so every dim is folded to its gcd with the mesh size and
+    tensors of many shapes share one route."""
     size = math.prod(mesh_shape)
     factor = [1] * len(local)
     for p, n in zip(src, mesh_shape):
         if isinstance(p, Shard):
             factor[p.dim] *= n
     moved = {p.dim for p in (*src, *dst) if isinstance(p, Shard)}
-    canon = tuple(math.gcd(n * f, size) // f if d in moved else 1
-                  for d, (n, f) in enumerate(zip(local, factor)))
-    return _cached(tuple(src), tuple(dst), canon, tuple(mesh_shape))
+    return tuple(math.gcd(n * f, size) // f if d in moved else 1
+                 for d, (n, f) in enumerate(zip(local, factor)))
 
 
 @lru_cache(maxsize=1 << 18)

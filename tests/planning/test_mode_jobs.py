@@ -102,6 +102,36 @@ def test_work_planned_ahead_is_read_or_stopped_unread():
     assert lost.get(timeout_s=0.5) == os.getpid()  # not sent in time: computed here
 
 
+def test_the_heap_is_left_out_of_garbage_collection_only_while_forked_children_live():
+    """gc.freeze while a fork's children live (a full collection would write to every page
+    the parent and children share, and each write copies one): the children see the
+    inherited objects frozen, and the parent's are collectable again once they end, read or
+    stopped, nested or not."""
+    import gc
+
+    from autopar.planning.parallel_map import Ahead, forked_map
+
+    assert gc.get_freeze_count() == 0
+    ahead = Ahead(gc.get_freeze_count, 2)
+    assert gc.get_freeze_count() > 0  # this process's, while the child lives
+    inner = forked_map(lambda _: gc.get_freeze_count(), [0, 1], 2)
+    assert min(inner) > 0 and gc.get_freeze_count() > 0  # still: the ahead child lives
+    assert ahead.get() > 0
+    assert gc.get_freeze_count() == 0
+    stopped = Ahead(lambda: __import__("time").sleep(60), 2)
+    stopped.cancel()
+    assert gc.get_freeze_count() == 0
+    assert min(forked_map(lambda _: gc.get_freeze_count(), [0, 1], 2)) > 0
+    assert gc.get_freeze_count() == 0
+    assert Ahead(gc.get_freeze_count, 1).get() == 0  # nothing forked: nothing frozen
+    gc.freeze()  # the caller's own: left frozen
+    try:
+        assert min(forked_map(lambda _: gc.get_freeze_count(), [0, 1], 2)) > 0
+        assert gc.get_freeze_count() > 0  # not unfrozen by the fork's end
+    finally:
+        gc.unfreeze()
+
+
 def test_modes_are_planned_in_one_process_where_no_core_is_idle(monkeypatch):
     forked = []
     real = planner.forked_map

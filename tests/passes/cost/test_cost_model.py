@@ -137,3 +137,35 @@ def test_a_sum_over_two_axes_is_one_ring_only_where_it_is_no_dearer_at_any_size(
     slow = Mesh((2, 2), ("dp", "tp"), "cpu", bandwidth=(0.1e9, 1.2e9), latency=(2e-4, 2e-4))
     assert merged_sums(slow) == ()
     assert [c.axis for c in reshard_collectives(meta, (P, P), (R, R), slow)] == ["dp", "tp"]
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (2, 4)])
+def test_a_reshards_moves_depend_on_the_tensor_only_through_their_route_keys(mesh_shape):
+    """The edge tables keep a spec pair's moves per ``reshard_route_key`` (the tensor's
+    number of dims), or, where ``route_reads_shape`` (nested shards), per
+    ``nested_route_key``: tensors of one key get the same moves (or the same missing route),
+    over every pair of 2-D specs and shapes divisible and not; and the shape does change
+    some nested pairs' moves, so the second key is needed."""
+    import itertools
+
+    mesh = Mesh(mesh_shape, ("dp", "tp"))
+    places = [R, S(0), S(1), S(-1), Partial()]
+    shapes = [(8, 4), (6, 4), (2, 6), (3, 5), (16, 8), (4, 2), (1, 4), (12, 12)]
+    shape_dependent = 0
+    for src in itertools.product(places, repeat=2):
+        for dst in itertools.product(places[:-1], repeat=2):
+            by_key: dict = {}
+            for shape in shapes:
+                meta = TensorMeta(shape, torch.float32)
+                if cm.route_reads_shape(src, dst, 2, mesh):
+                    key = cm.nested_route_key(meta, src, dst, mesh)
+                else:
+                    key = cm.reshard_route_key(meta, mesh)
+                try:
+                    moves = tuple(cm.reshard_moves(meta, src, dst, mesh))
+                except AssertionError:  # no route for this shape
+                    moves = None
+                by_key.setdefault(key, set()).add(moves)
+            assert all(len(m) == 1 for m in by_key.values()), (src, dst, by_key)
+            shape_dependent += len({m for ms in by_key.values() for m in ms}) > 1
+    assert shape_dependent > 0

@@ -176,7 +176,7 @@ def test_a_sharded_random_op_is_priced_as_the_whole_draw_it_runs():
 @pytest.mark.parametrize("shape", [(2, 2), (16, 8)])
 def test_edge_matrices_price_each_move_as_the_cost_model_does(shape):
     """Edge matrices, built through the caches (one Move list per spec pair where the shape
-    does not matter, per tensor shape where a nested route may), equal every move priced on
+    does not matter, per what of its shape a nested route reads), equal every move priced on
     its own by ``cost_model.reshard_time``, bucket shares included."""
     from autopar.passes.cost import cost_model as cm
     from autopar.passes.problem.edge_costs import (
