@@ -50,6 +50,7 @@ from autopar.planning.references import References
 from autopar.planning.solving import (
     LOCAL_POLISH_S,
     RETRY_RESTARTS,
+    RETRY_STARTS_REPLICATED,
     solve_within_budget,
     with_limit,
 )
@@ -583,6 +584,7 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
         again = solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
                                      restarts=RETRY_RESTARTS, local_polish=seed_only,
+                                     replicated_start=RETRY_STARTS_REPLICATED,
                                      beat=held.step_s if fits_budget(held.mem_bytes, limit)
                                      else None)
         timings["solve_s"] += time.perf_counter() - t3
