@@ -251,14 +251,6 @@ def _make_plan(model: nn.Module, mesh: Mesh, example_inputs: tuple, example_kwar
         order = list(range(len(batches)))
         if not any(r.fits for r in runs.values()):
             order.reverse()
-        elif workers > 1:
-            # where a plan fits, the largest problems first (longest processing time first:
-            # the workers take the next batch as they free, so a long solve started last
-            # ends the call alone). A batch's size: its problems' nodes, recomputed and
-            # re-gathered copies included (the encoder-decoder of benchmarks/solver.py at 0.7
-            # of its peak: 777 to 1019 nodes; full+zero3 and the selective modes took 3.6 to
-            # 6.0 s, the others 2.4 to 2.7 s)
-            order.sort(key=lambda b: -sum(len(built[k].nodes) for k in batches[b]))
 
         def job(p: int) -> tuple[list[_ModeRun | None], list[str], dict[str, float],
                                  tuple[float, float]]:
