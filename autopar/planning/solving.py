@@ -13,12 +13,13 @@ import numpy as np
 
 from autopar.ir.deadline import Deadline
 from autopar.ir.options import fits_budget
+from autopar.passes.problem import bucket_fill
 from autopar.passes.problem.axis_search import (
     solve_axiswise,
     sweep_declined_steps,
     sweep_was_exact,
 )
-from autopar.passes.problem.reduction import reduced_problem
+from autopar.passes.problem.reduction import reduced_problem, refine_followers
 from autopar.passes.problem.step_memory import step_peak
 from autopar.passes.problem.types import ShardingProblem
 from autopar.planning import solve_memo
@@ -39,6 +40,14 @@ LOCAL_POLISH_S = 0.5
 # without a fit retry's (23.8 -> 32.7 ms), llama3-tiny at 0.35 of its peak every plan
 RETRY_RESTARTS = 2
 
+# whether a memory fit's retries (and a repricing's solves, from the plan) also sweep from the
+# all-replicated point. They start from the plan, which nearly fits, the leanest layout and
+# RETRY_RESTARTS random points; the all-replicated point, the layout furthest from fitting,
+# ended no retry best alone in 132 solves under a limit (benchmarks/solver.py's encoder,
+# decoder LM and encoder-decoder at 0.7 and 0.5 of their peaks, helper encdec4) and took 9%
+# of the sweeps' time, more where the clock cut the later starts
+RETRY_STARTS_REPLICATED = False
+
 # random starts of a first solve under a memory limit: besides them the leanest layout, the
 # best reference and another mode's plan start it. The encoder of benchmarks/solver.py at 0.7
 # and 0.5 of its peak found the same plans from 4 as from 16 in half the CPU time
@@ -48,7 +57,7 @@ LIMIT_RESTARTS = 4
 def planner_solve(
     sp: ShardingProblem, problem: Problem, time_limit_s: float, hints: list | None = None,
     domains: list[np.ndarray] | None = None, local_polish: bool | str = False,
-    restarts: int = 16,
+    restarts: int = 16, replicated: bool = True,
 ) -> Solution:
     """Axis-by-axis exact sweeps from several starts, then the general solver from the best
     point for what is left of a short polishing budget; the better answer wins.
@@ -62,7 +71,8 @@ def planner_solve(
     reference. CP-SAT's polish takes its whole budget (2 s), the local moves about 0.1 s.
     ``local_polish="always"``: the local moves alone polish, exact sweep or not, unless a
     step was too wide to solve (then the sweep may not have moved: CP-SAT searches).
-    ``restarts``: the sweeps' random starts besides the hints. A problem whose limit no
+    ``restarts``: the sweeps' random starts besides the hints; ``replicated``: the
+    all-replicated point is a start too (:func:`solve_axiswise`). A problem whose limit no
     assignment fits (:func:`autopar.solver.problem.cannot_fit`: a memory fit's tightened
     limit, a reference that cannot fit) is answered at once: the sweeps would spend their
     whole time finding nothing (llama3-405b pp=16 x dp=64 x tp=8: 3 of the stand-in's 6
@@ -71,7 +81,7 @@ def planner_solve(
     if cannot_fit(problem):
         return cannot_fit_answer(t0)
     best = solve_axiswise(sp, problem, time_limit_s / 2, hints, domains=domains,
-                          restarts=restarts)
+                          restarts=restarts, replicated=replicated)
     if best is not None and best.status == "optimal":
         return best
     if (local_polish and best is not None and best.feasible
@@ -104,7 +114,7 @@ def solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
     deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
-    local_polish: bool = False,
+    local_polish: bool = False, beat: float | None = None, replicated_start: bool = True,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -119,6 +129,11 @@ def solve_within_budget(
     is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
     deadline's floor). ``local_polish``: the sweeps polished by local moves, not CP-SAT
     (:func:`planner_solve`'s ``"always"``), with no budget too (under one they always are).
+    ``beat``: the predicted step (s) of a plan at hand that fits (a repricing's: the mode's
+    plan): the fit gives up once no round after this one can be expected to beat it
+    (:func:`_cannot_beat`), and returns as where its rounds run out. ``replicated_start``:
+    the first solve's sweeps start from the all-replicated point too; the retries' do not
+    (:data:`RETRY_STARTS_REPLICATED`).
     """
     assert sp.problem is not None
     t0 = time.perf_counter()
@@ -132,7 +147,8 @@ def solve_within_budget(
     # MLP at 0.7 of its peak, 6 modes x 1.7 s of 20 s, to improve one plan by 0.04%)
     sol = _solve_or_search(sp, problem, time_limit_s, hints, t0,
                            local_polish=local_polish or budget is not None,
-                           restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS))
+                           restarts=restarts if budget is None else min(restarts, LIMIT_RESTARTS),
+                           replicated=replicated_start)
     if budget is None or not sol.feasible:
         return sol
     # each instant constrained so far: its problem at the budget (what sp.problem becomes
@@ -142,6 +158,8 @@ def solve_within_budget(
     # until the rounds ran out); a tightened limit now stays with its instant
     at_budget = {sp.peak_time: sp.problem}
     tight = {sp.peak_time: problem}
+    # by instant: the step (s) of the plan last found with its problem as it now stands
+    found: dict[int, float] = {}
     for _ in range(4):
         choice = sp.expand(sol.assignment)
         # the whole step's peak, as the plan reports it (reshard copies, gathers included)
@@ -151,6 +169,11 @@ def solve_within_budget(
         if deadline is not None and deadline.expired() and not must_fit:
             deadline.cut("the memory fit's rounds")
             return _leanest_if_fits(sp, sol, budget)
+        if beat is not None:
+            found[sp.peak_time] = _plan_step(sp, choice)
+            if _cannot_beat(found, beat, sp.peak_time, problem is at_budget[sp.peak_time],
+                            instant if instant in tight else None):
+                return _leanest_if_fits(sp, sol, budget)
         if instant not in tight:  # the problem constrains the instant that binds now
             # at the budget: what the problem misses there depends on the layout, and a
             # limit set at once by this plan's miss shut out layouts that miss less (the
@@ -172,11 +195,42 @@ def solve_within_budget(
         retry = _solve_or_search(sp, problem, deadline.cap(retry_s) if deadline else retry_s,
                                  [sol.assignment, tuple(int(np.argmin(u)) for u in problem.usages)],
                                  time.perf_counter(), local_polish=True,
-                                 restarts=RETRY_RESTARTS)
+                                 restarts=RETRY_RESTARTS, replicated=RETRY_STARTS_REPLICATED)
         if not retry.feasible:
             return _leanest_if_fits(sp, retry, budget)
         sol = retry
     return _leanest_if_fits(sp, sol, budget)
+
+
+def _plan_step(sp: ShardingProblem, choice: list[int]) -> float:
+    """The predicted step (s) of ``choice`` as the planner compares plans (its own buckets'
+    fill, :func:`autopar.passes.problem.bucket_fill.score`), the better of it as it is and
+    with its followers refined (as :func:`autopar.planning.planner._select` weighs it)."""
+    return min(bucket_fill.score(sp, c).cost.step_s
+               for c in (choice, refine_followers(sp, choice)))
+
+
+def _cannot_beat(found: dict[int, float], beat: float, solved_at: int, at_budget: bool,
+                 tightens: int | None) -> bool:
+    """Whether the memory fit's next rounds cannot be expected to beat a plan that fits and
+    is predicted to take ``beat``, given the plan it just found at instant ``solved_at``,
+    which overshoots the step (``found``: by instant, the step of the plan last found with
+    its problem as it stands).
+
+    Two bounds, each by the plan a problem's search found: (1) the problem was at the
+    budget (``at_budget``): it counts at that instant part of what the step holds there, so
+    every plan that fits the step is one of its plans, and its search found none faster than
+    ``beat``; (2) the next round tightens the limit at instant ``tightens``: that problem is
+    its problem of the last round there with less room, whose plan was no faster. Switching
+    to an instant not constrained yet (at the budget) is neither: its plans may be cheaper.
+    Both bounds are those of the searches' ends, not proofs (the sweeps are local), and the
+    problem's prices stand for the step's score. On benchmarks/solver.py's encoder-decoder at
+    0.7 of its peak, the repricing fits of its selective modes found 112.6 and 95.7 ms at the
+    budget against the modes' plans of 106.5 and 79.5 ms, and went on for 3 rounds more to
+    plans that did not beat them either."""
+    if at_budget and found[solved_at] >= beat:
+        return True
+    return tightens is not None and tightens in found and found[tightens] >= beat
 
 
 def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solution:
@@ -198,24 +252,26 @@ def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solut
 
 def _solve_or_search(sp: ShardingProblem, problem: Problem, time_limit_s: float,
                      hints: list, t0: float, local_polish: bool = False,
-                     restarts: int = 16) -> Solution:
+                     restarts: int = 16, replicated: bool = True) -> Solution:
     """:func:`_search_once`, or its answer to the same problem from the same starts earlier
     in this planning call (:mod:`autopar.planning.solve_memo`)."""
     return solve_memo.solved(
-        problem, hints, (local_polish, restarts), time_limit_s,
-        lambda: _search_once(sp, problem, time_limit_s, hints, t0, local_polish, restarts))
+        problem, hints, (local_polish, restarts, replicated), time_limit_s,
+        lambda: _search_once(sp, problem, time_limit_s, hints, t0, local_polish, restarts,
+                             replicated))
 
 
 def _search_once(sp: ShardingProblem, problem: Problem, time_limit_s: float,
                   hints: list, t0: float, local_polish: bool = False,
-                  restarts: int = 16) -> Solution:
+                  restarts: int = 16, replicated: bool = True) -> Solution:
     """:func:`planner_solve`, then, where it found nothing that fits a memory limit, the
     general solver for the time left. ``local_polish``: a memory fit's retry, which starts
     from a solution that nearly fits, is polished by local moves, not CP-SAT (under a memory
     limit CP-SAT rarely proves anything on the planner's problems and spends its whole polish
     budget, round after round: 2 s a round on a 20-variable MLP)."""
     sol = planner_solve(sp, problem, time_limit_s, hints or None,
-                        local_polish="always" if local_polish else False, restarts=restarts)
+                        local_polish="always" if local_polish else False, restarts=restarts,
+                        replicated=replicated)
     left = time_limit_s - (time.perf_counter() - t0)
     if sol.feasible or problem.usage_limit is None or left < 1.0 or sol.status == "infeasible":
         return sol

@@ -234,17 +234,19 @@ def _sweep(steps: _Steps, start: np.ndarray, deadline: float) -> tuple[np.ndarra
 def solve_axiswise(
     sp: ShardingProblem, p: Problem, timeout_s: float, hints: list | None = None,
     restarts: int = 16, seed: int = 0, domains: list[np.ndarray] | None = None,
+    replicated: bool = True,
 ) -> Solution | None:
     """Best of the axis sweeps from each start, or None when a step is too wide to eliminate.
 
     ``p`` is ``sp.problem`` or a restriction of it; ``domains[v]`` then lists which of the
-    variable's original strategies ``p`` keeps, in order."""
+    variable's original strategies ``p`` keeps, in order. ``replicated``: the all-replicated
+    point (every variable at its first strategy) is a start too."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     comps = _axis_components(sp)
     if domains is not None:
         comps = [c[d] for c, d in zip(comps, domains)]
-    starts = [np.zeros(p.num_nodes, dtype=np.int64)]
+    starts = [np.zeros(p.num_nodes, dtype=np.int64)] if replicated else []
     if p.usage_limit is not None:
         starts.append(np.array([int(np.argmin(u)) for u in p.usages]))
     starts += [np.asarray(h, dtype=np.int64) for h in hints or []]

@@ -103,3 +103,57 @@ def test_the_memory_fits_retries_start_from_the_plan_and_few_random_starts(monke
     assert calls[1:] == [solving.RETRY_RESTARTS] * (len(calls) - 1)
     assert 0 < solving.RETRY_RESTARTS < solving.LIMIT_RESTARTS
     assert sol.feasible and step_peak(sp, sp.expand(sol.assignment))[0] <= budget * (1 + 1e-9)
+
+
+def test_the_bound_that_ends_a_fit_which_cannot_beat_the_plan_at_hand():
+    """``_cannot_beat``: a plan found at the budget bounds every plan that fits the step (the
+    problem there counts part of what the step holds); one found at a tightened limit bounds
+    only that instant's next, tighter round; a switch to a new instant is bounded by nothing."""
+    from autopar.planning.solving import _cannot_beat
+
+    found = {3: 0.05, 7: 0.09}
+    assert _cannot_beat(found, 0.08, 7, at_budget=True, tightens=None)
+    assert _cannot_beat(found, 0.09, 7, at_budget=True, tightens=None)  # a tie does not beat
+    assert not _cannot_beat(found, 0.10, 7, at_budget=True, tightens=7)
+    # tightened at 7: its next round at 7 is tighter still; a switch to 9 is not bounded
+    assert _cannot_beat(found, 0.08, 7, at_budget=False, tightens=7)
+    assert not _cannot_beat(found, 0.08, 7, at_budget=False, tightens=None)
+    # tightening another instant: bounded by the plan last found there
+    assert not _cannot_beat(found, 0.08, 7, at_budget=False, tightens=3)
+    assert _cannot_beat(found, 0.04, 7, at_budget=False, tightens=3)
+
+
+def test_a_fit_that_cannot_beat_the_plan_at_hand_gives_up(monkeypatch):
+    """``solve_within_budget(beat=...)``: with a plan at hand no plan beats (a step of 0 s),
+    a fit whose first solve overshoots the step stops there and answers as where its rounds
+    run out (the leanest layout where that fits); with one every plan beats, it goes the
+    same way as with none."""
+    from autopar.passes.problem import sharding_problem
+    from autopar.passes.problem.step_memory import step_peak
+    from autopar.planning import solving
+
+    model, inputs, graph = _mlp_tiny()
+    mesh = Mesh((2, 2), ("dp", "tp"), "cpu")
+    peak = make_plan(model, mesh, inputs, graph=graph, options=Options.of(
+        memory_budget=math.inf, recompute="none")).plan.predicted.cost.mem_bytes
+    budget = 0.6 * peak  # the first solve overshoots (as in the test above)
+    over: dict[str, bool] = {}
+    real = solving.solve_axiswise
+    runs: dict[str, tuple[int, tuple[int, ...], str]] = {}
+    for name, beat in (("none", None), ("inf", math.inf), ("zero", 0.0)):
+        calls: list[int] = []
+
+        def counting(*a, _c=calls, **k):
+            _c.append(1)
+            return real(*a, **k)
+
+        monkeypatch.setattr(solving, "solve_axiswise", counting)
+        sp = sharding_problem.build(graph, mesh, budget)
+        sol = solving.solve_within_budget(sp, budget, 20.0, beat=beat)
+        runs[name] = (len(calls), sol.assignment, sol.method)
+        over[name] = step_peak(sp, sp.expand(sol.assignment))[0] > budget * (1 + 1e-9)
+    assert runs["none"][0] > 1 and not over["none"]  # a retry ran: the case is a real one
+    assert runs["inf"] == runs["none"]
+    # one solve: its plan overshoots, so the answer is the leanest layout or that plan
+    assert runs["zero"][0] == 1
+    assert runs["zero"][2] == "leanest layout" or over["zero"]
