@@ -12,10 +12,7 @@ first answer is as valid an answer (the memory fit checks every plan's whole ste
 mode's problem, so a mode whose whole step differs still goes its own way from there).
 
 :func:`remembering` opens the memo for a planning call (nested calls share the outer one's)
-and drops it at the end; forked workers inherit it as it stands when they start. The
-outermost block also starts the heuristic's futile share afresh
-(:func:`autopar.solver.heuristic.forget_futile_share`): what one model's LNS steps taught
-must not shut out another's steps in a process that plans several.
+and drops it at the end; forked workers inherit it as it stands when they start.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ParamSpec, TypeVar
 
-from autopar.solver import Problem, Solution, heuristic
+from autopar.solver import Problem, Solution
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -46,7 +43,6 @@ def remembering() -> Iterator[None]:
     outer = _memo is not None
     if not outer:
         _memo = {}
-        heuristic.forget_futile_share()
     try:
         yield
     finally:

@@ -46,10 +46,11 @@ _MIN_LNS_SIZE = 20  # neighbourhoods shrink to no fewer free nodes than this
 _build_s_per_var = 1.5e-5
 # CP-SAT seconds per model variable that were not enough for an LNS step to return any
 # solution at all, not even its complete hint (status UNKNOWN): the most generous such share
-# this planning call has seen (0: none yet; :func:`forget_futile_share`). A step offered no
-# more per variable would end so too: moe-tiny's planner polishes spent 0.5-0.9 s on each
-# such step (20-33 nodes, tens of thousands of variables) and every one returned nothing, a
-# third of the case's time.
+# this process has seen (0: none yet). A step offered no more per variable would end so too:
+# moe-tiny's planner polishes spent 0.5-0.9 s on each such step (20-33 nodes, tens of
+# thousands of variables) and every one returned nothing, a third of the case's time. Kept
+# across planning calls: started afresh in each, moe-tiny at 0.35 of its peak planned after
+# it at 0.5 took 11.4-11.8 s where it took 7.3-8.2 s (the rate learnt there carried over)
 _futile_s_per_var = 0.0
 FUTILE_MARGIN = 2.0  # a step is tried only with this many times that share per variable
 
@@ -359,13 +360,6 @@ def _learn_futile_rate(seconds: float, n_vars: int, nothing: bool) -> None:
     share = seconds / max(1, n_vars)
     _futile_s_per_var = (max(_futile_s_per_var, share) if nothing
                          else min(_futile_s_per_var, share / FUTILE_MARGIN))
-
-
-def forget_futile_share() -> None:
-    """Start the futile share afresh (a planning call's start): learnt on one problem, it
-    falls only when a step succeeds, and would hold back the steps of the next."""
-    global _futile_s_per_var
-    _futile_s_per_var = 0.0
 
 
 def learned_rates() -> tuple[float, float]:

@@ -53,13 +53,3 @@ def test_the_key_reads_every_part_of_the_problem() -> None:
     moved.intervals[0] = (moved.intervals[0][0], moved.intervals[0][1] + 1)
     assert solve_memo.content_key(_copy(moved)) != key
 
-
-def test_a_planning_call_starts_the_futile_share_afresh(monkeypatch):
-    from autopar.solver import heuristic
-
-    monkeypatch.setattr(heuristic, "_futile_s_per_var", 1e-3)  # learnt by an earlier call
-    with solve_memo.remembering():
-        assert heuristic.learned_rates()[1] == 0.0
-        heuristic._learn_futile_rate(2.0, 1000, nothing=True)  # this call's own lesson
-        with solve_memo.remembering():  # a nested call keeps it
-            assert heuristic.learned_rates()[1] == 2e-3
