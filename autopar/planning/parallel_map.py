@@ -122,45 +122,67 @@ class Ahead:
     """``fn()`` started now in a forked process, where forking is safe and ``workers`` > 1,
     for a result that may not be wanted (the planner's plan without a memory limit, needed
     only where the first mode's plan does not fit): :meth:`get` waits for it (or computes it
-    here, where nothing was forked), :meth:`cancel` stops it unread."""
+    here, where nothing was forked), :meth:`cancel` stops it unread.
+
+    One plain process and a pipe, not a one-worker pool: a pool's ``terminate`` joins its
+    task-handling thread, and once (benchmarks/solver.py, MoE at 0.35 of its peak, the
+    first mode's plan fitting at once) that thread waited for ever on the task queue's lock
+    of the worker just killed, and the planning call with it."""
 
     def __init__(self, fn: Callable[[], Any], workers: int) -> None:
-        global _JOB
-        self._fn, self._pool, self._async, self._frozen = fn, None, None, None
+        self._fn, self._proc, self._conn, self._frozen = fn, None, None, None
         if workers > 1 and _fork_is_safe():
-            _JOB = (lambda _: fn(), (None,))
+            ctx = multiprocessing.get_context("fork")
             self._frozen = _frozen()
             self._frozen.__enter__()  # until the child is stopped (cancel)
             try:
-                self._pool = multiprocessing.get_context("fork").Pool(1)
-                self._async = self._pool.apply_async(_run, (0,))
+                self._conn, send = ctx.Pipe(duplex=False)
+                self._proc = ctx.Process(target=_send_result, args=(fn, send), daemon=True)
+                self._proc.start()
+                send.close()  # the child's end: the parent's read then ends where it dies
             except BaseException:
                 self.cancel()
                 raise
-            finally:
-                _JOB = None
 
     def get(self, timeout_s: float | None = None) -> Any:
         """The result; computed here where the child has not sent it within ``timeout_s``
-        (a child killed, by the memory limit say, never sends it: a pool would wait on)."""
-        if self._pool is None:
+        or died without sending it (killed, by the memory limit say)."""
+        if self._proc is None:
             return self._fn()
+        assert self._conn is not None
         try:
-            return self._async.get(timeout_s)
-        except multiprocessing.TimeoutError:
-            self.cancel()
-            return self._fn()
+            if self._conn.poll(timeout_s):
+                ok, value = self._conn.recv()
+                if not ok:
+                    raise value
+                return value
+        except (EOFError, OSError):
+            pass  # died without a word
         finally:
             self.cancel()
+        return self._fn()
 
     def cancel(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._proc = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
         if self._frozen is not None:
             frozen, self._frozen = self._frozen, None
             frozen.__exit__(None, None, None)
+
+
+def _send_result(fn: Callable[[], Any], send: Any) -> None:
+    """An :class:`Ahead` child: ``fn()``'s result, or the error it raised, sent back."""
+    try:
+        out = (True, fn())
+    except BaseException as e:  # sent to the parent, which raises it
+        out = (False, e)
+    send.send(out)
+    send.close()
 
 
 def _run(k: int) -> Any:

@@ -40,7 +40,7 @@ def test_modes_planned_on_two_workers_equal_those_planned_in_one_process(
         return real(fn, items, workers)
 
     def get(self, timeout_s=None):
-        waited.append(self._pool is not None)  # forked, not computed here
+        waited.append(self._proc is not None)  # forked, not computed here
         return real_get(self, timeout_s)
 
     monkeypatch.setattr(planner, "forked_map", counted)
@@ -91,15 +91,26 @@ def test_work_planned_ahead_is_read_or_stopped_unread():
     from autopar.planning.parallel_map import Ahead
 
     ahead = Ahead(os.getpid, 2)  # forked: another process computed it
-    assert ahead.get() != os.getpid() and ahead._pool is None
+    assert ahead.get() != os.getpid() and ahead._proc is None
     assert Ahead(os.getpid, 1).get() == os.getpid()  # one worker: computed here, when read
     stopped = Ahead(lambda: __import__("time").sleep(60), 2)
     stopped.cancel()  # returns at once, the child ended
-    assert stopped._pool is None
+    assert stopped._proc is None
     box: list[int | None] = [None]
     lost = Ahead(lambda: __import__("time").sleep(60) if box[0] is None else box[0], 2)
     box[0] = os.getpid()  # the child forked before this was set: it sleeps, this process not
     assert lost.get(timeout_s=0.5) == os.getpid()  # not sent in time: computed here
+    # a child that dies without a word: computed here; an error it raises: raised here
+    parent = os.getpid()
+    died = Ahead(lambda: os._exit(3) if os.getpid() != parent else box[0], 2)
+    box[0] = 7
+    assert died.get(timeout_s=30) == 7 and died._proc is None
+    failed = Ahead(lambda: 1 / 0, 2)
+    with pytest.raises(ZeroDivisionError):
+        failed.get(timeout_s=30)
+    # stopped again and again at once (a pool's terminate once waited for ever here)
+    for _ in range(20):
+        Ahead(lambda: __import__("time").sleep(60), 2).cancel()
 
 
 def test_the_heap_is_left_out_of_garbage_collection_only_while_forked_children_live():
