@@ -48,10 +48,9 @@ def leanest(sp: ShardingProblem) -> tuple[float, float]:
 def _proven_need(sp: ShardingProblem) -> tuple[float, float]:
     """:func:`leanest`'s (peak, state), the peak raised to what the problem's constrained
     instant needs at least (the reduced problem's leanest usage there, which no plan's usage
-    at that instant is below): the per-node minima of one mode can all fit where no layout
-    of its groups does at once (a residual CNN at 0.7 of its peak: 185 KiB by the nodes, no
-    mode's problem fitting the 193 KiB at its instant), and "raise the time limit" was then
-    the wrong advice."""
+    at that instant is below): the per-node minima of a mode can all fit where no layout of
+    its variables (groups of nodes chosen together) does at once, and a mode whose
+    constrained instant is over the limit was proven infeasible, not cut short."""
     need, state = leanest(sp)
     if sp.problem is not None:
         need = max(need, least_peak_usage(sp.problem))
@@ -84,7 +83,7 @@ def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
            f"about {fmt_bytes(need)} ({fmt_bytes(state)} of parameters, gradients and "
            f"optimizer state, {fmt_bytes(acts)} of activations). ")
     if need <= lim:  # the per-node minima fit: the solver found no consistent plan that does
-        why = ("the leanest layouts of single tensors do not always combine into one plan")
+        why = "the leanest layouts of single tensors do not always combine into one plan"
         if cut:
             return msg + (f"No plan found fits within --time-limit {time_limit_s:g} s ({why}): "
                           "raise --time-limit, or make room with a smaller batch or more "
