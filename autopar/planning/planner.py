@@ -571,14 +571,10 @@ def _plan_mode(pg: PlanGraph, mesh: Mesh, mode: Mode, limit: float | None,
                 or any(bucket_fill.reprice(sp, c, limit) for c in refs.choices.values())):
             break
         t3 = time.perf_counter()
-        # the plan at hand, where it fits: a repricing's fit gives up once it cannot beat it
-        held = bucket_fill.score(sp, choice).cost
         again = solve_within_budget(sp, limit, dl.cap(max(1.0, time_limit_s / 4)),
                                      tuple(sol.assignment), deadline=dl,
                                      restarts=RETRY_RESTARTS, local_polish=seed_only,
-                                     replicated_start=RETRY_STARTS_REPLICATED,
-                                     beat=held.step_s if fits_budget(held.mem_bytes, limit)
-                                     else None)
+                                     replicated_start=RETRY_STARTS_REPLICATED)
         timings["solve_s"] += time.perf_counter() - t3
         t4 = time.perf_counter()
         # each reference's better completion: at the new prices (they may avoid the bucket)

@@ -13,13 +13,12 @@ import numpy as np
 
 from autopar.ir.deadline import Deadline
 from autopar.ir.options import fits_budget
-from autopar.passes.problem import bucket_fill
 from autopar.passes.problem.axis_search import (
     solve_axiswise,
     sweep_declined_steps,
     sweep_was_exact,
 )
-from autopar.passes.problem.reduction import reduced_problem, refine_followers
+from autopar.passes.problem.reduction import reduced_problem
 from autopar.passes.problem.step_memory import step_peak
 from autopar.passes.problem.types import ShardingProblem
 from autopar.planning import solve_memo
@@ -114,7 +113,7 @@ def solve_within_budget(
     sp: ShardingProblem, budget: float | None, time_limit_s: float,
     hint: tuple[int, ...] | None = None, more_hints: list[tuple[int, ...]] | None = None,
     deadline: Deadline | None = None, restarts: int = 16, must_fit: bool = False,
-    local_polish: bool = False, beat: float | None = None, replicated_start: bool = True,
+    local_polish: bool = False, replicated_start: bool = True,
 ) -> Solution:
     """Solve; if the exact peak over the whole step still exceeds the budget (the reduced
     problem constrains one instant), constrain the instant where it peaks instead (a sharded
@@ -129,11 +128,8 @@ def solve_within_budget(
     is at hand yet, so the fit's rounds go on past the deadline (each retry then gets the
     deadline's floor). ``local_polish``: the sweeps polished by local moves, not CP-SAT
     (:func:`planner_solve`'s ``"always"``), with no budget too (under one they always are).
-    ``beat``: the predicted step (s) of a plan at hand that fits (a repricing's: the mode's
-    plan): the fit gives up once no round after this one can be expected to beat it
-    (:func:`_cannot_beat`), and returns as where its rounds run out. ``replicated_start``:
-    the first solve's sweeps start from the all-replicated point too; the retries' do not
-    (:data:`RETRY_STARTS_REPLICATED`).
+    ``replicated_start``: the first solve's sweeps start from the all-replicated point too;
+    the retries' do not (:data:`RETRY_STARTS_REPLICATED`).
     """
     assert sp.problem is not None
     t0 = time.perf_counter()
@@ -158,8 +154,6 @@ def solve_within_budget(
     # until the rounds ran out); a tightened limit now stays with its instant
     at_budget = {sp.peak_time: sp.problem}
     tight = {sp.peak_time: problem}
-    # by instant: the step (s) of the plan last found with its problem as it now stands
-    found: dict[int, float] = {}
     for _ in range(4):
         choice = sp.expand(sol.assignment)
         # the whole step's peak, as the plan reports it (reshard copies, gathers included)
@@ -169,11 +163,6 @@ def solve_within_budget(
         if deadline is not None and deadline.expired() and not must_fit:
             deadline.cut("the memory fit's rounds")
             return _leanest_if_fits(sp, sol, budget)
-        if beat is not None:
-            found[sp.peak_time] = _plan_step(sp, choice)
-            if _cannot_beat(found, beat, sp.peak_time, problem is at_budget[sp.peak_time],
-                            instant if instant in tight else None):
-                return _leanest_if_fits(sp, sol, budget)
         if instant not in tight:  # the problem constrains the instant that binds now
             # at the budget: what the problem misses there depends on the layout, and a
             # limit set at once by this plan's miss shut out layouts that miss less (the
@@ -200,37 +189,6 @@ def solve_within_budget(
             return _leanest_if_fits(sp, retry, budget)
         sol = retry
     return _leanest_if_fits(sp, sol, budget)
-
-
-def _plan_step(sp: ShardingProblem, choice: list[int]) -> float:
-    """The predicted step (s) of ``choice`` as the planner compares plans (its own buckets'
-    fill, :func:`autopar.passes.problem.bucket_fill.score`), the better of it as it is and
-    with its followers refined (as :func:`autopar.planning.planner._select` weighs it)."""
-    return min(bucket_fill.score(sp, c).cost.step_s
-               for c in (choice, refine_followers(sp, choice)))
-
-
-def _cannot_beat(found: dict[int, float], beat: float, solved_at: int, at_budget: bool,
-                 tightens: int | None) -> bool:
-    """Whether the memory fit's next rounds cannot be expected to beat a plan that fits and
-    is predicted to take ``beat``, given the plan it just found at instant ``solved_at``,
-    which overshoots the step (``found``: by instant, the step of the plan last found with
-    its problem as it stands).
-
-    Two bounds, each by the plan a problem's search found: (1) the problem was at the
-    budget (``at_budget``): it counts at that instant part of what the step holds there, so
-    every plan that fits the step is one of its plans, and its search found none faster than
-    ``beat``; (2) the next round tightens the limit at instant ``tightens``: that problem is
-    its problem of the last round there with less room, whose plan was no faster. Switching
-    to an instant not constrained yet (at the budget) is neither: its plans may be cheaper.
-    Both bounds are those of the searches' ends, not proofs (the sweeps are local), and the
-    problem's prices stand for the step's score. On benchmarks/solver.py's encoder-decoder at
-    0.7 of its peak, the repricing fits of its selective modes found 112.6 and 95.7 ms at the
-    budget against the modes' plans of 106.5 and 79.5 ms, and went on for 3 rounds more to
-    plans that did not beat them either."""
-    if at_budget and found[solved_at] >= beat:
-        return True
-    return tightens is not None and tightens in found and found[tightens] >= beat
 
 
 def _leanest_if_fits(sp: ShardingProblem, sol: Solution, budget: float) -> Solution:
