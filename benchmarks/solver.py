@@ -38,6 +38,7 @@ from autopar.ir.errors import PlanError  # noqa: E402
 from autopar.ir.mesh import Mesh  # noqa: E402
 from autopar.ir.options import TIME_LIMIT_S, Options  # noqa: E402
 from autopar.models import MLP, MLPConfig, get_preset  # noqa: E402
+from autopar.planning.memory_fit import NOT_COMBINED  # noqa: E402
 from autopar.planning.parallel_map import default_workers  # noqa: E402
 from autopar.planning.planner import make_plan  # noqa: E402
 
@@ -185,9 +186,8 @@ def plan_once(model: nn.Module, inputs: tuple, budget: float, limit_s: float
                             options=Options.of(memory_budget=budget, time_limit_s=limit_s,
                                                workers=default_workers()))
     except PlanError as e:
-        # "No plan found" / "found no plan" where the leanest layouts fit: the search found none
-        text = str(e)
-        why = "none found" if "No plan found" in text or "found no plan" in text else "infeasible"
+        # the leanest layouts fit: the search found no plan that does
+        why = "none found" if NOT_COMBINED in str(e) else "infeasible"
         return time.perf_counter() - t0, None, why
     wall = time.perf_counter() - t0
     plan = planned.plan

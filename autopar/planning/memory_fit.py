@@ -34,6 +34,11 @@ def memory_limit(budget: float | None, device: DeviceProfile) -> tuple[float | N
     return budget, "given"
 
 
+# said where the leanest layouts of single tensors fit the limit and the search found no plan
+# that does (cut short by the time limit or not), as against no layout fitting at all
+NOT_COMBINED = "the leanest layouts of single tensors do not always combine into one plan"
+
+
 def leanest(sp: ShardingProblem) -> tuple[float, float]:
     """(peak, of which parameter state) per device with every node at its smallest layout: no
     plan's peak on this problem is lower."""
@@ -83,13 +88,14 @@ def no_fit_message(pg: PlanGraph, mesh: Mesh, limit: float | None, source: str,
            f"about {fmt_bytes(need)} ({fmt_bytes(state)} of parameters, gradients and "
            f"optimizer state, {fmt_bytes(acts)} of activations). ")
     if need <= lim:  # the per-node minima fit: the solver found no consistent plan that does
-        why = "the leanest layouts of single tensors do not always combine into one plan"
         if cut:
-            return msg + (f"No plan found fits within --time-limit {time_limit_s:g} s ({why}): "
+            return msg + (f"No plan found fits within --time-limit {time_limit_s:g} s "
+                          f"({NOT_COMBINED}): "
                           "raise --time-limit, or make room with a smaller batch or more "
                           "devices")
         # the search ended by its own rounds, not the clock: more time would not find one
-        return msg + (f"The search found no plan that fits, before its time limit ({why}): "
+        return msg + ("The search found no plan that fits, before its time limit "
+                      f"({NOT_COMBINED}): "
                       "make room with a smaller batch or more devices, or raise "
                       "--memory-budget")
     batch = _batch(pg)
